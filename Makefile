@@ -1,0 +1,40 @@
+# halfmoon: `make demo` runs the main job, `make test` runs the tests. Everything installs itself.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed-stamp
+PYTEST_ARGS ?=
+
+.PHONY: setup model test demo protos bench clean
+
+setup: $(STAMP) model
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+# torch first, pinned: an unpinned torch may pull a multi-GB CUDA build.
+$(STAMP): pyproject.toml | $(PY)
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+model: $(STAMP)
+	$(PY) -m model.fetch smollm2-135m
+
+protos: $(STAMP)
+	$(PY) -m protos.build
+
+test: setup
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+demo: setup
+	$(VENV)/bin/halfmoon demo
+
+bench: setup
+	$(PY) bench/model_speed.py
+	$(PY) bench/kernels.py
+	$(PY) bench/kvstore.py
+	$(PY) bench/e2e.py
+
+clean:
+	rm -rf $(VENV) *.egg-info .pytest_cache .hypothesis runs

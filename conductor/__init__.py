@@ -1,0 +1,1 @@
+"""Front door: tokenize, KV-cache-aware routing, SLO prediction, admission, failover."""

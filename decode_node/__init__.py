@@ -1,0 +1,1 @@
+"""Decode worker: block pull, continuous batching, paged decode, token streaming."""

@@ -1,0 +1,1 @@
+"""Ray launcher, cluster configs and manifests."""

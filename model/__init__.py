@@ -1,0 +1,1 @@
+"""Model engine: config, loaders (GGUF, HF safetensors), tokenizer, Llama-family forward, sampling."""

@@ -1,0 +1,1 @@
+"""Prefill worker: prefix reuse, chunked prefill, write-out of full blocks."""

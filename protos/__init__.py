@@ -1,0 +1,1 @@
+"""halfmoon.proto and its generated Python modules (`make protos` regenerates them)."""

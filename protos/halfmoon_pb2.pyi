@@ -1,0 +1,303 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class SamplingParams(_message.Message):
+    __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos")
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    max_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int
+    stop: _containers.RepeatedScalarFieldContainer[str]
+    ignore_eos: bool
+    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
+
+class ChatMessage(_message.Message):
+    __slots__ = ("role", "content")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    content: str
+    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
+
+class ChatMessages(_message.Message):
+    __slots__ = ("messages",)
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
+    def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ...) -> None: ...
+
+class TokenIds(_message.Message):
+    __slots__ = ("ids",)
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class GenerateRequest(_message.Message):
+    __slots__ = ("request_id", "text", "token_ids", "chat", "sampling", "model", "cache_salt", "policy", "ttft_slo_ms", "tbt_slo_ms")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    CHAT_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    TTFT_SLO_MS_FIELD_NUMBER: _ClassVar[int]
+    TBT_SLO_MS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    text: str
+    token_ids: TokenIds
+    chat: ChatMessages
+    sampling: SamplingParams
+    model: str
+    cache_salt: str
+    policy: str
+    ttft_slo_ms: float
+    tbt_slo_ms: float
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., model: _Optional[str] = ..., cache_salt: _Optional[str] = ..., policy: _Optional[str] = ..., ttft_slo_ms: _Optional[float] = ..., tbt_slo_ms: _Optional[float] = ...) -> None: ...
+
+class Usage(_message.Message):
+    __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens", "cached_device_tokens", "cached_dram_tokens", "cached_ssd_tokens", "cached_remote_tokens", "computed_prompt_tokens", "ttft_ms", "tbt_mean_ms", "tbt_p90_ms", "prefill_worker", "decode_worker", "queue_ms", "transfer_ms")
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_DEVICE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_DRAM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_SSD_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_REMOTE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    COMPUTED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TTFT_MS_FIELD_NUMBER: _ClassVar[int]
+    TBT_MEAN_MS_FIELD_NUMBER: _ClassVar[int]
+    TBT_P90_MS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_WORKER_FIELD_NUMBER: _ClassVar[int]
+    DECODE_WORKER_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_MS_FIELD_NUMBER: _ClassVar[int]
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    cached_device_tokens: int
+    cached_dram_tokens: int
+    cached_ssd_tokens: int
+    cached_remote_tokens: int
+    computed_prompt_tokens: int
+    ttft_ms: float
+    tbt_mean_ms: float
+    tbt_p90_ms: float
+    prefill_worker: str
+    decode_worker: str
+    queue_ms: float
+    transfer_ms: float
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., cached_device_tokens: _Optional[int] = ..., cached_dram_tokens: _Optional[int] = ..., cached_ssd_tokens: _Optional[int] = ..., cached_remote_tokens: _Optional[int] = ..., computed_prompt_tokens: _Optional[int] = ..., ttft_ms: _Optional[float] = ..., tbt_mean_ms: _Optional[float] = ..., tbt_p90_ms: _Optional[float] = ..., prefill_worker: _Optional[str] = ..., decode_worker: _Optional[str] = ..., queue_ms: _Optional[float] = ..., transfer_ms: _Optional[float] = ...) -> None: ...
+
+class GenerateResponse(_message.Message):
+    __slots__ = ("request_id", "token_ids", "text", "token_times_ms", "finished", "finish_reason", "usage")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_TIMES_MS_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    text: str
+    token_times_ms: _containers.RepeatedScalarFieldContainer[float]
+    finished: bool
+    finish_reason: str
+    usage: Usage
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., token_times_ms: _Optional[_Iterable[float]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ...) -> None: ...
+
+class StatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class WorkerStatus(_message.Message):
+    __slots__ = ("worker_id", "kind", "address", "healthy", "load")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    HEALTHY_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    kind: str
+    address: str
+    healthy: bool
+    load: WorkerLoad
+    def __init__(self, worker_id: _Optional[str] = ..., kind: _Optional[str] = ..., address: _Optional[str] = ..., healthy: _Optional[bool] = ..., load: _Optional[_Union[WorkerLoad, _Mapping]] = ...) -> None: ...
+
+class StoreStatus(_message.Message):
+    __slots__ = ("node_id", "address", "tiers")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    address: str
+    tiers: _containers.RepeatedCompositeFieldContainer[TierUsage]
+    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., tiers: _Optional[_Iterable[_Union[TierUsage, _Mapping]]] = ...) -> None: ...
+
+class TierUsage(_message.Message):
+    __slots__ = ("tier", "used_bytes", "capacity_bytes", "blocks", "hits", "misses", "evictions")
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    HITS_FIELD_NUMBER: _ClassVar[int]
+    MISSES_FIELD_NUMBER: _ClassVar[int]
+    EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    tier: str
+    used_bytes: int
+    capacity_bytes: int
+    blocks: int
+    hits: int
+    misses: int
+    evictions: int
+    def __init__(self, tier: _Optional[str] = ..., used_bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., blocks: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., evictions: _Optional[int] = ...) -> None: ...
+
+class StatusReply(_message.Message):
+    __slots__ = ("model", "block_size", "default_policy", "workers", "stores", "requests_total", "requests_rejected", "prompt_tokens_total", "cached_tokens_total")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_POLICY_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    STORES_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_REJECTED_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    block_size: int
+    default_policy: str
+    workers: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
+    stores: _containers.RepeatedCompositeFieldContainer[StoreStatus]
+    requests_total: int
+    requests_rejected: int
+    prompt_tokens_total: int
+    cached_tokens_total: int
+    def __init__(self, model: _Optional[str] = ..., block_size: _Optional[int] = ..., default_policy: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., stores: _Optional[_Iterable[_Union[StoreStatus, _Mapping]]] = ..., requests_total: _Optional[int] = ..., requests_rejected: _Optional[int] = ..., prompt_tokens_total: _Optional[int] = ..., cached_tokens_total: _Optional[int] = ...) -> None: ...
+
+class WorkerLoad(_message.Message):
+    __slots__ = ("worker_id", "queued_requests", "queued_tokens", "predicted_queue_ms", "running", "free_blocks", "total_blocks", "prefill_coef", "decode_coef", "total_context_tokens")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_FIELD_NUMBER: _ClassVar[int]
+    FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_COEF_FIELD_NUMBER: _ClassVar[int]
+    DECODE_COEF_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_CONTEXT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    queued_requests: int
+    queued_tokens: int
+    predicted_queue_ms: float
+    running: int
+    free_blocks: int
+    total_blocks: int
+    prefill_coef: _containers.RepeatedScalarFieldContainer[float]
+    decode_coef: _containers.RepeatedScalarFieldContainer[float]
+    total_context_tokens: int
+    def __init__(self, worker_id: _Optional[str] = ..., queued_requests: _Optional[int] = ..., queued_tokens: _Optional[int] = ..., predicted_queue_ms: _Optional[float] = ..., running: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., prefill_coef: _Optional[_Iterable[float]] = ..., decode_coef: _Optional[_Iterable[float]] = ..., total_context_tokens: _Optional[int] = ...) -> None: ...
+
+class LoadRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class KVHandle(_message.Message):
+    __slots__ = ("block_keys", "store_node", "store_address", "num_tokens", "tail", "tail_tokens")
+    BLOCK_KEYS_FIELD_NUMBER: _ClassVar[int]
+    STORE_NODE_FIELD_NUMBER: _ClassVar[int]
+    STORE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TAIL_FIELD_NUMBER: _ClassVar[int]
+    TAIL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    block_keys: _containers.RepeatedScalarFieldContainer[bytes]
+    store_node: str
+    store_address: str
+    num_tokens: int
+    tail: bytes
+    tail_tokens: int
+    def __init__(self, block_keys: _Optional[_Iterable[bytes]] = ..., store_node: _Optional[str] = ..., store_address: _Optional[str] = ..., num_tokens: _Optional[int] = ..., tail: _Optional[bytes] = ..., tail_tokens: _Optional[int] = ...) -> None: ...
+
+class PrefillRequest(_message.Message):
+    __slots__ = ("request_id", "token_ids", "sampling", "cache_salt", "fetch_from", "fetch_blocks")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    FETCH_FROM_FIELD_NUMBER: _ClassVar[int]
+    FETCH_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampling: SamplingParams
+    cache_salt: str
+    fetch_from: str
+    fetch_blocks: int
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., fetch_from: _Optional[str] = ..., fetch_blocks: _Optional[int] = ...) -> None: ...
+
+class PrefillReply(_message.Message):
+    __slots__ = ("first_token", "handle", "cached_device_tokens", "cached_dram_tokens", "cached_ssd_tokens", "cached_remote_tokens", "computed_tokens", "queue_ms", "prefill_ms", "transfer_ms")
+    FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
+    CACHED_DEVICE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_DRAM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_SSD_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_REMOTE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_MS_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_MS_FIELD_NUMBER: _ClassVar[int]
+    first_token: int
+    handle: KVHandle
+    cached_device_tokens: int
+    cached_dram_tokens: int
+    cached_ssd_tokens: int
+    cached_remote_tokens: int
+    computed_tokens: int
+    queue_ms: float
+    prefill_ms: float
+    transfer_ms: float
+    def __init__(self, first_token: _Optional[int] = ..., handle: _Optional[_Union[KVHandle, _Mapping]] = ..., cached_device_tokens: _Optional[int] = ..., cached_dram_tokens: _Optional[int] = ..., cached_ssd_tokens: _Optional[int] = ..., cached_remote_tokens: _Optional[int] = ..., computed_tokens: _Optional[int] = ..., queue_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., transfer_ms: _Optional[float] = ...) -> None: ...
+
+class DecodeRequest(_message.Message):
+    __slots__ = ("request_id", "prompt_ids", "first_token", "handle", "sampling", "cache_salt")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    prompt_ids: _containers.RepeatedScalarFieldContainer[int]
+    first_token: int
+    handle: KVHandle
+    sampling: SamplingParams
+    cache_salt: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., first_token: _Optional[int] = ..., handle: _Optional[_Union[KVHandle, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ...) -> None: ...
+
+class DecodeResponse(_message.Message):
+    __slots__ = ("token_ids", "token_times_ms", "finished", "finish_reason", "transfer_ms")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_TIMES_MS_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_MS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    token_times_ms: _containers.RepeatedScalarFieldContainer[float]
+    finished: bool
+    finish_reason: str
+    transfer_ms: float
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., token_times_ms: _Optional[_Iterable[float]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., transfer_ms: _Optional[float] = ...) -> None: ...

@@ -1,0 +1,19 @@
+"""Shared test set-up: Triton kernels run in the interpreter when there is no GPU."""
+
+import os
+import socket
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    # Must be set before any @triton.jit decorator runs, i.e. before kernels/ is imported.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
