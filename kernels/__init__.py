@@ -1,8 +1,45 @@
 """Triton kernels, their torch reference twins, and the dispatch between them."""
 
+from kernels.dispatch import (
+    BACKENDS,
+    HAS_TRITON,
+    available_backends,
+    gather_blocks,
+    kivi_dequantize,
+    kivi_quantize,
+    paged_decode_attention,
+    paged_decode_attention_kivi,
+    scatter_blocks,
+)
+from kernels.kivi import (
+    KIVI_BITS,
+    KiviPacked,
+    kivi_field_shapes,
+    kivi_from_bytes,
+    kivi_groups,
+    kivi_layout,
+    kivi_packed_nbytes,
+    kivi_to_bytes,
+)
 from kernels.paged_attention_ref import paged_decode_attention_ref
 
-# The dispatch (Triton on CUDA, torch on CPU) replaces this alias.
-paged_decode_attention = paged_decode_attention_ref
-
-__all__ = ["paged_decode_attention", "paged_decode_attention_ref"]
+__all__ = [
+    "BACKENDS",
+    "HAS_TRITON",
+    "KIVI_BITS",
+    "KiviPacked",
+    "available_backends",
+    "gather_blocks",
+    "kivi_dequantize",
+    "kivi_field_shapes",
+    "kivi_from_bytes",
+    "kivi_groups",
+    "kivi_layout",
+    "kivi_packed_nbytes",
+    "kivi_quantize",
+    "kivi_to_bytes",
+    "paged_decode_attention",
+    "paged_decode_attention_kivi",
+    "paged_decode_attention_ref",
+    "scatter_blocks",
+]

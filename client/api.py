@@ -1,0 +1,200 @@
+"""The gRPC client for the conductor: Generate (streaming) and Status, sync and asyncio."""
+
+from __future__ import annotations
+
+import time
+from typing import AsyncIterator, Iterator, NamedTuple, Sequence
+
+import grpc
+
+from protos import halfmoon_pb2 as pb
+from protos import halfmoon_pb2_grpc as pb_grpc
+
+DEFAULT_ADDRESS = "127.0.0.1:50050"
+GENERATE_TIMEOUT_S = 600.0  # a whole answer; every RPC carries a deadline
+STATUS_TIMEOUT_S = 10.0
+_CHANNEL_OPTIONS = [
+    ("grpc.max_receive_message_length", 64 << 20),
+    ("grpc.max_send_message_length", 64 << 20),
+]
+
+
+class Chunk(NamedTuple):
+    """One streamed GenerateResponse, stamped with the client's clock."""
+
+    request_id: str
+    token_ids: list[int]  # new tokens carried by this message
+    text: str  # detokenized text those tokens added
+    token_times_ms: list[float]  # server side: ms since the conductor got the request, per token
+    received_s: float  # time.monotonic() when the client received this message
+    finished: bool
+    finish_reason: str  # "" until finished; then stop | length | cancelled | error
+    usage: pb.Usage | None  # set on the final message
+
+
+class Completion(NamedTuple):
+    """A whole answer, gathered from the stream."""
+
+    request_id: str
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    usage: pb.Usage | None
+    ttft_ms: float  # client side: request sent -> first token received
+    token_times_ms: list[float]  # server side per-token times (ms since arrival at the conductor)
+
+
+def build_request(
+    prompt: str | None = None,
+    *,
+    token_ids: Sequence[int] | None = None,
+    messages: Sequence[dict] | None = None,
+    max_tokens: int = 64,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    seed: int = 0,
+    stop: Sequence[str] = (),
+    ignore_eos: bool = False,
+    request_id: str = "",
+    model: str = "",
+    cache_salt: str = "",
+    policy: str = "",
+    ttft_slo_ms: float = 0.0,
+    tbt_slo_ms: float = 0.0,
+) -> pb.GenerateRequest:
+    """A GenerateRequest from exactly one of: raw text, token ids, chat messages."""
+    given = [x is not None for x in (prompt, token_ids, messages)]
+    if sum(given) != 1:
+        raise ValueError("give exactly one of prompt, token_ids, messages")
+    req = pb.GenerateRequest(
+        request_id=request_id,
+        sampling=pb.SamplingParams(
+            max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+            seed=seed, stop=list(stop), ignore_eos=ignore_eos,
+        ),
+        model=model, cache_salt=cache_salt, policy=policy,
+        ttft_slo_ms=ttft_slo_ms, tbt_slo_ms=tbt_slo_ms,
+    )
+    if prompt is not None:
+        req.text = prompt
+    elif token_ids is not None:
+        req.token_ids.ids.extend(int(t) for t in token_ids)
+    else:
+        for m in messages:
+            req.chat.messages.add(role=m["role"], content=m["content"])
+    return req
+
+
+def _chunk(msg: pb.GenerateResponse) -> Chunk:
+    return Chunk(
+        request_id=msg.request_id,
+        token_ids=list(msg.token_ids),
+        text=msg.text,
+        token_times_ms=list(msg.token_times_ms),
+        received_s=time.monotonic(),
+        finished=msg.finished,
+        finish_reason=msg.finish_reason,
+        usage=msg.usage if msg.HasField("usage") else None,
+    )
+
+
+class _Gather:
+    """Folds chunks into a Completion."""
+
+    def __init__(self, sent_s: float):
+        self.sent_s = sent_s
+        self.first_s: float | None = None
+        self.request_id, self.reason, self.usage = "", "", None
+        self.texts: list[str] = []
+        self.ids: list[int] = []
+        self.times: list[float] = []
+
+    def add(self, c: Chunk) -> None:
+        self.request_id = c.request_id or self.request_id
+        if c.token_ids and self.first_s is None:
+            self.first_s = c.received_s
+        self.texts.append(c.text)
+        self.ids.extend(c.token_ids)
+        self.times.extend(c.token_times_ms)
+        if c.finished:
+            self.reason, self.usage = c.finish_reason, c.usage
+
+    def result(self) -> Completion:
+        ttft = (self.first_s - self.sent_s) * 1000.0 if self.first_s is not None else float("nan")
+        return Completion(self.request_id, "".join(self.texts), self.ids, self.reason, self.usage, ttft, self.times)
+
+
+class Client:
+    """Blocking client: `with Client(addr) as c: for chunk in c.generate_stream("hi"): ...`."""
+
+    def __init__(self, address: str = DEFAULT_ADDRESS, timeout_s: float = GENERATE_TIMEOUT_S):
+        self.address = address
+        self.timeout_s = timeout_s
+        self._channel = grpc.insecure_channel(address, options=_CHANNEL_OPTIONS)
+        self._stub = pb_grpc.ConductorStub(self._channel)
+
+    def generate_stream(self, prompt: str | None = None, **kwargs) -> Iterator[Chunk]:
+        """Stream the answer; closing the iterator early cancels the request downstream."""
+        request = kwargs.pop("request", None) or build_request(prompt, **kwargs)
+        call = self._stub.Generate(request, timeout=self.timeout_s)
+        try:
+            for msg in call:
+                yield _chunk(msg)
+        finally:
+            call.cancel()  # a no-op once the stream has ended
+
+    def generate(self, prompt: str | None = None, **kwargs) -> Completion:
+        gather = _Gather(time.monotonic())
+        for c in self.generate_stream(prompt, **kwargs):
+            gather.add(c)
+        return gather.result()
+
+    def status(self) -> pb.StatusReply:
+        return self._stub.Status(pb.StatusRequest(), timeout=STATUS_TIMEOUT_S)
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class AsyncClient:
+    """asyncio client: `async with AsyncClient(addr) as c: async for chunk in c.generate_stream(...)`."""
+
+    def __init__(self, address: str = DEFAULT_ADDRESS, timeout_s: float = GENERATE_TIMEOUT_S):
+        self.address = address
+        self.timeout_s = timeout_s
+        self._channel = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
+        self._stub = pb_grpc.ConductorStub(self._channel)
+
+    async def generate_stream(self, prompt: str | None = None, **kwargs) -> AsyncIterator[Chunk]:
+        request = kwargs.pop("request", None) or build_request(prompt, **kwargs)
+        call = self._stub.Generate(request, timeout=self.timeout_s)
+        try:
+            async for msg in call:
+                yield _chunk(msg)
+        finally:
+            call.cancel()
+
+    async def generate(self, prompt: str | None = None, **kwargs) -> Completion:
+        gather = _Gather(time.monotonic())
+        async for c in self.generate_stream(prompt, **kwargs):
+            gather.add(c)
+        return gather.result()
+
+    async def status(self) -> pb.StatusReply:
+        return await self._stub.Status(pb.StatusRequest(), timeout=STATUS_TIMEOUT_S)
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def __aenter__(self) -> "AsyncClient":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()

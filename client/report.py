@@ -1,0 +1,168 @@
+"""Replay records and the report computed from them (latency percentiles, SLO attainment, cache hits)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Iterable, NamedTuple
+
+import numpy as np
+
+TIERS = ("device", "dram", "ssd", "remote")
+WORST_GAP_SHARE = 0.10  # Mooncake's TBT: the mean of a request's slowest 10% of token gaps
+
+
+class ReplayRecord(NamedTuple):
+    """One replayed request, as written to records.jsonl."""
+
+    index: int  # the trace request's index
+    policy: str  # routing policy it was sent with ("" = the conductor's default)
+    arrival_s: float  # planned send time, s from the start of the replay
+    sent_s: float  # actual send time, s from the start of the replay
+    status: str  # ok | rejected | error
+    error: str  # the gRPC status and message when not ok
+    prompt_tokens: int
+    output_tokens: int  # tokens received
+    ttft_ms: float  # client side: sent -> first token (nan when none came)
+    gaps_ms: list[float]  # time between consecutive tokens (server clock when it gave per-token times)
+    e2e_ms: float  # sent -> last message
+    cached_tokens: dict[str, int]  # prompt tokens whose KV came from a cache, by tier (TIERS)
+    computed_tokens: int  # prompt tokens the prefill worker computed
+    prefill_worker: str
+    decode_worker: str
+
+
+class Percentiles(NamedTuple):
+    p50: float
+    p90: float
+    p99: float
+
+
+class Report(NamedTuple):
+    """What a replay of one policy achieved."""
+
+    policy: str
+    requests: int  # sent
+    done: int  # finished with an answer
+    rejected: int  # refused early (RESOURCE_EXHAUSTED)
+    errors: int  # failed otherwise
+    ttft_ms: Percentiles  # over done requests
+    tbt_ms: Percentiles  # over done requests, each request's TBT as Mooncake defines it
+    ttft_slo_ms: float
+    tbt_slo_ms: float
+    slo_attainment: float  # share of all requests meeting both SLOs (rejected/failed ones do not)
+    prompt_tokens: int  # over done requests
+    hit_rate: float  # cached prompt tokens / prompt tokens
+    hit_rate_by_tier: dict[str, float]  # the same, per tier
+    prefill_tokens_computed: int
+    prefill_tokens_saved: int  # prompt tokens taken from a cache instead of computed
+    output_tokens: int
+    duration_s: float  # first send -> last answer
+    output_tokens_per_s: float
+
+
+def request_tbt(gaps_ms: Iterable[float]) -> float:
+    """A request's TBT: the mean of its slowest 10% token gaps (at least one gap); 0 when it has none."""
+    g = sorted(gaps_ms, reverse=True)
+    if not g:
+        return 0.0
+    k = max(1, math.ceil(len(g) * WORST_GAP_SHARE))
+    return float(sum(g[:k]) / k)
+
+
+def percentiles(values: Iterable[float]) -> Percentiles:
+    """p50/p90/p99 with linear interpolation (numpy's default); nan when empty."""
+    v = np.asarray([x for x in values if not math.isnan(x)], dtype=np.float64)
+    if v.size == 0:
+        return Percentiles(math.nan, math.nan, math.nan)
+    p = np.percentile(v, [50, 90, 99])
+    return Percentiles(float(p[0]), float(p[1]), float(p[2]))
+
+
+def meets_slo(r: ReplayRecord, ttft_slo_ms: float, tbt_slo_ms: float) -> bool:
+    return r.status == "ok" and r.ttft_ms <= ttft_slo_ms and request_tbt(r.gaps_ms) <= tbt_slo_ms
+
+
+def compute_report(records: list[ReplayRecord], ttft_slo_ms: float, tbt_slo_ms: float, policy: str = "") -> Report:
+    done = [r for r in records if r.status == "ok"]
+    prompt = sum(r.prompt_tokens for r in done)
+    by_tier = {t: sum(r.cached_tokens.get(t, 0) for r in done) for t in TIERS}
+    saved = sum(by_tier.values())
+    out_tokens = sum(r.output_tokens for r in done)
+    if records:
+        start = min(r.sent_s for r in records)
+        end = max(r.sent_s + (0.0 if math.isnan(r.e2e_ms) else r.e2e_ms / 1000.0) for r in records)
+        duration = end - start
+    else:
+        duration = 0.0
+    return Report(
+        policy=policy or (records[0].policy if records else ""),
+        requests=len(records),
+        done=len(done),
+        rejected=sum(r.status == "rejected" for r in records),
+        errors=sum(r.status == "error" for r in records),
+        ttft_ms=percentiles(r.ttft_ms for r in done),
+        tbt_ms=percentiles(request_tbt(r.gaps_ms) for r in done),
+        ttft_slo_ms=ttft_slo_ms,
+        tbt_slo_ms=tbt_slo_ms,
+        slo_attainment=(sum(meets_slo(r, ttft_slo_ms, tbt_slo_ms) for r in records) / len(records)) if records else 0.0,
+        prompt_tokens=prompt,
+        hit_rate=saved / prompt if prompt else 0.0,
+        hit_rate_by_tier={t: (n / prompt if prompt else 0.0) for t, n in by_tier.items()},
+        prefill_tokens_computed=sum(r.computed_tokens for r in done),
+        prefill_tokens_saved=saved,
+        output_tokens=out_tokens,
+        duration_s=duration,
+        output_tokens_per_s=out_tokens / duration if duration > 0 else 0.0,
+    )
+
+
+def format_reports(reports: list[Report]) -> str:
+    """The reports side by side, one column per policy."""
+
+    def pct(p: Percentiles) -> str:
+        return " / ".join("-" if math.isnan(x) else f"{x:.0f}" for x in p)
+
+    rows: list[tuple[str, list[str]]] = [
+        ("policy", [r.policy or "(default)" for r in reports]),
+        ("requests", [str(r.requests) for r in reports]),
+        ("done / rejected / errors", [f"{r.done} / {r.rejected} / {r.errors}" for r in reports]),
+        ("TTFT p50/p90/p99 ms", [pct(r.ttft_ms) for r in reports]),
+        ("TBT p50/p90/p99 ms", [pct(r.tbt_ms) for r in reports]),
+        ("SLO attainment", [f"{100 * r.slo_attainment:.1f}% (TTFT<={r.ttft_slo_ms:.0f}, TBT<={r.tbt_slo_ms:.0f} ms)"
+                            for r in reports]),
+        ("prefix hit rate", [f"{100 * r.hit_rate:.1f}%" for r in reports]),
+    ]
+    for t in TIERS:
+        rows.append((f"  from {t}", [f"{100 * r.hit_rate_by_tier[t]:.1f}%" for r in reports]))
+    rows += [
+        ("prefill tokens computed", [str(r.prefill_tokens_computed) for r in reports]),
+        ("prefill tokens saved", [str(r.prefill_tokens_saved) for r in reports]),
+        ("output tokens/s", [f"{r.output_tokens_per_s:.1f}" for r in reports]),
+        ("duration s", [f"{r.duration_s:.1f}" for r in reports]),
+    ]
+    w0 = max(len(k) for k, _ in rows)
+    widths = [max(len(v[i]) for _, v in rows) for i in range(len(reports))]
+    lines = []
+    for k, vals in rows:
+        lines.append("  ".join([k.ljust(w0)] + [v.rjust(w) for v, w in zip(vals, widths)]).rstrip())
+    return "\n".join(lines)
+
+
+def write_records(path: str | Path, records: Iterable[ReplayRecord]) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        for r in records:
+            f.write(json.dumps(r._asdict()) + "\n")
+
+
+def read_records(path: str | Path) -> list[ReplayRecord]:
+    with open(path, encoding="utf-8") as f:
+        return [ReplayRecord(**json.loads(line)) for line in f if line.strip()]
+
+
+def report_dict(r: Report) -> dict:
+    d = r._asdict()
+    d["ttft_ms"] = r.ttft_ms._asdict()
+    d["tbt_ms"] = r.tbt_ms._asdict()
+    return d

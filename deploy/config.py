@@ -1,0 +1,162 @@
+"""ClusterConfig: the servers' own config dataclasses composed with Ray and placement settings, from YAML."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import yaml
+
+DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "local.yaml"
+
+
+class Role(NamedTuple):
+    """Where one kind of server lives: its package's public config and server classes."""
+
+    package: str  # importable package
+    config_class: str  # its config dataclass (public name)
+    server_class: str  # its server class: Server(config).start() -> "HOST:PORT"; .stop()
+
+
+# the four kinds of server the launcher starts, by section name in the YAML
+ROLES: dict[str, Role] = {
+    "store": Role("kvstore", "StoreConfig", "StoreNode"),
+    "prefill": Role("prefill_node", "PrefillConfig", "PrefillWorker"),
+    "decode": Role("decode_node", "DecodeConfig", "DecodeWorker"),
+    "conductor": Role("conductor", "ConductorConfig", "Conductor"),
+}
+
+# cluster-wide values copied into every section that has such a field and does not set it itself
+SHARED_KEYS = ("model", "dtype", "block_size", "host")
+
+
+@dataclass
+class RayConfig:
+    address: str = ""  # "" = start a local Ray instance; "auto" or "HOST:PORT" = join that cluster
+    num_cpus: int = 0  # CPUs a local instance advertises; 0 = this machine's count
+    object_store_mb: int = 128  # a local instance's object store (servers move KV over gRPC/shm, not Ray)
+    namespace: str = "halfmoon"
+
+
+@dataclass
+class PlacementConfig:
+    prefill_resource: str = "prefill"  # workers go to nodes advertising this custom resource, if any do
+    decode_resource: str = "decode"
+    resource_amount: float = 0.01  # of that resource each worker takes (so several can share a node)
+    gpus_per_worker: float = 1.0  # asked for only on nodes that have GPUs
+    worker_num_cpus: float = 0.0  # Ray CPU accounting per worker/store/conductor actor (0 = no reservation)
+
+
+@dataclass
+class ClusterConfig:
+    model: str = "smollm2-135m"  # load_model name or path, for every server that loads the model
+    dtype: str = "float32"
+    block_size: int = 16
+    host: str = "127.0.0.1"  # every server binds and advertises this
+    redis_url: str = ""  # global index; "" = $REDIS_URL, else an embedded Redis the launcher starts
+    prefill_workers: int = 1
+    decode_workers: int = 1
+    metrics_base_port: int = 0  # servers export Prometheus metrics on consecutive ports from here; 0 = off
+    health_timeout_s: float = 300.0  # for every server to answer its health check (model loading included)
+    ray: RayConfig = field(default_factory=RayConfig)
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
+    # templates of the servers' own configs; per-instance fields (ids, ports, addresses) are filled at launch
+    store: Any = None
+    prefill: Any = None
+    decode: Any = None
+    conductor: Any = None
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _dataclass_from_dict(cls: type, data: dict, where: str):
+    data = dict(data or {})
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise ValueError(f"{where}: unknown key(s) {', '.join(unknown)} (known: {', '.join(sorted(names))})")
+    return cls(**data)
+
+
+def role_classes(role: str) -> tuple[type, type]:
+    """(config class, server class) of a role, from its package's public names."""
+    r = ROLES[role]
+    mod = importlib.import_module(r.package)
+    missing = [n for n in (r.config_class, r.server_class) if not hasattr(mod, n)]
+    if missing:
+        raise ImportError(f"{r.package} does not export {', '.join(missing)} (needed for the {role} servers)")
+    return getattr(mod, r.config_class), getattr(mod, r.server_class)
+
+
+def field_names(obj_or_cls) -> set[str]:
+    return {f.name for f in dataclasses.fields(obj_or_cls)}
+
+
+def parse_overrides(items: list[str]) -> dict:
+    """`--set a.b=value` items as a nested mapping; values are read as YAML scalars (1, 0.5, true, text)."""
+    out: dict = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"--set expects KEY=VALUE, got {item!r}")
+        parts = key.strip().split(".")
+        node = out
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                raise ValueError(f"--set {key}: {p} is both a value and a section")
+        node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else ""
+    return out
+
+
+def _merge(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def cluster_config_from_dict(data: dict) -> ClusterConfig:
+    """Validate and build; the servers' sections are checked against their own dataclasses."""
+    data = dict(data or {})
+    top = {f.name for f in dataclasses.fields(ClusterConfig)}
+    unknown = sorted(set(data) - top)
+    if unknown:
+        raise ValueError(f"cluster config: unknown key(s) {', '.join(unknown)} (known: {', '.join(sorted(top))})")
+    sections = {k: data.pop(k, None) or {} for k in (*ROLES, "ray", "placement")}
+    for k, v in sections.items():
+        if not isinstance(v, dict):
+            raise ValueError(f"cluster config: section {k!r} must be a mapping, got {v!r}")
+    cfg = ClusterConfig(**data)
+    cfg.ray = _dataclass_from_dict(RayConfig, sections["ray"], "ray")
+    cfg.placement = _dataclass_from_dict(PlacementConfig, sections["placement"], "placement")
+    for role in ROLES:
+        config_cls, _ = role_classes(role)
+        section = dict(sections[role])
+        names = field_names(config_cls)
+        for k in SHARED_KEYS:
+            if k in names and k not in section:
+                section[k] = getattr(cfg, k)
+        setattr(cfg, role, _dataclass_from_dict(config_cls, section, role))
+    if cfg.prefill_workers < 1 or cfg.decode_workers < 1:
+        raise ValueError("cluster config: prefill_workers and decode_workers must be >= 1")
+    return cfg
+
+
+def load_cluster_config(path: str | Path | None = None, overrides: list[str] = (),
+                        ray_address: str | None = None) -> ClusterConfig:
+    """The YAML at `path` (default: deploy/configs/local.yaml) with `--set` overrides applied."""
+    path = Path(path) if path else DEFAULT_CONFIG
+    if not path.is_file():
+        raise FileNotFoundError(f"no cluster config at {path}")
+    data = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a mapping at the top level")
+    data = _merge(data, parse_overrides(list(overrides)))
+    if ray_address is not None:
+        data = _merge(data, {"ray": {"address": ray_address}})
+    return cluster_config_from_dict(data)

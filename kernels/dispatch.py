@@ -1,0 +1,86 @@
+"""Dispatch: each operation has a small registry of implementations chosen by name.
+
+`backend=None` picks Triton for CUDA tensors and the torch twin otherwise; tests force
+`backend="triton"` on CPU tensors to run the kernels under TRITON_INTERPRET=1.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.blocks import gather_blocks_torch, scatter_blocks_torch
+from kernels.kivi import KiviPacked, kivi_dequantize_blocks_torch, kivi_quantize_torch
+from kernels.paged_attention_ref import paged_decode_attention_ref
+from kernels.paged_attention_torch import paged_decode_attention_kivi_torch, paged_decode_attention_torch
+
+try:
+    from kernels.blocks import gather_blocks_triton, scatter_blocks_triton
+    from kernels.kivi_triton import kivi_dequantize_triton, kivi_quantize_triton
+    from kernels.paged_attention_triton import paged_decode_attention_kivi_triton, paged_decode_attention_triton
+
+    HAS_TRITON = True
+except ImportError:  # no triton on this platform: only the torch twins are registered
+    HAS_TRITON = False
+
+BACKENDS = ("torch", "triton")
+_IMPLS: dict[str, dict[str, object]] = {
+    "paged_decode_attention": {"torch": paged_decode_attention_torch, "ref": paged_decode_attention_ref},
+    "paged_decode_attention_kivi": {"torch": paged_decode_attention_kivi_torch},
+    "kivi_quantize": {"torch": kivi_quantize_torch},
+    "kivi_dequantize": {"torch": kivi_dequantize_blocks_torch},
+    "gather_blocks": {"torch": gather_blocks_torch},
+    "scatter_blocks": {"torch": scatter_blocks_torch},
+}
+if HAS_TRITON:
+    _IMPLS["paged_decode_attention"]["triton"] = paged_decode_attention_triton
+    _IMPLS["paged_decode_attention_kivi"]["triton"] = paged_decode_attention_kivi_triton
+    _IMPLS["kivi_quantize"]["triton"] = kivi_quantize_triton
+    _IMPLS["kivi_dequantize"]["triton"] = kivi_dequantize_triton
+    _IMPLS["gather_blocks"]["triton"] = gather_blocks_triton
+    _IMPLS["scatter_blocks"]["triton"] = scatter_blocks_triton
+
+
+def available_backends(op: str) -> list[str]:
+    """Names registered for `op` on this install."""
+    return sorted(_IMPLS[op])
+
+
+def pick(op: str, device: torch.device, backend: str | None = None):
+    """The implementation of `op` for tensors on `device` (or the named backend)."""
+    impls = _IMPLS[op]
+    if backend is None:
+        backend = "triton" if device.type == "cuda" and "triton" in impls else "torch"
+    if backend not in impls:
+        raise ValueError(f"unknown backend {backend!r} for {op}; have {sorted(impls)}")
+    return impls[backend]
+
+
+def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale=None, *, backend=None):
+    """One decode step over the paged KV cache; see `paged_decode_attention_ref` for the contract."""
+    return pick("paged_decode_attention", q.device, backend)(q, k_cache, v_cache, block_tables, seq_lens, scale)
+
+
+def paged_decode_attention_kivi(q, kv_pool: KiviPacked, block_tables, seq_lens, scale=None, *, backend=None):
+    """Decode attention over a KIVI pool: `kivi_quantize` of [num_blocks, 2, block_size, kv_heads, head_dim]
+    (each field with a leading num_blocks dim; fields may be strided views of a layer-major pool)."""
+    return pick("paged_decode_attention_kivi", q.device, backend)(q, kv_pool, block_tables, seq_lens, scale)
+
+
+def kivi_quantize(kv: torch.Tensor, bits: int, group_size: int = 32, *, backend=None) -> KiviPacked:
+    """KIVI-quantize kv [..., 2, tokens, kv_heads, head_dim]; fields keep the leading dims."""
+    return pick("kivi_quantize", kv.device, backend)(kv, bits, group_size)
+
+
+def kivi_dequantize(p: KiviPacked, dtype: torch.dtype = torch.float32, *, backend=None) -> torch.Tensor:
+    """Inverse of `kivi_quantize` -> [..., 2, tokens, kv_heads, head_dim] in `dtype`."""
+    return pick("kivi_dequantize", p.k_codes.device, backend)(p, dtype)
+
+
+def gather_blocks(pool_kv, block_ids, out=None, *, backend=None) -> torch.Tensor:
+    """Copy pool_kv[block_ids] into a contiguous [n, ...] buffer (`out` if given) and return it."""
+    return pick("gather_blocks", pool_kv.device, backend)(pool_kv, block_ids, out)
+
+
+def scatter_blocks(src, pool_kv, block_ids, *, backend=None) -> None:
+    """Copy src[j] into pool_kv[block_ids[j]] for every j."""
+    pick("scatter_blocks", pool_kv.device, backend)(src, pool_kv, block_ids)

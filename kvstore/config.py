@@ -1,0 +1,43 @@
+"""StoreConfig: one store node's settings (a dataclass the deploy package loads from YAML)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class StoreConfig:
+    node_id: str = "store-0"
+    host: str = "127.0.0.1"        # address the gRPC server binds and advertises
+    port: int = 0                  # 0 = a free port
+    dram_bytes: int = 256 << 20    # shared-memory slab size (the dram tier)
+    ssd_dir: str = ""              # LMDB directory; "" = no ssd tier
+    ssd_bytes: int = 0             # ssd tier capacity (encoded block bytes)
+    redis_url: str = ""            # global index; "" = no index (a standalone node)
+    model_fingerprint: str = ""    # puts with another fingerprint are refused; "" = accept any
+    heartbeat_s: float = 2.0       # index heartbeat period; the node's entry lives 3 periods
+    lease_s: float = 30.0          # a lease not released within this is dropped (its holder died)
+    metrics_port: int = 0          # Prometheus exporter on this port; 0 = off
+    max_message_bytes: int = 64 << 20  # gRPC message size limit, both ways
+    chunk_bytes: int = 1 << 20     # gRPC Get/Put payload per message (1 MiB measured best here)
+    grpc_workers: int = 16         # gRPC server threads
+    shm_dir: str = "/dev/shm"      # where the dram slab's file lives
+
+    def __post_init__(self) -> None:
+        if self.dram_bytes < 0 or self.ssd_bytes < 0:
+            raise ValueError("dram_bytes and ssd_bytes must be >= 0")
+        if self.ssd_bytes and not self.ssd_dir:
+            raise ValueError("ssd_bytes > 0 needs ssd_dir")
+        if self.heartbeat_s <= 0 or self.lease_s <= 0:
+            raise ValueError("heartbeat_s and lease_s must be positive")
+        if self.chunk_bytes <= 0 or self.chunk_bytes > self.max_message_bytes - (1 << 16):
+            raise ValueError("chunk_bytes must be positive and below max_message_bytes - 64 KiB")
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "StoreConfig":
+        """Build from a YAML mapping; unknown keys are an error naming them."""
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"unknown StoreConfig keys: {', '.join(unknown)}")
+        return cls(**d)

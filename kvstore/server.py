@@ -1,0 +1,401 @@
+"""StoreNode: one host's store (dram slab + ssd) served over gRPC, published to the global index."""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+from concurrent import futures
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from kvstore.block_format import BlockCorrupt, parse_header
+from kvstore.config import StoreConfig
+from kvstore.index import Index
+from kvstore.keys import KEY_BYTES
+from kvstore.metrics import StoreMetrics
+from kvstore.slab import ShmSlab, remove_stale
+from kvstore.ssd import SsdTier
+from kvstore.store import BlockStore, StoreFull
+from kvstore.types import NodeInfo
+from kvstore.wire import BadChunk, Part, RawPutData, add_servicer, get_chunk
+from protos import kvstore_pb2 as pb
+
+log = logging.getLogger(__name__)
+SERVICE = "halfmoon.KVStore"
+
+
+def boot_id() -> str:
+    """Identifies this boot of this machine (same host iff hostname and boot id match)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def grpc_options(max_message_bytes: int) -> list[tuple[str, int]]:
+    return [("grpc.max_send_message_length", max_message_bytes),
+            ("grpc.max_receive_message_length", max_message_bytes)]
+
+
+class _Servicer:
+    def __init__(self, node: "StoreNode"):
+        self.node = node
+        self.store = node.store
+        self.cfg = node.cfg
+        self._shm_path = node.slab.path if node.slab else ""
+
+    # ------------------------------------------------------------------ checks
+
+    def _check_write(self, ctx, keys, sizes, fingerprint: str) -> None:
+        if not keys:
+            ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, "put of no blocks")
+        if len(sizes) != len(keys):
+            ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{len(keys)} keys but {len(sizes)} sizes")
+        bad = [i for i, k in enumerate(keys) if len(k) != KEY_BYTES]
+        if bad:
+            ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, f"block key {bad[0]} is {len(keys[bad[0]])} bytes, not {KEY_BYTES}")
+        if any(s <= 0 for s in sizes):
+            ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, "block sizes must be positive")
+        if self.cfg.model_fingerprint and fingerprint != self.cfg.model_fingerprint:
+            ctx.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                      f"model fingerprint {fingerprint!r} is not this store's {self.cfg.model_fingerprint!r}")
+
+    def _reserve(self, ctx, keys, sizes, parent: bytes):
+        parents = [parent or None] + list(keys[:-1])
+        try:
+            return self.store.reserve(list(keys), list(sizes), parents, self.cfg.lease_s)
+        except StoreFull as e:
+            ctx.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+
+    def _commit(self, ctx, lease_id: int, keys) -> pb.KVPutReply:
+        try:
+            stored = self.store.commit(lease_id)
+        except BlockCorrupt as e:
+            ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, f"block refused: {e}")
+        except KeyError as e:
+            ctx.abort(grpc.StatusCode.NOT_FOUND, str(e).strip("'\""))
+        self.node.flush()
+        return pb.KVPutReply(stored=stored, held=self.store.count_held(list(keys)))
+
+    # ------------------------------------------------------------------ RPCs
+
+    def Lookup(self, req, ctx):
+        tiers = self.store.lookup(list(req.keys))
+        return pb.KVLookupReply(num_blocks=len(tiers), tiers=tiers)
+
+    def Get(self, req, ctx):
+        t0 = time.perf_counter()
+        lease_id, refs = self.store.acquire(list(req.keys), self.cfg.lease_s)
+        self.node.flush()
+        sent = 0
+        try:
+            views, headers = [], []
+            for ref in refs:
+                view = self.store.read(ref)
+                try:
+                    h = parse_header(view)
+                except BlockCorrupt:
+                    self.store.release(0, [ref.key])
+                    break
+                views.append(view)
+                headers.append(h)
+            yield pb.KVGetChunk(headers=[bytes(v[:h.header_len]) for v, h in zip(views, headers)],
+                                tiers=[r.tier for r in refs[:len(headers)]])
+            chunk = self.cfg.chunk_bytes
+            parts, size = [], 0
+            for layer in range(max((h.num_layers for h in headers), default=0)):
+                for b, (view, h) in enumerate(zip(views, headers)):
+                    if layer >= h.num_layers:
+                        continue
+                    start = h.layer_offset(layer)
+                    end = start + h.layer_bytes
+                    while start < end:
+                        n = min(end - start, chunk - size)
+                        # views into the leased slab range: the message is built by one copy
+                        parts.append(Part(b, layer, start, view[start:start + n]))
+                        size += n
+                        start += n
+                        if size >= chunk:
+                            yield get_chunk(parts)
+                            sent += size
+                            parts, size = [], 0
+            if parts:
+                yield get_chunk(parts)
+                sent += size
+        finally:
+            if lease_id:
+                self.store.release(lease_id)
+                self.node.flush()
+            self.node.metrics.record("get", "grpc", sent, time.perf_counter() - t0)
+
+    def Put(self, request_iterator, ctx):
+        t0 = time.perf_counter()
+        first = next(request_iterator, None)
+        if isinstance(first, BadChunk):
+            ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, first.reason)
+        if first is None or isinstance(first, RawPutData) or first.WhichOneof("kind") != "open":
+            ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, "a put stream must start with `open`")
+        op = first.open
+        keys, sizes = list(op.keys), list(op.sizes)
+        self._check_write(ctx, keys, sizes, op.model_fingerprint)
+        lease_id, slots = self._reserve(ctx, keys, sizes, op.parent)
+        where = dict(slots)
+        view = self.node.slab.view if self.node.slab else None
+        done, received = False, 0
+        try:
+            for msg in request_iterator:
+                # The stream is alive: keep its reservation (a lapsed one may be reused by another put).
+                if slots and not self.store.renew(lease_id, self.cfg.lease_s):
+                    ctx.abort(grpc.StatusCode.ABORTED, "the put's reservation lapsed; nothing stored")
+                if isinstance(msg, BadChunk):
+                    ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, msg.reason)
+                kind = "data" if isinstance(msg, RawPutData) else msg.WhichOneof("kind")
+                if kind == "data":
+                    for p in msg.parts:
+                        if not 0 <= p.block < len(keys) or p.offset < 0 or p.offset + len(p.data) > sizes[p.block]:
+                            ctx.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                      f"data for block {p.block} at {p.offset}+{len(p.data)} is outside the block")
+                        off = where.get(p.block)
+                        if off is not None:  # blocks already held are not rewritten
+                            view[off + p.offset:off + p.offset + len(p.data)] = p.data
+                            received += len(p.data)
+                elif kind == "commit":
+                    headers = list(msg.commit.headers)
+                    if len(headers) != len(keys):
+                        ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{len(headers)} headers for {len(keys)} blocks")
+                    for i, off in slots:
+                        if len(headers[i]) > sizes[i]:
+                            ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, f"header of block {i} is longer than the block")
+                        view[off:off + len(headers[i])] = headers[i]
+                    reply = self._commit(ctx, lease_id, keys) if slots else pb.KVPutReply(
+                        stored=0, held=self.store.count_held(keys))
+                    done = True
+                    self.node.metrics.record("put", "grpc", received, time.perf_counter() - t0)
+                    return reply
+                else:
+                    ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, f"unexpected `{kind}` in a put stream")
+            ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, "put stream ended without `commit`; nothing stored")
+        finally:
+            if not done and slots:
+                self.store.release(lease_id)
+
+    def Lease(self, req, ctx):
+        if req.mode == pb.KVLeaseRequest.READ:
+            lease_id, refs = self.store.acquire(list(req.keys), self.cfg.lease_s)
+            self.node.flush()
+            self.node.metrics.record("get", "shm", sum(r.length for r in refs))
+            return pb.KVLeaseReply(lease_id=lease_id, ttl_s=self.cfg.lease_s, shm_path=self._shm_path, slots=[
+                pb.KVBlockSlot(index=i, offset=r.offset, length=r.length, tier=r.tier, data=r.data or b"")
+                for i, r in enumerate(refs)])
+        if req.mode == pb.KVLeaseRequest.WRITE:
+            keys, sizes = list(req.keys), list(req.sizes)
+            self._check_write(ctx, keys, sizes, req.model_fingerprint)
+            self.node.flush()
+            lease_id, slots = self._reserve(ctx, keys, sizes, req.parent)
+            self.node.flush()
+            return pb.KVLeaseReply(lease_id=lease_id if slots else 0, ttl_s=self.cfg.lease_s, shm_path=self._shm_path, slots=[
+                pb.KVBlockSlot(index=i, offset=off, length=sizes[i], tier="dram") for i, off in slots])
+        if req.mode == pb.KVLeaseRequest.RENEW:
+            if not self.store.renew(req.lease_id, self.cfg.lease_s):
+                ctx.abort(grpc.StatusCode.NOT_FOUND, f"lease {req.lease_id} is not held (expired or released)")
+            return pb.KVLeaseReply(lease_id=req.lease_id, ttl_s=self.cfg.lease_s)
+        ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, f"unknown lease mode {req.mode}")
+
+    def Release(self, req, ctx):
+        released = self.store.release(req.lease_id, list(req.corrupt))
+        self.node.flush()
+        return pb.KVReleaseReply(released=released)
+
+    def Commit(self, req, ctx):
+        try:
+            keys = [k for k, _, _ in self.store.pending(req.lease_id)]
+            sizes = sum(s for _, _, s in self.store.pending(req.lease_id))
+        except KeyError:
+            ctx.abort(grpc.StatusCode.NOT_FOUND, f"no open write lease {req.lease_id} (expired or never granted)")
+        reply = self._commit(ctx, req.lease_id, keys)
+        self.node.metrics.record("put", "shm", sizes)
+        return reply
+
+    def Stats(self, req, ctx):
+        s = self.store.stats()
+        return pb.KVStatsReply(
+            node_id=s.node_id, hits=s.hits, misses=s.misses, promotions=s.promotions, demotions=s.demotions,
+            leases=s.leases, pending_blocks=s.pending_blocks,
+            tiers=[pb.KVTierStats(tier=t.tier, used_bytes=t.used_bytes, capacity_bytes=t.capacity_bytes,
+                                  blocks=t.blocks, hits=t.hits, evictions=t.evictions) for t in s.tiers])
+
+    def Info(self, req, ctx):
+        n = self.node
+        return pb.KVInfoReply(node_id=self.cfg.node_id, hostname=socket.gethostname(), boot_id=boot_id(),
+                              shm_path=n.slab.path if n.slab else "", shm_size=n.slab.size if n.slab else 0,
+                              model_fingerprint=self.cfg.model_fingerprint,
+                              max_message_bytes=self.cfg.max_message_bytes, chunk_bytes=self.cfg.chunk_bytes,
+                              lease_s=self.cfg.lease_s)
+
+
+class StoreNode:
+    """A store node: start() serves it and returns "HOST:PORT"; stop() ends it (shm unlinked)."""
+
+    def __init__(self, cfg: StoreConfig):
+        self.cfg = cfg
+        self.slab: ShmSlab | None = None
+        self.ssd: SsdTier | None = None
+        self.index: Index | None = None
+        self.server: grpc.Server | None = None
+        self.address = ""
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._flush_lock = threading.Lock()
+        try:
+            if cfg.dram_bytes:
+                for path in remove_stale(cfg.shm_dir):
+                    log.warning("removed %s: a slab no live process maps (its node was killed)", path)
+                self.slab = ShmSlab.create(cfg.shm_dir, cfg.node_id, cfg.dram_bytes)
+            if cfg.ssd_dir:
+                self.ssd = SsdTier(cfg.ssd_dir, cfg.ssd_bytes)
+            self.store = BlockStore(cfg.node_id, self.slab, self.ssd, cfg.model_fingerprint)
+        except BaseException:
+            self._close_tiers()
+            raise
+        self.metrics = StoreMetrics(self.store)
+
+    @property
+    def info(self) -> NodeInfo:
+        return NodeInfo(self.cfg.node_id, self.address, socket.gethostname(), self.slab.path if self.slab else "",
+                        self.cfg.dram_bytes, self.cfg.ssd_bytes, self.cfg.model_fingerprint, self._started)
+
+    def start(self) -> str:
+        cfg = self.cfg
+        self._started = time.time()
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=cfg.grpc_workers, thread_name_prefix="kvstore"),
+                                  options=grpc_options(cfg.max_message_bytes))
+        add_servicer(_Servicer(self), self.server)
+        self.health = health.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        port = self.server.add_insecure_port(f"{cfg.host}:{cfg.port}")
+        if port == 0:
+            raise RuntimeError(f"store node {cfg.node_id} could not bind {cfg.host}:{cfg.port}")
+        self.address = f"{cfg.host}:{port}"
+        if cfg.redis_url:
+            self.index = Index(cfg.redis_url)
+            self.index.purge_node(cfg.node_id)  # entries of an earlier run of this node are stale
+            self.index.register(self.info, self._ttl)
+            self.flush()  # republishes what the ssd tier kept across a restart
+        else:
+            self.store.drain_events()
+        self.server.start()
+        for service in ("", SERVICE):
+            self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
+        if cfg.metrics_port:
+            self.metrics.serve(cfg.metrics_port, cfg.host)
+        self._thread = threading.Thread(target=self._housekeeping, name=f"kvstore-{cfg.node_id}", daemon=True)
+        self._thread.start()
+        log.info("store node %s serving at %s", cfg.node_id, self.address)
+        return self.address
+
+    @property
+    def _ttl(self) -> float:
+        return 3 * self.cfg.heartbeat_s
+
+    def flush(self) -> None:
+        """Push the store's block changes to the index (in order)."""
+        with self._flush_lock:
+            events = self.store.drain_events()
+            if self.index is not None and events:
+                try:
+                    self.index.publish(self.cfg.node_id, events)
+                except Exception as e:  # the index is advisory: serving goes on
+                    log.warning("index publish failed (%d events dropped): %s", len(events), e)
+
+    def _housekeeping(self) -> None:
+        tick = min(0.25, self.cfg.heartbeat_s / 2, self.cfg.lease_s / 4)
+        next_beat = time.monotonic() + self.cfg.heartbeat_s
+        while not self._stop.wait(tick):
+            if self.store.expire():
+                self.flush()
+            if self.index is not None and time.monotonic() >= next_beat:
+                next_beat = time.monotonic() + self.cfg.heartbeat_s
+                try:
+                    if not self.index.heartbeat(self.cfg.node_id, self._ttl):
+                        self.index.register(self.info, self._ttl)
+                        self.index.publish(self.cfg.node_id, [(k, t) for k, t in self.store.holds().items()])
+                    self.index.sweep()
+                except Exception as e:
+                    log.warning("index heartbeat failed: %s", e)
+
+    def stop(self, grace: float = 1.0) -> None:
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        if self.server is not None:
+            for service in ("", SERVICE):
+                self.health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
+            self.server.stop(grace).wait()
+            self.server = None
+        self.metrics.stop()
+        try:
+            self.store.persist()
+        except Exception as e:  # lmdb full or gone: what is on ssd already stays
+            log.warning("could not persist dram blocks: %s", e)
+        if self.index is not None:
+            try:
+                self.index.unregister(self.cfg.node_id)
+            except Exception as e:
+                log.warning("index unregister failed: %s", e)
+            self.index.close()
+            self.index = None
+        self._close_tiers()
+
+    def _close_tiers(self) -> None:
+        if self.ssd is not None:
+            self.ssd.close()
+            self.ssd = None
+        if self.slab is not None:
+            self.slab.close()
+            self.slab = None
+
+    def __enter__(self) -> "StoreNode":
+        if self.server is None:
+            self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m kvstore [--config YAML] [--set key=value ...]`: serve one store node."""
+    import argparse
+    import signal
+
+    import yaml
+
+    p = argparse.ArgumentParser(prog="python -m kvstore")
+    p.add_argument("--config", help="YAML mapping of StoreConfig fields")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    args = p.parse_args(argv)
+    d = {}
+    if args.config:
+        with open(args.config) as f:
+            d = yaml.safe_load(f) or {}
+    for kv in args.set:
+        k, _, v = kv.partition("=")
+        d[k] = yaml.safe_load(v)
+    node = StoreNode(StoreConfig.from_dict(d))
+    print(node.start(), flush=True)
+    done = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: done.set())
+    done.wait()
+    node.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

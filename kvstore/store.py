@@ -1,0 +1,425 @@
+"""BlockStore: one node's blocks across its dram slab and ssd tiers, with leaf-first LRU eviction,
+demotion (dram -> ssd), promotion (ssd -> dram on a hit) and leases. No networking: the node's
+gRPC service calls it. One lock guards all state; bulk copies into leased ranges happen outside it."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections import OrderedDict
+from typing import Callable, NamedTuple
+
+from kvstore.block_format import BlockCorrupt, check_block
+from kvstore.slab import SlabAllocator, ShmSlab
+from kvstore.ssd import SsdTier
+
+DRAM, SSD = "dram", "ssd"
+_PENDING = "pending"
+
+
+class StoreFull(Exception):
+    """Not enough evictable space for a put (RESOURCE_EXHAUSTED); nothing was stored. One put
+    must fit in the dram tier at once."""
+
+
+class BlockRef(NamedTuple):
+    key: bytes          # block key
+    tier: str           # where it was found: dram | ssd (an ssd hit may have been promoted since)
+    offset: int         # slab offset (dram), -1 when the bytes are in `data`
+    length: int         # encoded block bytes
+    data: bytes | None  # the block's bytes when it stays on ssd (could not be promoted)
+
+
+class TierStats(NamedTuple):
+    tier: str            # dram | ssd
+    used_bytes: int      # encoded block bytes held (slab ranges are rounded up to 64 B)
+    capacity_bytes: int  # the tier's configured capacity
+    blocks: int          # blocks held
+    hits: int            # block reads served from this tier
+    evictions: int       # blocks that left this tier for lack of space (demoted or dropped)
+
+
+class StoreStats(NamedTuple):
+    node_id: str
+    tiers: list[TierStats]  # dram first
+    hits: int               # blocks found by reads
+    misses: int             # blocks asked for past the held prefix
+    promotions: int         # ssd -> dram moves
+    demotions: int          # dram -> ssd moves
+    leases: int             # leases held now
+    pending_blocks: int     # blocks reserved by writers, not yet committed
+
+
+class _Entry:
+    __slots__ = ("key", "parent", "tier", "size", "offset", "leases", "doomed")
+
+    def __init__(self, key: bytes, parent: bytes | None, tier: str, size: int, offset: int = -1):
+        self.key, self.parent, self.tier, self.size, self.offset = key, parent, tier, size, offset
+        self.leases = 0
+        self.doomed = False  # reported corrupt while leased: dropped when the last lease goes
+
+
+class _Lease:
+    __slots__ = ("id", "write", "entries", "expires")
+
+    def __init__(self, lease_id: int, write: bool, expires: float):
+        self.id, self.write, self.expires = lease_id, write, expires
+        self.entries: list[_Entry] = []
+
+
+class BlockStore:
+    """The tiers of one node. `events` collects (key, tier or None) changes for the global index."""
+
+    def __init__(self, node_id: str, slab: ShmSlab | None, ssd: SsdTier | None, fingerprint: str = "",
+                 clock: Callable[[], float] = time.monotonic):
+        self.node_id, self.slab, self.ssd, self.fingerprint, self.clock = node_id, slab, ssd, fingerprint, clock
+        self.alloc = SlabAllocator(slab.size if slab else 0)
+        self.ssd_capacity = ssd.capacity if ssd else 0
+        self.ssd_used = 0
+        self.dram_used = 0
+        self._lock = threading.RLock()
+        self._entries: dict[bytes, _Entry] = {}
+        self._order = {DRAM: OrderedDict(), SSD: OrderedDict()}  # oldest first
+        self._children: dict[bytes, int] = {}  # parent key -> cached children
+        self._leases: dict[int, _Lease] = {}
+        self._lease_ids = itertools.count(1)
+        self.events: list[tuple[bytes, str | None]] = []
+        self._hits = {DRAM: 0, SSD: 0}
+        self._evictions = {DRAM: 0, SSD: 0}
+        self.misses = self.promotions = self.demotions = 0
+        if ssd:
+            self._load_ssd()
+
+    # ------------------------------------------------------------------ queries
+
+    def lookup(self, keys: list[bytes]) -> list[str]:
+        """Tiers of the leading held keys (no lease, no LRU touch)."""
+        with self._lock:
+            tiers = []
+            for key in keys:
+                e = self._entries.get(key)
+                if e is None or e.tier == _PENDING:
+                    break
+                tiers.append(e.tier)
+            return tiers
+
+    def count_held(self, keys: list[bytes]) -> int:
+        with self._lock:
+            return sum(1 for k in keys if (e := self._entries.get(k)) is not None and e.tier != _PENDING)
+
+    def holds(self) -> dict[bytes, str]:
+        with self._lock:
+            return {k: e.tier for k, e in self._entries.items() if e.tier != _PENDING}
+
+    def drain_events(self) -> list[tuple[bytes, str | None]]:
+        with self._lock:
+            ev, self.events = self.events, []
+            return ev
+
+    def stats(self) -> StoreStats:
+        with self._lock:
+            count = {DRAM: len(self._order[DRAM]), SSD: len(self._order[SSD])}
+            tiers = [TierStats(DRAM, self.dram_used, self.alloc.size, count[DRAM], self._hits[DRAM], self._evictions[DRAM])]
+            if self.ssd:
+                tiers.append(TierStats(SSD, self.ssd_used, self.ssd_capacity, count[SSD], self._hits[SSD],
+                                       self._evictions[SSD]))
+            pending = sum(1 for e in self._entries.values() if e.tier == _PENDING)
+            return StoreStats(self.node_id, tiers, sum(self._hits.values()), self.misses, self.promotions,
+                              self.demotions, len(self._leases), pending)
+
+    # ------------------------------------------------------------------ reads
+
+    def acquire(self, keys: list[bytes], ttl: float) -> tuple[int, list[BlockRef]]:
+        """Lease the leading held keys for reading (promoting ssd hits); (lease id, their refs)."""
+        with self._lock:
+            lease = _Lease(next(self._lease_ids), False, self.clock() + ttl)
+            refs: list[BlockRef] = []
+            for key in keys:
+                e = self._entries.get(key)
+                if e is None or e.tier == _PENDING or e.doomed:
+                    break
+                e.leases += 1
+                lease.entries.append(e)
+                found, data = e.tier, None
+                if e.tier == SSD:
+                    data = self._read_ssd(e)
+                    if data is None:  # gone or corrupt: a miss from here on
+                        lease.entries.pop()
+                        e.leases -= 1
+                        self._drop(e)
+                        break
+                    if self._promote(e, data):
+                        data = None
+                self._hits[found] += 1
+                self._touch(e)
+                refs.append(BlockRef(key, found, e.offset if data is None else -1, e.size, data))
+            self.misses += len(keys) - len(refs)
+            if lease.entries:
+                self._leases[lease.id] = lease
+                return lease.id, refs
+            return 0, refs
+
+    def read(self, ref: BlockRef) -> memoryview | bytes:
+        """The bytes of a leased block (a view into the slab, or the ssd copy)."""
+        if ref.data is not None:
+            return ref.data
+        return self.slab.view[ref.offset:ref.offset + ref.length]
+
+    # ------------------------------------------------------------------ writes
+
+    def reserve(self, keys: list[bytes], sizes: list[int], parents: list[bytes | None], ttl: float
+                ) -> tuple[int, list[tuple[int, int]]]:
+        """Reserve slab ranges for the keys not held yet; (lease id, [(index in keys, offset)]).
+        Raises StoreFull (nothing reserved) when they cannot fit even after evicting all it may."""
+        with self._lock:
+            todo = [i for i, k in enumerate(keys) if k not in self._entries]
+            seen: set[bytes] = set()
+            todo = [i for i in todo if not (keys[i] in seen or seen.add(keys[i]))]
+            need = sum(SlabAllocator.rounded(sizes[i]) for i in todo)
+            evictable = sum(SlabAllocator.rounded(e.size) for e in self._order[DRAM].values() if not e.leases)
+            if need > self.alloc.size - self.alloc.used + evictable:
+                raise StoreFull(f"put of {len(todo)} blocks needs {need} bytes; dram tier has "
+                                f"{self.alloc.size - self.alloc.used} free and {evictable} evictable of {self.alloc.size}")
+            if not todo:
+                return 0, []
+            lease = _Lease(next(self._lease_ids), True, self.clock() + ttl)
+            out = []
+            for i in todo:
+                off = self._alloc_dram(sizes[i])
+                if off is None:  # fragmentation: undo this reservation
+                    for e in lease.entries:
+                        self.alloc.free(e.offset, e.size)
+                        del self._entries[e.key]
+                    raise StoreFull(f"no contiguous {sizes[i]} bytes in the dram tier")
+                e = _Entry(keys[i], parents[i], _PENDING, sizes[i], off)
+                e.leases = 1
+                self._entries[e.key] = e
+                lease.entries.append(e)
+                out.append((i, off))
+            self._leases[lease.id] = lease
+            return lease.id, out
+
+    def pending(self, lease_id: int) -> list[tuple[bytes, int, int]]:
+        """(key, offset, size) of a write lease's reserved blocks; KeyError if it is not a live write lease."""
+        with self._lock:
+            lease = self._leases[lease_id]
+            if not lease.write:
+                raise KeyError(lease_id)
+            return [(e.key, e.offset, e.size) for e in lease.entries]
+
+    def commit(self, lease_id: int, check: bool = True) -> int:
+        """Make a write lease's blocks visible after checking each (BlockCorrupt: nothing is stored)."""
+        with self._lock:
+            lease = self._leases.get(lease_id)
+            if lease is None or not lease.write:
+                raise KeyError(f"no open write lease {lease_id} (expired or never granted)")
+        if check:  # hashing outside the lock: these ranges belong to the lease alone
+            try:
+                for e in lease.entries:
+                    check_block(self.slab.view[e.offset:e.offset + e.size], self.fingerprint)
+            except BlockCorrupt:
+                self.release(lease_id)
+                raise
+        with self._lock:
+            if self._leases.pop(lease_id, None) is None:
+                raise KeyError(f"write lease {lease_id} expired before its commit")
+            for e in lease.entries:
+                e.tier, e.leases = DRAM, 0
+                self.dram_used += e.size
+                self._order[DRAM][e.key] = e
+                if e.parent is not None:
+                    self._children[e.parent] = self._children.get(e.parent, 0) + 1
+                self.events.append((e.key, DRAM))
+            return len(lease.entries)
+
+    def put(self, keys: list[bytes], blocks: list[bytes], parents: list[bytes | None], ttl: float = 60.0) -> int:
+        """Store encoded blocks in one step (reserve, copy, commit); the count newly stored."""
+        lease_id, slots = self.reserve(keys, [len(b) for b in blocks], parents, ttl)
+        for i, off in slots:
+            self.slab.view[off:off + len(blocks[i])] = blocks[i]
+        return self.commit(lease_id) if slots else 0
+
+    # ------------------------------------------------------------------ leases
+
+    def renew(self, lease_id: int, ttl: float) -> bool:
+        with self._lock:
+            lease = self._leases.get(lease_id)
+            if lease is None:
+                return False
+            lease.expires = self.clock() + ttl
+            return True
+
+    def release(self, lease_id: int, corrupt: list[bytes] = ()) -> bool:
+        """End a lease: a read lease unpins its blocks (dropping those reported corrupt), a write
+        lease is aborted (its reserved ranges freed). False if it was not held."""
+        with self._lock:
+            bad = set(corrupt)
+            lease = self._leases.pop(lease_id, None)
+            if lease is None:
+                for key in bad:  # reported outside a lease (the gRPC path's lease ended with its stream)
+                    e = self._entries.get(key)
+                    if e is not None and e.tier != _PENDING:
+                        e.doomed = True
+                        if not e.leases:
+                            self._drop(e)
+                return False
+            for e in lease.entries:
+                if lease.write:
+                    self.alloc.free(e.offset, e.size)
+                    del self._entries[e.key]
+                    continue
+                e.doomed |= e.key in bad
+                e.leases -= 1
+                if e.leases == 0 and e.doomed and self._entries.get(e.key) is e:
+                    self._drop(e)
+            return True
+
+    def expire(self) -> int:
+        """Release every lease past its expiry (its holder died or forgot); how many."""
+        now = self.clock()
+        with self._lock:
+            dead = [i for i, lease in self._leases.items() if lease.expires < now]
+            for i in dead:
+                self.release(i)
+            return len(dead)
+
+    def persist(self) -> int:
+        """Copy dram blocks into free ssd space (most recent first, evicting nothing), so that a
+        graceful stop loses as little as it can; how many. Used when the node stops."""
+        if not self.ssd:
+            return 0
+        n = 0
+        with self._lock:
+            for e in reversed(list(self._order[DRAM].values())):
+                if self.ssd_used + e.size > self.ssd_capacity:
+                    continue
+                self.ssd.put(e.key, bytes(self.slab.view[e.offset:e.offset + e.size]), e.parent)
+                self.ssd_used += e.size
+                n += 1
+            self.ssd.sync()
+        return n
+
+    # ------------------------------------------------------------------ internals (lock held)
+
+    def _touch(self, e: _Entry) -> None:
+        self._order[e.tier].move_to_end(e.key)
+
+    def _victim(self, tier: str, leaves_only: bool = False) -> _Entry | None:
+        """Least recently used unleased block of the tier, leaves (no cached child) first."""
+        fallback = None
+        for key, e in self._order[tier].items():
+            if e.leases:
+                continue
+            if not self._children.get(key):
+                return e
+            if fallback is None and not leaves_only:
+                fallback = e
+        return fallback
+
+    def _alloc_dram(self, size: int) -> int | None:
+        while True:
+            off = self.alloc.alloc(size)
+            if off is not None:
+                return off
+            victim = self._victim(DRAM)
+            if victim is None:
+                return None
+            self._evictions[DRAM] += 1
+            self._demote(victim)
+
+    def _make_room_ssd(self, size: int) -> bool:
+        if size > self.ssd_capacity:
+            return False
+        while self.ssd_used + size > self.ssd_capacity:
+            # Dropping a parent would orphan its children: when the ssd holds no evictable leaf,
+            # the block being demoted is dropped instead.
+            victim = self._victim(SSD, leaves_only=True)
+            if victim is None:
+                return False
+            self._evictions[SSD] += 1
+            self._drop(victim)
+        return True
+
+    def _demote(self, e: _Entry) -> None:
+        if not (self.ssd and self._make_room_ssd(e.size)):
+            self._drop(e)
+            return
+        data = bytes(self.slab.view[e.offset:e.offset + e.size])
+        self.alloc.free(e.offset, e.size)
+        self.dram_used -= e.size
+        del self._order[DRAM][e.key]
+        self.ssd.put(e.key, data, e.parent)
+        self.ssd_used += e.size
+        e.tier, e.offset = SSD, -1
+        self._order[SSD][e.key] = e
+        self.demotions += 1
+        self.events.append((e.key, SSD))
+
+    def _promotable(self, size: int) -> bool:
+        evictable = sum(SlabAllocator.rounded(x.size) for x in self._order[DRAM].values() if not x.leases)
+        return SlabAllocator.rounded(size) <= self.alloc.size - self.alloc.used + evictable
+
+    def _promote(self, e: _Entry, data: bytes) -> bool:
+        """Move a leased ssd block into dram; False (it stays on ssd) when dram cannot take it."""
+        if not self._promotable(e.size):
+            return False
+        # Leave ssd first, so that blocks demoted to make room can use its space.
+        del self._order[SSD][e.key]
+        self.ssd_used -= e.size
+        self.ssd.delete(e.key)
+        off = self._alloc_dram(e.size)
+        if off is None:  # fragmentation: back to ssd
+            self._order[SSD][e.key] = e
+            self.ssd_used += e.size
+            self.ssd.put(e.key, data, e.parent)
+            return False
+        self.slab.view[off:off + e.size] = data
+        e.tier, e.offset = DRAM, off
+        self.dram_used += e.size
+        self._order[DRAM][e.key] = e
+        self.promotions += 1
+        self.events.append((e.key, DRAM))
+        return True
+
+    def _read_ssd(self, e: _Entry) -> bytes | None:
+        data = self.ssd.get(e.key)
+        if data is None or len(data) != e.size:
+            return None
+        try:
+            check_block(data)
+        except BlockCorrupt:
+            return None
+        return data
+
+    def _drop(self, e: _Entry) -> None:
+        """Remove a block from this node entirely."""
+        del self._order[e.tier][e.key]
+        if e.tier == DRAM:
+            self.alloc.free(e.offset, e.size)
+            self.dram_used -= e.size
+        else:
+            self.ssd_used -= e.size
+            self.ssd.delete(e.key)
+        del self._entries[e.key]
+        if e.parent is not None:
+            n = self._children.get(e.parent, 0) - 1
+            if n > 0:
+                self._children[e.parent] = n
+            else:
+                self._children.pop(e.parent, None)
+        self.events.append((e.key, None))
+
+    def _load_ssd(self) -> None:
+        """Find the blocks a previous run left on ssd (oldest first is unknown: scan order)."""
+        for key, size, parent in self.ssd.scan():
+            if self.ssd_used + size > self.ssd_capacity:  # capacity shrank since: drop the rest
+                self.ssd.delete(key)
+                continue
+            e = _Entry(key, parent, SSD, size)
+            self._entries[key] = e
+            self._order[SSD][key] = e
+            self.ssd_used += size
+            if parent is not None:
+                self._children[parent] = self._children.get(parent, 0) + 1
+            self.events.append((key, SSD))

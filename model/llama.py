@@ -1,0 +1,279 @@
+"""The Llama-family decoder with a paged KV cache: `prefill` (a prompt or its continuation) and batched `decode`."""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import kernels
+from model.config import ModelConfig
+from model.kv_pool import KVPool
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """Rotary inverse frequencies [head_dim/2] in fp32, with the checkpoint's scaling applied."""
+    d = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    scaling = config.rope_scaling or {}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "default":
+        return inv_freq
+    if kind == "linear":
+        return inv_freq / float(scaling["factor"])
+    if kind == "llama3":
+        factor = float(scaling["factor"])
+        low, high = float(scaling.get("low_freq_factor", 1.0)), float(scaling.get("high_freq_factor", 4.0))
+        old_len = float(scaling.get("original_max_position_embeddings", 8192))
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        mid = (1 - smooth) * scaled / factor + smooth * scaled
+        is_mid = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+        return torch.where(is_mid, mid, scaled)
+    raise ValueError(f"unsupported rope scaling {kind!r} (supported: default, linear, llama3)")
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, weight.shape, weight, eps)
+    # Low-precision activations: normalise in fp32 as the reference implementation does.
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def _heads_first(x: torch.Tensor) -> torch.Tensor:
+    """[T, heads, D] -> [1, heads, T, D]: SDPA takes its CPU flash kernel only for 4-D inputs."""
+    return x.transpose(0, 1)[None]
+
+
+class LlamaLayer(nn.Module):
+    """One decoder layer; Q, K, V and gate, up are fused into one matmul each."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        h = config.hidden_size
+        self.input_norm = nn.Parameter(torch.ones(h))
+        self.qkv_proj = nn.Parameter(torch.empty(config.q_size + 2 * config.kv_size, h))
+        self.o_proj = nn.Parameter(torch.empty(h, config.q_size))
+        self.post_norm = nn.Parameter(torch.ones(h))
+        self.gate_up_proj = nn.Parameter(torch.empty(2 * config.intermediate_size, h))
+        self.down_proj = nn.Parameter(torch.empty(h, config.intermediate_size))
+
+
+class LlamaModel(nn.Module):
+    """RMSNorm, RoPE, grouped-query attention, SwiGLU; tied or untied embeddings."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Parameter(torch.empty(config.vocab_size, config.hidden_size))
+        self.layers = nn.ModuleList(LlamaLayer(config) for _ in range(config.num_layers))
+        self.norm = nn.Parameter(torch.ones(config.hidden_size))
+        self.lm_head = None if config.tie_word_embeddings else nn.Parameter(torch.empty(config.vocab_size, config.hidden_size))
+        self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
+        self.scale = config.head_dim**-0.5
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.device
+
+    # ---- weights in HF naming (LlamaForCausalLM), for loaders and exporters ----
+
+    def load_hf_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
+        """Copy weights named as in HF's LlamaForCausalLM (q/k/v and gate/up are fused here)."""
+        missing = []
+
+        def take(name: str) -> torch.Tensor:
+            if name not in sd:
+                missing.append(name)
+                return torch.empty(0)
+            return sd[name]
+
+        with torch.no_grad():
+            self._copy(self.embed_tokens, take("model.embed_tokens.weight"), "model.embed_tokens.weight")
+            self._copy(self.norm, take("model.norm.weight"), "model.norm.weight")
+            if self.lm_head is not None:
+                self._copy(self.lm_head, take("lm_head.weight"), "lm_head.weight")
+            for i, layer in enumerate(self.layers):
+                p = f"model.layers.{i}."
+                parts = [take(p + f"self_attn.{n}_proj.weight") for n in "qkv"]
+                gate_up = [take(p + f"mlp.{n}_proj.weight") for n in ("gate", "up")]
+                if missing:
+                    break
+                self._copy(layer.input_norm, take(p + "input_layernorm.weight"), p + "input_layernorm.weight")
+                self._copy(layer.qkv_proj, torch.cat(parts), p + "self_attn.qkv")
+                self._copy(layer.o_proj, take(p + "self_attn.o_proj.weight"), p + "self_attn.o_proj.weight")
+                self._copy(layer.post_norm, take(p + "post_attention_layernorm.weight"), p + "post_attention_layernorm.weight")
+                self._copy(layer.gate_up_proj, torch.cat(gate_up), p + "mlp.gate_up")
+                self._copy(layer.down_proj, take(p + "mlp.down_proj.weight"), p + "mlp.down_proj.weight")
+        if missing:
+            raise ValueError(f"checkpoint lacks tensors: {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
+
+    @staticmethod
+    def _copy(param: torch.Tensor, value: torch.Tensor, name: str) -> None:
+        if tuple(value.shape) != tuple(param.shape):
+            raise ValueError(f"tensor {name}: shape {tuple(value.shape)} does not match the config's {tuple(param.shape)}")
+        param.copy_(value)
+
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        """The weights named as in HF's LlamaForCausalLM (fp32 copies)."""
+        c = self.config
+        sd = {"model.embed_tokens.weight": self.embed_tokens, "model.norm.weight": self.norm}
+        if self.lm_head is not None:
+            sd["lm_head.weight"] = self.lm_head
+        for i, layer in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            q, k, v = layer.qkv_proj.split([c.q_size, c.kv_size, c.kv_size])
+            gate, up = layer.gate_up_proj.split([c.intermediate_size] * 2)
+            sd.update({
+                p + "input_layernorm.weight": layer.input_norm,
+                p + "self_attn.q_proj.weight": q,
+                p + "self_attn.k_proj.weight": k,
+                p + "self_attn.v_proj.weight": v,
+                p + "self_attn.o_proj.weight": layer.o_proj,
+                p + "post_attention_layernorm.weight": layer.post_norm,
+                p + "mlp.gate_proj.weight": gate,
+                p + "mlp.up_proj.weight": up,
+                p + "mlp.down_proj.weight": layer.down_proj,
+            })
+        return {k: v.detach().float().contiguous().clone() for k, v in sd.items()}
+
+    # ---- forward pieces ----
+
+    def _rope_table(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) [N, 1, head_dim/2] for positions [N], computed in fp32 once per forward (as HF), in the model dtype."""
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        return freqs.cos().to(self.dtype)[:, None, :], freqs.sin().to(self.dtype)[:, None, :]
+
+    @staticmethod
+    def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Rotate x [N, heads, head_dim] (rotate-half layout, as HF)."""
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+    def _qkv(self, layer: LlamaLayer, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]):
+        c = self.config
+        h = _rms_norm(x, layer.input_norm, c.rms_norm_eps)
+        qkv = F.linear(h, layer.qkv_proj)
+        n = x.shape[0]
+        qk = self._rope(qkv[:, : c.q_size + c.kv_size].view(n, c.num_heads + c.num_kv_heads, c.head_dim), *rope)
+        q, k = qk.split([c.num_heads, c.num_kv_heads], dim=1)
+        v = qkv[:, c.q_size + c.kv_size :].view(n, c.num_kv_heads, c.head_dim)
+        return q, k, v
+
+    def _mlp(self, layer: LlamaLayer, x: torch.Tensor) -> torch.Tensor:
+        h = _rms_norm(x, layer.post_norm, self.config.rms_norm_eps)
+        gate, up = F.linear(h, layer.gate_up_proj).chunk(2, dim=-1)
+        return x + F.linear(F.silu(gate) * up, layer.down_proj)
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        x = _rms_norm(x, self.norm, self.config.rms_norm_eps)
+        return F.linear(x, self.embed_tokens if self.lm_head is None else self.lm_head).float()
+
+    def _check_tokens(self, token_ids: torch.Tensor) -> None:
+        if token_ids.numel() and (int(token_ids.min()) < 0 or int(token_ids.max()) >= self.config.vocab_size):
+            raise ValueError(f"token id out of range [0, {self.config.vocab_size})")
+
+    # ---- entry points ----
+
+    @torch.inference_mode()
+    def prefill(
+        self,
+        token_ids: torch.Tensor,
+        pool: KVPool,
+        block_table: list[int],
+        start_pos: int = 0,
+        on_layer_done: Callable[[int], None] | None = None,
+        last_only: bool = False,
+    ) -> torch.Tensor:
+        """Compute positions [start_pos, start_pos+T), the KV of [0, start_pos) being in the pool already.
+
+        Writes the new KV into the pool at the slots `block_table` names; returns fp32 logits [T, vocab]
+        ([1, vocab] with last_only). on_layer_done(l) runs after layer l's KV is written.
+        """
+        c, bs = self.config, pool.block_size
+        token_ids = torch.as_tensor(token_ids, dtype=torch.long, device=self.device).reshape(-1)
+        t = token_ids.numel()
+        end = start_pos + t
+        if t == 0:
+            raise ValueError("prefill needs at least one token")
+        if start_pos < 0:
+            raise ValueError(f"start_pos must be >= 0, got {start_pos}")
+        if end > c.max_position_embeddings:
+            raise ValueError(f"positions up to {end} exceed the context window of {c.max_position_embeddings} tokens")
+        n_blocks = -(-end // bs)
+        if len(block_table) < n_blocks:
+            raise ValueError(f"block table has {len(block_table)} blocks, {n_blocks} needed for {end} tokens")
+        self._check_tokens(token_ids)
+
+        positions = torch.arange(start_pos, end, device=self.device)
+        table = torch.as_tensor(block_table[:n_blocks], dtype=torch.long, device=self.device)
+        slot_block, slot_off = table[positions // bs], positions % bs
+        direct = start_pos == 0 and pool.dtype == self.dtype  # no cached prefix: attend to the fresh K/V
+        if not direct:
+            key_pos = torch.arange(end, device=self.device)
+            mask = key_pos[None, :] <= positions[:, None]  # causal over prefix + new tokens
+
+        rope = self._rope_table(positions)
+        x = self.embed_tokens[token_ids]
+        for li, layer in enumerate(self.layers):
+            q, k, v = self._qkv(layer, x, rope)
+            k_cache, v_cache = pool.layer_kv(li)
+            k_cache[slot_block, slot_off] = k.to(pool.dtype)
+            v_cache[slot_block, slot_off] = v.to(pool.dtype)
+            if on_layer_done is not None:
+                on_layer_done(li)
+            if direct:
+                attn = F.scaled_dot_product_attention(
+                    _heads_first(q), _heads_first(k), _heads_first(v), is_causal=True, scale=self.scale, enable_gqa=True
+                )
+            else:
+                ks = k_cache[table].reshape(n_blocks * bs, c.num_kv_heads, c.head_dim)[:end].to(q.dtype)
+                vs = v_cache[table].reshape(n_blocks * bs, c.num_kv_heads, c.head_dim)[:end].to(q.dtype)
+                attn = F.scaled_dot_product_attention(
+                    _heads_first(q), _heads_first(ks), _heads_first(vs), attn_mask=mask, scale=self.scale, enable_gqa=True
+                )
+            x = x + F.linear(attn[0].transpose(0, 1).reshape(t, c.q_size), layer.o_proj)
+            x = self._mlp(layer, x)
+        if last_only:
+            x = x[-1:]
+        return self._logits(x)
+
+    @torch.inference_mode()
+    def decode(
+        self,
+        token_ids: torch.Tensor,
+        pool: KVPool,
+        block_tables: torch.Tensor,
+        positions: torch.Tensor,
+    ) -> torch.Tensor:
+        """One new token per sequence at positions[i] (its KV written there), attending over [0, pos]; fp32 logits [B, vocab]."""
+        c, bs = self.config, pool.block_size
+        token_ids = token_ids.to(device=self.device, dtype=torch.long)
+        positions = positions.to(device=self.device, dtype=torch.long)
+        block_tables = block_tables.to(device=self.device, dtype=torch.int32)
+        b = token_ids.shape[0]
+        slot_block = block_tables.gather(1, (positions // bs)[:, None]).squeeze(1).long()
+        slot_off = positions % bs
+        seq_lens = (positions + 1).to(torch.int32)
+
+        rope = self._rope_table(positions)
+        x = self.embed_tokens[token_ids]
+        for li, layer in enumerate(self.layers):
+            q, k, v = self._qkv(layer, x, rope)
+            k_cache, v_cache = pool.layer_kv(li)
+            k_cache[slot_block, slot_off] = k.to(pool.dtype)
+            v_cache[slot_block, slot_off] = v.to(pool.dtype)
+            attn = kernels.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, self.scale)
+            x = x + F.linear(attn.reshape(b, c.q_size).to(x.dtype), layer.o_proj)
+            x = self._mlp(layer, x)
+        return self._logits(x)

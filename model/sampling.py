@@ -1,0 +1,64 @@
+"""Sampling: greedy, temperature, top-k, top-p, seeded per request."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 64
+    temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0  # nucleus mass kept (1.0: all)
+    top_k: int = 0  # tokens kept (0: all)
+    seed: int = 0  # seeds this request's generator (sampled decoding is reproducible)
+    stop: tuple[str, ...] = ()  # stop when the decoded text contains one of these
+    ignore_eos: bool = False
+    stop_token_ids: tuple[int, ...] = ()  # extra token ids that end the sequence
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def generator(self, device: torch.device | str = "cpu") -> torch.Generator | None:
+        """A fresh generator seeded for this request (None when greedy)."""
+        return None if self.greedy else torch.Generator(device=device).manual_seed(self.seed)
+
+
+def sample(
+    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None] | None = None
+) -> torch.Tensor:
+    """Next token per row of logits [B, V] (greedy rows by argmax); LongTensor [B]."""
+    out = logits.argmax(dim=-1)
+    if all(p.greedy for p in params):
+        return out
+    for i, p in enumerate(params):
+        if p.greedy:
+            continue
+        row = logits[i].float() / p.temperature
+        if p.top_k and p.top_k < row.numel():
+            kth = torch.topk(row, p.top_k).values[-1]
+            row = row.masked_fill(row < kth, float("-inf"))
+        if p.top_p < 1.0:
+            sorted_logits, order = row.sort(descending=True)
+            probs = sorted_logits.softmax(-1)
+            # Drop a token when the mass before it already reaches top_p (the top token always stays).
+            drop = probs.cumsum(-1) - probs >= p.top_p
+            row = row.scatter(0, order, sorted_logits.masked_fill(drop, float("-inf")))
+        gen = generators[i] if generators else None
+        out[i] = torch.multinomial(row.softmax(-1), 1, generator=gen)[0]
+    return out

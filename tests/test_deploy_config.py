@@ -1,0 +1,77 @@
+"""Cluster config loading (YAML + --set overrides) and worker placement, without starting anything."""
+
+from pathlib import Path
+
+import pytest
+
+from deploy import ClusterConfig, NodeView, load_cluster_config, parse_overrides, place_workers
+
+CONFIGS = Path(__file__).resolve().parents[1] / "deploy" / "configs"
+
+
+def test_parse_overrides_nests_and_reads_yaml_scalars():
+    assert parse_overrides(["prefill_workers=2", "prefill.num_blocks=512", "ray.address=auto",
+                            "store.dram_bytes=1e3", "model=tiny-random", "placement.gpus_per_worker=0.5"]) == {
+        "prefill_workers": 2, "prefill": {"num_blocks": 512}, "ray": {"address": "auto"},
+        "store": {"dram_bytes": "1e3"}, "model": "tiny-random", "placement": {"gpus_per_worker": 0.5}}
+    with pytest.raises(ValueError, match="KEY=VALUE"):
+        parse_overrides(["prefill_workers"])
+
+
+def test_local_config_loads_with_overrides():
+    cfg = load_cluster_config(None, ["model=tiny-random", "decode_workers=2", "prefill.num_blocks=77"])
+    assert isinstance(cfg, ClusterConfig)
+    assert cfg.model == "tiny-random" and cfg.decode_workers == 2
+    # cluster-wide values reach every server config that has such a field, unless the section sets its own
+    assert cfg.prefill.model == cfg.decode.model == "tiny-random"
+    assert cfg.prefill.num_blocks == 77
+    assert cfg.prefill.block_size == cfg.decode.block_size == cfg.block_size
+    assert cfg.ray.address == ""
+    joined = load_cluster_config(CONFIGS / "local.yaml", [], ray_address="auto")
+    assert joined.ray.address == "auto"
+
+
+@pytest.mark.parametrize("override, words", [
+    ("prefil.num_blocks=3", "unknown key"),
+    ("prefill.num_blockz=3", "num_blockz"),
+    ("ray.adress=auto", "adress"),
+    ("prefill_workers=0", "prefill_workers"),
+    ("prefill=7", "mapping"),
+    ("decode.dtype=int3", "dtype"),
+])
+def test_bad_overrides_name_the_key(override, words):
+    with pytest.raises(ValueError, match=words):
+        load_cluster_config(None, [override])
+
+
+def test_every_shipped_config_loads():
+    names = sorted(p.name for p in CONFIGS.glob("*.yaml"))
+    assert "local.yaml" in names and "multinode.yaml" in names
+    for p in CONFIGS.glob("*.yaml"):
+        load_cluster_config(p)
+
+
+def _nodes():
+    return [
+        NodeView("head", "10.0.0.1", {"CPU": 8.0}),
+        NodeView("gpu-a", "10.0.0.2", {"CPU": 16.0, "GPU": 2.0, "prefill": 1.0}),
+        NodeView("gpu-b", "10.0.0.3", {"CPU": 16.0, "GPU": 1.0, "decode": 1.0}),
+        NodeView("cpu-c", "10.0.0.4", {"CPU": 16.0, "prefill": 1.0}),
+    ]
+
+
+def test_placement_prefers_nodes_with_the_role_resource_and_asks_for_gpus_there():
+    pre = place_workers(_nodes(), 3, "prefill", 0.01, 1.0)
+    assert [p.node_id for p in pre] == ["gpu-a", "cpu-c", "gpu-a"]
+    assert [p.num_gpus for p in pre] == [1.0, 0.0, 1.0]
+    assert all(p.resources == {"prefill": 0.01} for p in pre)
+    dec = place_workers(_nodes(), 2, "decode", 0.01, 0.5)
+    assert [(p.node_id, p.num_gpus, p.ip) for p in dec] == [("gpu-b", 0.5, "10.0.0.3")] * 2
+
+
+def test_placement_without_tagged_nodes_uses_every_node_and_reserves_nothing():
+    nodes = [NodeView("a", "1", {"CPU": 2.0}), NodeView("b", "2", {"CPU": 2.0, "GPU": 1.0})]
+    got = place_workers(nodes, 3, "prefill", 0.01, 1.0)
+    assert [(p.node_id, p.num_gpus, p.resources) for p in got] == [("a", 0.0, {}), ("b", 1.0, {}), ("a", 0.0, {})]
+    with pytest.raises(RuntimeError):
+        place_workers([], 1, "prefill", 0.01, 1.0)

@@ -1,0 +1,231 @@
+"""A real Ray launch on tiny-random: store node, 1 prefill, 1 decode, the conductor; Generate, status,
+a small replay, and shutdowns (in-process and `halfmoon serve` + SIGTERM) that leave no process behind."""
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import urllib.request
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from client import AsyncClient, Client, Scaling, replay_trace
+from client.cli import main as cli_main
+from deploy import Cluster, load_cluster_config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _overrides(tmp: Path) -> list[str]:
+    return [
+        "model=tiny-random", "conductor.port=0", "ray.num_cpus=2", "health_timeout_s=120",
+        f"store.ssd_dir={tmp}/ssd-{{node_id}}", "store.dram_bytes=67108864", "store.ssd_bytes=268435456",
+        "prefill.num_blocks=128", "decode.num_blocks=128",
+    ]
+
+
+def _descendants(pid: int) -> set[int]:
+    try:
+        return {p.pid for p in psutil.Process(pid).children(recursive=True)}
+    except psutil.NoSuchProcess:
+        return set()
+
+
+def _alive(pids) -> list[str]:
+    out = []
+    for pid in pids:
+        try:
+            p = psutil.Process(pid)
+            if p.status() != psutil.STATUS_ZOMBIE:
+                out.append(f"{pid} {p.name()}")
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+def _wait_gone(pids, timeout_s=20.0) -> list[str]:
+    deadline = time.monotonic() + timeout_s
+    while (left := _alive(pids)) and time.monotonic() < deadline:
+        time.sleep(0.25)
+    return left
+
+
+def _free_port_run(n: int) -> int:
+    """A port p with p..p+n-1 all free on 127.0.0.1 right now."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        if base + n > 65535:
+            continue
+        try:
+            socks = []
+            for i in range(n):
+                socks.append(socket.socket())
+                socks[-1].bind(("127.0.0.1", base + i))
+            return base
+        except OSError:
+            continue
+        finally:
+            for x in socks:
+                x.close()
+    raise RuntimeError("no run of free ports")
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    metrics = _free_port_run(4)
+    cfg = load_cluster_config(None, _overrides(tmp_path_factory.mktemp("cluster")) + [f"metrics_base_port={metrics}"])
+    c = Cluster(cfg, log=lambda m: print(m, file=sys.stderr))
+    c.start()
+    started = _descendants(os.getpid())
+    yield c, started
+    c.stop()
+
+
+def test_a_server_that_cannot_start_stops_the_whole_launch(tmp_path):
+    before = _descendants(os.getpid())
+    with socket.socket() as taken:  # the conductor's port is held by someone else
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        cfg = load_cluster_config(None, _overrides(tmp_path) + [f"conductor.port={port}"])
+        c = Cluster(cfg, log=lambda m: None)
+        with pytest.raises(Exception, match=str(port)):
+            c.start()
+    assert _wait_gone(_descendants(os.getpid()) - before) == []
+    assert c.address == "" and not c._actors
+
+
+def test_servers_are_up_where_expected(cluster):
+    c, started = cluster
+    roles = sorted(s.role for s in c.servers)
+    assert roles == ["conductor", "decode", "prefill", "store"]
+    assert c.address.startswith("127.0.0.1:")
+    assert {s.pid for s in c.servers} <= started  # every server is a process this launch started
+
+
+def test_generate_through_the_cluster_matches_the_reference(cluster):
+    from model import Engine, SamplingParams, load_model
+
+    c, _ = cluster
+    lm = load_model("tiny-random")
+    prompt = lm.tokenizer.encode("halfmoon serves a tiny model")
+    want = Engine(lm).generate(prompt, SamplingParams(max_tokens=12, ignore_eos=True))
+    with Client(c.address) as client:
+        chunks = list(client.generate_stream(token_ids=prompt, max_tokens=12, ignore_eos=True))
+        again = client.generate(token_ids=prompt, max_tokens=12, ignore_eos=True)  # warm: the prefix is cached
+    got = [t for ch in chunks for t in ch.token_ids]
+    assert got == want
+    assert chunks[-1].finished and chunks[-1].usage.completion_tokens == 12
+    assert again.token_ids == want and again.ttft_ms > 0
+
+    async def async_generate():
+        async with AsyncClient(c.address) as ac:
+            return await ac.generate(token_ids=prompt, max_tokens=12, ignore_eos=True)
+
+    assert asyncio.run(async_generate()).token_ids == want
+
+
+def test_generate_command_streams_text_and_json(cluster, capsys):
+    c, _ = cluster
+    assert cli_main(["generate", "hello there", "--address", c.address, "--max-tokens", "6"]) == 0
+    captured = capsys.readouterr()
+    assert "tokens" in captured.err and "prefill-0 -> decode-0" in captured.err
+    assert cli_main(["generate", "hello there", "--address", c.address, "--max-tokens", "6", "--json"]) == 0
+    records = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert records[-1]["finished"] and records[-1]["usage"]["completion_tokens"] == sum(
+        len(r["token_ids"]) for r in records) <= 6
+    assert "".join(r["text"] for r in records).strip() in captured.out  # --json carries the same text
+    # bad input is one error line, and the cluster keeps serving
+    assert cli_main(["generate", "hi", "--address", c.address, "--max-tokens", "0"]) == 2
+    assert capsys.readouterr().err.startswith("error: INVALID_ARGUMENT")
+    assert cli_main(["generate", "hi", "--address", c.address, "--max-tokens", "2"]) == 0
+
+
+def test_every_server_exports_prometheus_metrics(cluster):
+    c, _ = cluster
+    base = c.cfg.metrics_base_port
+    for i, server in enumerate(c.servers):  # ports are handed out in start order
+        with urllib.request.urlopen(f"http://127.0.0.1:{base + i}/metrics", timeout=10) as r:
+            text = r.read().decode()
+        assert "# TYPE" in text, f"{server.name} on port {base + i}"
+
+
+def test_status_command_prints_the_cluster(cluster, capsys):
+    c, _ = cluster
+    assert cli_main(["status", "--address", c.address]) == 0
+    out = capsys.readouterr().out
+    for name in ("prefill-0", "decode-0", "store-0", "tiny-random"):
+        assert name in out
+    assert cli_main(["status", "--address", c.address, "--json"]) == 0
+    status = json.loads(capsys.readouterr().out)
+    assert {w["kind"] for w in status["workers"]} == {"prefill", "decode"}
+
+
+def test_replay_compares_policies_on_the_cluster(cluster, tmp_path):
+    c, _ = cluster
+    trace = tmp_path / "t.jsonl"
+    # three requests share a two-block prefix; the fourth shares nothing (512-token trace blocks -> 16 tokens)
+    rows = [(0, [1, 2, 3]), (400, [1, 2, 4]), (800, [1, 2, 5]), (1200, [9])]
+    trace.write_text("".join(json.dumps({"timestamp": t, "input_length": 512 * len(ids), "output_length": 3,
+                                         "hash_ids": ids}) + "\n" for t, ids in rows))
+    result = replay_trace(c.address, trace, scaling=Scaling(length_scale=16 / 512, time_scale=1.0),
+                          policies=["mooncake", "cache_off"], ttft_slo_ms=60_000, tbt_slo_ms=60_000,
+                          output_dir=tmp_path / "out", progress=False)
+    by = {r.policy: r for r in result.reports}
+    assert by["mooncake"].done == by["cache_off"].done == 4
+    assert by["mooncake"].slo_attainment == 1.0
+    assert by["cache_off"].prefill_tokens_saved == 0
+    assert by["mooncake"].prompt_tokens == by["cache_off"].prompt_tokens == 3 * 48 + 16
+    assert by["cache_off"].prefill_tokens_computed == 3 * 48 + 16
+    # the later two requests reuse the shared two blocks (the cluster may cache more, never less)
+    assert by["mooncake"].prefill_tokens_saved >= 2 * 32
+    assert (tmp_path / "out" / "records-mooncake.jsonl").is_file() and result.png.is_file()
+
+
+def test_replay_command_on_the_shipped_trace(cluster, tmp_path, capsys):
+    c, _ = cluster
+    shipped = ROOT.parent / "shared" / "traces" / "synthetic_trace.jsonl"
+    if not shipped.is_file():
+        pytest.skip("the shipped trace is not beside this checkout")
+    out = tmp_path / "replay"
+    assert cli_main(["replay", str(shipped), "--address", c.address, "--limit", "3", "--length-scale", "0.004",
+                     "--time-scale", "0.2", "--max-output", "2", "--output", str(out)]) == 0
+    last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])  # the run ends with one JSON line
+    assert last["reports"][0]["requests"] == 3 and last["reports"][0]["done"] == 3
+    assert {p.name for p in out.iterdir()} == {"records-default.jsonl", "report.json", "report.txt", "cdf.png"}
+
+
+def test_in_process_stop_leaves_no_process(cluster):
+    c, started = cluster
+    assert started and _alive(started)
+    c.stop()  # the fixture's stop afterwards is a no-op
+    assert c.address == ""
+    assert _wait_gone(started) == []
+
+
+def test_serve_command_stops_everything_on_sigterm(tmp_path):
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    cmd = [sys.executable, "-m", "client.cli", "serve", *[x for o in _overrides(tmp_path) for x in ("--set", o)]]
+    log = open(tmp_path / "serve.log", "w")  # a file, not a pipe: nobody drains it while the test runs
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=log, text=True)
+    try:
+        address = proc.stdout.readline().strip()  # the first stdout line is the conductor's address
+        assert address.startswith("127.0.0.1:"), (tmp_path / "serve.log").read_text()
+        spawned = _descendants(proc.pid)
+        assert len(spawned) >= 5  # Ray's own processes and the four servers
+        assert cli_main(["status", "--address", address]) == 0
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        log.close()
+    assert _wait_gone(spawned) == []

@@ -1,0 +1,521 @@
+"""The store node and its client: tiers, eviction, leases, corruption, durability, bad input."""
+
+from __future__ import annotations
+
+import os
+
+import grpc
+import pytest
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from kvstore import (LookupResult, StoreClient, StoreConfig, StoreFull, StoreNode, block_keys,
+                     decode_block, encode_block, parse_header)
+from kvstore.device import DeviceTier
+from kvstore.slab import SlabAllocator
+from protos import kvstore_pb2 as pb
+from protos import kvstore_pb2_grpc as pb_grpc
+
+FP = "test-model"
+SHAPE = (2, 2, 4, 2, 8)  # [layers, K/V, tokens, kv heads, head dim]
+BLOCK = len(encode_block(torch.zeros(SHAPE), FP))
+
+
+def blocks(n: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn((n, *SHAPE), generator=g)
+
+
+def chain(n: int, start: int = 0) -> list[bytes]:
+    return block_keys(list(range(start, start + 4 * n)), 4, FP)
+
+
+@pytest.fixture
+def make_node(tmp_path):
+    nodes = []
+
+    def make(dram_blocks=8, ssd_blocks=0, **kw):
+        cfg = StoreConfig(node_id=f"n{len(nodes)}", dram_bytes=dram_blocks * BLOCK,
+                          ssd_dir=str(tmp_path / f"ssd{len(nodes)}") if ssd_blocks else "",
+                          ssd_bytes=ssd_blocks * BLOCK, model_fingerprint=FP, **kw)
+        node = StoreNode(cfg)
+        node.start()
+        nodes.append(node)
+        return node
+
+    yield make
+    for node in nodes:
+        node.stop()
+
+
+@pytest.fixture(params=["shm", "grpc"])
+def transport(request):
+    return request.param
+
+
+def test_put_get_round_trip(make_node, transport):
+    node = make_node()
+    with StoreClient(node.address, transport=transport) as c:
+        assert c.transport == transport
+        keys, x = chain(5), blocks(5)
+        assert c.put(keys, x, FP) == 5
+        assert c.lookup(keys) == LookupResult(5, ["dram"] * 5)
+        out = torch.zeros(6, *SHAPE)
+        assert c.get_into(keys + chain(1, start=999), out) == 5
+        assert torch.equal(out[:5], x) and not out[5].any()
+        # a held prefix is not rewritten; the put still reports it held
+        assert c.put(keys[:2], blocks(2, seed=7), FP) == 2
+        c.get_into(keys[:2], out)
+        assert torch.equal(out[:2], x[:2])
+        s = c.stats()
+        assert s.hits == 7 and s.misses == 1 and s.leases == 0 and s.pending_blocks == 0
+
+
+def test_layerwise_writer_visible_only_after_commit(make_node, transport):
+    node = make_node()
+    with StoreClient(node.address, transport=transport) as c:
+        keys, x = chain(3), blocks(3, seed=1)
+        w = c.open_put(keys, SHAPE, torch.float32, FP)
+        for layer in range(SHAPE[0]):
+            assert c.lookup(keys).num_blocks == 0
+            w.write_layer(layer, x[:, layer])
+        assert c.lookup(keys).num_blocks == 0
+        assert w.commit().held == 3
+        out = torch.empty(3, *SHAPE)
+        assert c.get_into(keys, out) == 3 and torch.equal(out, x)
+
+        keys2 = chain(2, start=100)
+        w = c.open_put(keys2, SHAPE, torch.float32, FP)
+        w.write_layer(0, blocks(2)[:, 0])
+        w.abort()
+        with pytest.raises(ValueError, match="never written"):
+            c.open_put(keys2, SHAPE, torch.float32, FP).commit()
+        s = c.stats()
+        assert c.lookup(keys2).num_blocks == 0 and s.tiers[0].blocks == 3
+    import time
+    deadline = time.monotonic() + 5
+    while node.store.stats().pending_blocks and time.monotonic() < deadline:
+        time.sleep(0.02)  # a cancelled gRPC stream is noticed by the server a moment later
+    assert node.store.stats().pending_blocks == 0 and node.store.stats().leases == 0
+
+
+def test_leaf_first_lru_eviction(make_node):
+    node = make_node(dram_blocks=4)
+    with StoreClient(node.address) as c:
+        a = chain(3)                 # a0 <- a1 <- a2: only a2 is a leaf
+        c.put(a, blocks(3), FP)
+        b = chain(1, start=500)      # an unrelated leaf, newer than a2
+        c.put(b, blocks(1), FP)
+        c.put(chain(1, start=900), blocks(1), FP)  # needs one slot: the LRU leaf a2 goes, not the older a0
+        assert c.lookup(a).num_blocks == 2 and c.lookup(b).num_blocks == 1
+        out = torch.empty(1, *SHAPE)
+        c.get_into(b, out)           # b is now the most recent
+        c.put(chain(1, start=1300), blocks(1), FP)  # a1 is the leaf now, older than b
+        assert c.lookup(a).num_blocks == 1 and c.lookup(b).num_blocks == 1
+        s = c.stats()
+        assert s.tiers[0].evictions == 2 and s.tiers[0].used_bytes <= s.tiers[0].capacity_bytes
+
+
+def test_demotion_and_promotion(make_node):
+    node = make_node(dram_blocks=2, ssd_blocks=3)
+    with StoreClient(node.address) as c:
+        k = [chain(1, start=100 * i) for i in range(4)]
+        x = blocks(4, seed=5)
+        for i in range(4):
+            c.put(k[i], x[i:i + 1], FP)
+        tiers = [c.lookup(k[i]).tiers for i in range(4)]
+        assert tiers == [["ssd"], ["ssd"], ["dram"], ["dram"]]
+        out = torch.empty(1, *SHAPE)
+        assert c.get_into(k[0], out) == 1 and torch.equal(out[0], x[0])  # an ssd hit ...
+        assert c.lookup(k[0]).tiers == ["dram"] and c.lookup(k[2]).tiers == ["ssd"]  # ... promoted
+        s = c.stats()
+        assert s.promotions == 1 and s.demotions == 3 and s.tiers[1].hits == 1
+        for t in s.tiers:
+            assert t.used_bytes <= t.capacity_bytes
+        for _ in range(3):  # more blocks than both tiers hold: the ssd drops its LRU leaves
+            c.put(chain(1, start=7000 + _), blocks(1), FP)
+        s = c.stats()
+        assert s.tiers[0].blocks == 2 and s.tiers[1].blocks == 3 and s.tiers[1].evictions >= 1
+
+
+def test_leased_blocks_are_not_evicted_and_full_put_is_refused(make_node, transport):
+    node = make_node(dram_blocks=3)
+    with StoreClient(node.address, transport=transport) as c:
+        keys = chain(3)
+        c.put(keys, blocks(3), FP)
+        lease_id, refs = node.store.acquire(keys[:2], ttl=60)
+        before = c.stats()
+        with pytest.raises(StoreFull):  # 2 new blocks, only 1 evictable: nothing may be stored
+            c.put(chain(2, start=400), blocks(2), FP)
+        after = c.stats()
+        assert after.tiers == before.tiers and after.pending_blocks == 0
+        assert c.lookup(chain(2, start=400)).num_blocks == 0 and c.lookup(keys).num_blocks == 3
+        assert c.put(chain(1, start=400), blocks(1), FP) == 1  # one fits by evicting the unleased leaf
+        assert c.lookup(keys).num_blocks == 2
+        node.store.release(lease_id)
+        assert c.put(chain(3, start=800), blocks(3), FP) == 3
+
+
+def test_lease_expires(make_node):
+    node = make_node(dram_blocks=2, lease_s=0.4)
+    with StoreClient(node.address) as c:
+        c.put(chain(2), blocks(2), FP)
+        reply = c.stub.Lease(pb.KVLeaseRequest(mode=pb.KVLeaseRequest.READ, keys=chain(2)))
+        assert reply.lease_id and len(reply.slots) == 2
+        with pytest.raises(StoreFull):
+            c.put(chain(1, start=50), blocks(1), FP)
+        import time
+        deadline = time.monotonic() + 5
+        while c.stats().leases and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert c.stats().leases == 0
+        assert c.put(chain(1, start=50), blocks(1), FP) == 1
+        assert not c.stub.Release(pb.KVReleaseRequest(lease_id=reply.lease_id)).released
+
+
+def test_corrupt_block_is_a_miss_and_dropped(make_node, transport):
+    node = make_node()
+    with StoreClient(node.address, transport=transport) as c:
+        keys, x = chain(4), blocks(4)
+        c.put(keys, x, FP)
+        (_, off, size), = [(k, o, s) for k, o, s in _slots(node, keys[2:3])]
+        h = parse_header(node.slab.view[off:off + size])
+        node.slab.view[off + h.layer_offset(1) + 3] ^= 0xFF  # flip bits in layer 1 of block 2
+        out = torch.zeros(4, *SHAPE)
+        assert c.get_into(keys, out) == 2
+        assert torch.equal(out[:2], x[:2])  # out[2:] is scratch: layers may land there before a later one fails
+        c.stats()  # waits for the release that reports the corruption
+        assert c.lookup(keys).num_blocks == 2  # dropped: the next put rewrites it
+        assert c.put(keys, x, FP) == 4 and c.get_into(keys, out) == 4 and torch.equal(out, x)
+
+
+def _slots(node, keys):
+    """(key, slab offset, size) of held dram blocks, read through a lease."""
+    lease_id, refs = node.store.acquire(keys, ttl=5)
+    node.store.release(lease_id)
+    return [(r.key, r.offset, r.length) for r in refs]
+
+
+def test_corrupt_ssd_block_is_a_miss(make_node):
+    node = make_node(dram_blocks=1, ssd_blocks=2)
+    with StoreClient(node.address) as c:
+        keys, x = chain(2), blocks(2)
+        c.put(keys[:1], x[:1], FP)
+        c.put(keys[1:], x[1:], FP, parent=keys[0])  # one put must fit in dram
+        assert c.lookup(keys).tiers == ["ssd", "dram"]
+        data = bytearray(node.ssd.get(keys[0]))
+        data[-1] ^= 1
+        node.ssd.put(keys[0], bytes(data), None)
+        out = torch.zeros(2, *SHAPE)
+        assert c.get_into(keys, out) == 0 and not out.any()
+        assert c.lookup(keys).num_blocks == 0 and node.ssd.get(keys[0]) is None
+
+
+def test_ssd_never_orphans_a_chain(make_node):
+    node = make_node(dram_blocks=2, ssd_blocks=3)
+    with StoreClient(node.address) as c:
+        keys, x = chain(6), blocks(6)
+        for i in range(6):  # one put must fit in dram
+            c.put(keys[i:i + 1], x[i:i + 1], FP, parent=keys[i - 1] if i else None)
+        # dram keeps the root (it has children) and demotes leaves; when the ssd holds only
+        # parents, the demoted leaf (block 4) is dropped rather than a parent
+        assert [c.lookup(keys[i:i + 1]).tiers for i in range(6)] == [["dram"], ["ssd"], ["ssd"], ["ssd"], [], ["dram"]]
+        assert c.lookup(keys).tiers == ["dram", "ssd", "ssd", "ssd"]
+        s = c.stats()
+        assert s.demotions == 3 and s.tiers[0].evictions == 4 and s.tiers[1].evictions == 0
+
+
+def test_ssd_survives_restart(tmp_path):
+    cfg = StoreConfig(node_id="durable", dram_bytes=2 * BLOCK, ssd_dir=str(tmp_path / "ssd"), ssd_bytes=6 * BLOCK,
+                      model_fingerprint=FP)
+    keys, x = chain(6), blocks(6, seed=9)
+    node = StoreNode(cfg)
+    try:
+        with StoreClient(node.start()) as c:
+            for i in range(6):
+                c.put(keys[i:i + 1], x[i:i + 1], FP, parent=keys[i - 1] if i else None)
+            assert c.lookup(keys).tiers == ["dram"] + ["ssd"] * 4 + ["dram"]
+    finally:
+        node.stop()  # a graceful stop copies dram blocks into free ssd space
+    node = StoreNode(cfg)
+    try:
+        with StoreClient(node.start()) as c:
+            assert c.lookup(keys).tiers == ["ssd"] * 6
+            out = torch.empty(6, *SHAPE)
+            assert c.get_into(keys, out) == 6 and torch.equal(out, x)
+            assert c.lookup(keys).tiers == ["dram"] * 2 + ["ssd"] * 4  # promoted while dram had room
+            assert c.stats().promotions == 2
+    finally:
+        node.stop()
+
+
+def test_ssd_blocks_found_after_a_crash(tmp_path):
+    cfg = StoreConfig(node_id="crashy", dram_bytes=BLOCK, ssd_dir=str(tmp_path / "ssd"), ssd_bytes=4 * BLOCK,
+                      model_fingerprint=FP)
+    keys, x = chain(3), blocks(3, seed=2)
+    node = StoreNode(cfg)
+    with StoreClient(node.start()) as c:
+        for i in range(3):
+            c.put(keys[i:i + 1], x[i:i + 1], FP, parent=keys[i - 1] if i else None)
+    node.server.stop(0)  # no graceful stop: nothing persisted beyond what was demoted
+    node.ssd.env.close()
+    node.ssd = None
+    node._close_tiers()
+    node = StoreNode(cfg)
+    try:
+        with StoreClient(node.start()) as c:
+            assert c.lookup(keys).tiers == ["ssd", "ssd"]
+            out = torch.empty(3, *SHAPE)
+            assert c.get_into(keys, out) == 2 and torch.equal(out[:2], x[:2])
+    finally:
+        node.stop()
+
+
+class _Pool(DeviceTier):
+    def __init__(self, keys, data):
+        self.keys, self.data = keys, data
+
+    def lookup(self, keys):
+        n = 0
+        while n < len(keys) and n < len(self.keys) and keys[n] == self.keys[n]:
+            n += 1
+        return n
+
+    def get_into(self, keys, out):
+        n = self.lookup(keys)
+        out[:n] = self.data[:n]
+        return n
+
+
+def test_device_tier_first(make_node):
+    node = make_node()
+    keys, x = chain(4), blocks(4)
+    with StoreClient(node.address) as plain:
+        plain.put(keys, x, FP)
+    with StoreClient(node.address, device=_Pool(keys[:2], x[:2] + 1)) as c:
+        assert c.lookup(keys) == LookupResult(4, ["device", "device", "dram", "dram"])
+        out = torch.empty(4, *SHAPE)
+        assert c.get_into(keys, out) == 4
+        assert torch.equal(out[:2], x[:2] + 1) and torch.equal(out[2:], x[2:])
+        assert c.stats().hits == 2
+
+
+def test_large_blocks_are_chunked():
+    shape = (3, 2, 16, 4, 256)  # 3 layers of 128 KiB: each split over messages of 64 KiB
+    big = len(encode_block(torch.zeros(shape), FP))
+    node = StoreNode(StoreConfig(node_id="big", dram_bytes=4 * big, chunk_bytes=64 << 10,
+                                 max_message_bytes=256 << 10, model_fingerprint=FP))
+    try:
+        with StoreClient(node.start(), transport="grpc") as c:
+            keys = chain(2)
+            x = torch.randn(2, *shape)
+            assert c.put(keys, x, FP) == 2
+            out = torch.empty_like(x)
+            assert c.get_into(keys, out) == 2 and torch.equal(out, x)
+    finally:
+        node.stop()
+
+
+@pytest.mark.parametrize("codec", ["int8", "kivi4", "kivi2"])
+def test_lossy_codecs_through_the_store(make_node, transport, codec):
+    node = make_node()
+    with StoreClient(node.address, transport=transport) as c:
+        keys, x = chain(2), blocks(2, seed=4)
+        c.put(keys, x, FP, codec=codec)
+        out = torch.empty_like(x)
+        assert c.get_into(keys, out) == 2
+        want = torch.stack([decode_block(encode_block(x[i], FP, codec)) for i in range(2)])
+        assert torch.equal(out, want)  # exactly what the codec gives, whichever path carried it
+        assert not torch.equal(out, x)
+
+
+# ---------------------------------------------------------------------- bad input
+
+
+def test_unknown_keys_are_misses(make_node, transport):
+    node = make_node()
+    with StoreClient(node.address, transport=transport) as c:
+        assert c.lookup([b"x" * 16, b"short"]) == LookupResult(0, [])
+        assert c.get_into([b"nope" * 4], torch.empty(1, *SHAPE)) == 0
+        assert c.lookup([]) == LookupResult(0, [])
+
+
+def _raw_put(stub, keys, payloads, fingerprint=FP, headers=None, commit=True):
+    def stream():
+        yield pb.KVPutChunk(open=pb.KVPutOpen(keys=keys, sizes=[len(p) for p in payloads], model_fingerprint=fingerprint))
+        for i, p in enumerate(payloads):
+            yield pb.KVPutChunk(data=pb.KVPutData(parts=[pb.KVBlockPart(block=i, offset=0, data=p)]))
+        if commit:
+            yield pb.KVPutChunk(commit=pb.KVPutCommit(headers=headers if headers is not None else [b""] * len(keys)))
+    return stub.Put(stream(), timeout=10)
+
+
+def _assert_nothing_stored(node, keys):
+    s = node.store.stats()
+    assert s.pending_blocks == 0 and s.leases == 0
+    assert node.store.lookup(keys) == []
+
+
+def test_malformed_block_refused(make_node):
+    node = make_node()
+    stub = pb_grpc.KVStoreStub(grpc.insecure_channel(node.address))
+    keys = chain(2)
+    good = encode_block(blocks(1)[0], FP)
+    bad = bytearray(good)
+    bad[-5] ^= 1
+    for payloads in ([good, bytes(bad)], [good, b"\0" * len(good)], [good, b"garbage"]):
+        with pytest.raises(grpc.RpcError) as e:
+            _raw_put(stub, keys, payloads)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        _assert_nothing_stored(node, keys)
+    with pytest.raises(grpc.RpcError) as e:
+        _raw_put(stub, keys, [good, good], commit=False)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "commit" in e.value.details()
+    _assert_nothing_stored(node, keys)
+    with pytest.raises(grpc.RpcError) as e:
+        _raw_put(stub, [b"k" * 3], [good])
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "key" in e.value.details()
+    with pytest.raises(grpc.RpcError) as e:  # data outside the block
+        stub.Put(iter([pb.KVPutChunk(open=pb.KVPutOpen(keys=keys[:1], sizes=[len(good)], model_fingerprint=FP)),
+                       pb.KVPutChunk(data=pb.KVPutData(parts=[pb.KVBlockPart(block=0, offset=len(good), data=b"x")]))]))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    _assert_nothing_stored(node, keys)
+    # the server keeps serving
+    health = health_pb2_grpc.HealthStub(grpc.insecure_channel(node.address))
+    assert health.Check(health_pb2.HealthCheckRequest(service="halfmoon.KVStore")).status == \
+        health_pb2.HealthCheckResponse.SERVING
+    assert _raw_put(stub, keys, [good, good], headers=[good[:parse_header(good).header_len]] * 2).held == 2
+
+
+def test_corrupted_shm_write_refused(make_node):
+    node = make_node()
+    with StoreClient(node.address, transport="shm") as c:
+        keys = chain(2)
+        w = c.open_put(keys, SHAPE, torch.float32, FP)
+        for layer in range(SHAPE[0]):
+            w.write_layer(layer, blocks(2)[:, layer])
+        off = w.slots[1][1]
+        c.slab.view[off + parse_header(encode_block(torch.zeros(SHAPE), FP)).header_len] ^= 1  # after its checksum
+        with pytest.raises(ValueError, match="checksum"):
+            w.commit()
+        _assert_nothing_stored(node, keys)
+
+
+def test_wrong_fingerprint_refused(make_node, transport):
+    node = make_node()
+    with StoreClient(node.address, transport=transport) as c:
+        with pytest.raises(ValueError, match="fingerprint"):
+            c.put(chain(2), blocks(2), "another-model")
+        _assert_nothing_stored(node, chain(2))
+        assert c.put(chain(2), blocks(2), FP) == 2
+
+
+def test_put_beyond_capacity(make_node, transport):
+    node = make_node(dram_blocks=3)
+    with StoreClient(node.address, transport=transport) as c:
+        with pytest.raises(StoreFull):
+            c.put(chain(4), blocks(4), FP)
+        _assert_nothing_stored(node, chain(4))
+        assert c.put(chain(3), blocks(3), FP) == 3
+
+
+def test_writer_checks_its_input(make_node):
+    node = make_node()
+    with StoreClient(node.address) as c:
+        w = c.open_put(chain(2), SHAPE, torch.float32, FP)
+        with pytest.raises(ValueError):
+            w.write_layer(0, torch.zeros(3, *SHAPE[1:]))
+        with pytest.raises(ValueError):
+            w.write_layer(SHAPE[0], torch.zeros(2, *SHAPE[1:]))
+        with pytest.raises(ValueError):
+            w.write_layer(0, torch.zeros(2, *SHAPE[1:], dtype=torch.float16))
+        w.abort()
+        with pytest.raises(ValueError):
+            c.get_into(chain(3), torch.empty(2, *SHAPE))
+
+
+def test_metrics_exported(make_node, free_port):
+    import urllib.request
+    node = make_node(metrics_port=free_port)
+    with StoreClient(node.address) as c:
+        c.put(chain(2), blocks(2), FP)
+        c.get_into(chain(2), torch.empty(2, *SHAPE))
+    text = urllib.request.urlopen(f"http://127.0.0.1:{free_port}/metrics", timeout=5).read().decode()
+    assert 'halfmoon_store_blocks{node="n0",tier="dram"} 2.0' in text
+    assert 'halfmoon_store_hits_total{node="n0",tier="dram"} 2.0' in text
+    assert 'halfmoon_store_transfer_bytes_total{node="n0",op="put",path="shm"}' in text
+
+
+def test_slab_allocator_coalesces():
+    a = SlabAllocator(64 * 10)
+    offs = [a.alloc(64) for _ in range(10)]
+    assert offs == [64 * i for i in range(10)] and a.alloc(1) is None
+    for i in (1, 2, 3, 7):
+        a.free(offs[i], 64)
+    assert a.largest_free() == 192 and a.alloc(192) == 64 and a.alloc(64) == 448
+    a.free(0, 64)
+    a.free(64, 192)
+    assert a.largest_free() == 256 and a.used == 64 * 6
+
+
+def test_stale_slabs_of_killed_nodes_are_removed(tmp_path):
+    from kvstore.slab import ShmSlab, remove_stale
+    live = ShmSlab(str(tmp_path / "halfmoon-live-1"), 4096, create=True)
+    dead = tmp_path / "halfmoon-dead-1"
+    dead.write_bytes(b"\0" * 4096)  # a file nobody maps, as a killed node leaves it
+    other = tmp_path / "unrelated"
+    other.write_bytes(b"x")
+    try:
+        assert remove_stale(str(tmp_path), min_age_s=0) == [str(dead)]
+        assert os.path.exists(live.path) and other.exists() and not dead.exists()
+    finally:
+        live.close()
+
+
+def test_client_follows_a_restarted_node(free_port):
+    cfg = StoreConfig(node_id="again", port=free_port, dram_bytes=8 * BLOCK, model_fingerprint=FP)
+    node = StoreNode(cfg)
+    c = StoreClient(node.start(), transport="shm")
+    try:
+        keys, x = chain(2), blocks(2)
+        c.put(keys, x, FP)
+        old = c.slab.path
+        node.stop()
+        node = StoreNode(cfg)  # same address, a new slab
+        node.start()
+        out = torch.empty(2, *SHAPE)
+        assert c.get_into(keys, out) == 0  # dram died with the node: a miss, not stale bytes
+        assert c.put(keys, x, FP) == 2 and c.slab.path != old
+        assert c.get_into(keys, out) == 2 and torch.equal(out, x)
+    finally:
+        c.close()
+        node.stop()
+
+
+def test_garbage_put_messages_refused(make_node):
+    from kvstore.wire import raw_put
+    node = make_node()
+    put = raw_put(grpc.insecure_channel(node.address))
+    good = encode_block(blocks(1)[0], FP)
+    opening = pb.KVPutChunk(open=pb.KVPutOpen(keys=chain(1), sizes=[len(good)], model_fingerprint=FP))
+    for junk in (b"\x12\xff\xff\xff", b"\x12\x03\x0a\x01\x08", b"\xff" * 9):
+        with pytest.raises(grpc.RpcError) as e:
+            put(iter([opening, junk]), timeout=10)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "malformed" in e.value.details()
+        _assert_nothing_stored(node, chain(1))
+    with StoreClient(node.address, transport="grpc") as c:  # and it keeps serving
+        assert c.put(chain(1), blocks(1), FP) == 1
+
+
+def test_standard_protobuf_clients_read_the_get_stream(make_node):
+    node = make_node()
+    keys, x = chain(2), blocks(2)
+    with StoreClient(node.address) as c:
+        c.put(keys, x, FP)
+    stub = pb_grpc.KVStoreStub(grpc.insecure_channel(node.address))
+    msgs = list(stub.Get(pb.KVGetRequest(keys=keys), timeout=10))
+    encoded = [bytearray(h) + bytearray(parse_header(h).total_len - len(h)) for h in msgs[0].headers]
+    for m in msgs[1:]:
+        for p in m.parts:
+            encoded[p.block][p.offset:p.offset + len(p.data)] = p.data
+    assert torch.equal(torch.stack([decode_block(bytes(b)) for b in encoded]), x)

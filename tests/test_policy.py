@@ -1,0 +1,134 @@
+"""Routing policies and timing models on hand-built cluster states (pure objects, no servers)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from conductor import (
+    ClusterState,
+    DecodeCandidate,
+    DecodeTimeModel,
+    PrefillCandidate,
+    PrefillTimeModel,
+    Rejected,
+    RequestInfo,
+    make_policy,
+)
+
+BS = 16
+BLOCK_BYTES = 1_000_000  # 1 MB a block: 1 ms a block at the default 1 GB/s
+
+
+def prefill(wid, queue_ms=0.0, coef=(0.0, 1.0, 0.0), healthy=True):
+    # 1 ms per computed token, so TTFT arithmetic in the tests stays readable.
+    return PrefillCandidate(wid, (f"{wid}-node",), queue_ms, coef, healthy)
+
+
+def decode(wid, running=0, free=100, total=100, context=0, coef=(10.0, 1.0, 0.0), healthy=True):
+    return DecodeCandidate(wid, running, free, total, context, coef, healthy)
+
+
+def state(prefills, decodes, matches):
+    return ClusterState(prefills, decodes, matches, BS, BLOCK_BYTES)
+
+
+def req(tokens=160, max_tokens=16, ttft=0.0, tbt=0.0):
+    return RequestInfo(tokens, max_tokens, ttft, tbt)
+
+
+def test_mooncake_prefers_the_worker_holding_the_prefix():
+    s = state([prefill("a"), prefill("b")], [decode("d")], {"b-node": 8})
+    d = make_policy("mooncake").choose(req(), s)
+    assert d.prefill == "b" and d.fetch_from == "" and d.reuse_blocks == 8
+    # 160 tokens, 128 cached: 32 computed at 1 ms each.
+    assert d.predicted_ttft_ms == pytest.approx(32.0)
+
+
+def test_mooncake_weighs_queueing_against_cache():
+    # b holds 8 blocks but is busy: computing 144 tokens on a (144 ms) beats 500 + 32 ms on b.
+    s = state([prefill("a"), prefill("b", queue_ms=500.0)], [decode("d")], {"a-node": 1, "b-node": 8})
+    pol = make_policy("mooncake", kvcache_balancing_threshold=100.0)  # fetching b's prefix never worth it
+    d = pol.choose(req(), s)
+    assert (d.prefill, d.fetch_from, d.reuse_blocks) == ("a", "", 1) and d.predicted_ttft_ms == pytest.approx(144.0)
+
+
+def test_transfer_decision_around_the_threshold():
+    # a holds 4 blocks itself, node x holds 7 elsewhere; b (busy) holds nothing.
+    s = state([prefill("a"), prefill("b", queue_ms=10_000)], [decode("d")], {"a-node": 4, "x": 7})
+    below = make_policy("mooncake", kvcache_balancing_threshold=2.0).choose(req(), s)  # 7 <= 2*4: compute
+    assert (below.prefill, below.fetch_from, below.reuse_blocks) == ("a", "", 4)
+    assert below.predicted_ttft_ms == pytest.approx(160 - 64)
+    above = make_policy("mooncake", kvcache_balancing_threshold=1.5).choose(req(), s)  # 7 > 1.5*4: fetch
+    assert (above.prefill, above.fetch_from, above.fetch_blocks, above.reuse_blocks) == ("a", "x", 7, 7)
+    # 160 - 112 tokens computed + 3 blocks moved at 1 ms each.
+    assert above.predicted_ttft_ms == pytest.approx(48 + 3)
+
+
+def test_reuse_leaves_one_token_to_compute():
+    s = state([prefill("a")], [decode("d")], {"a-node": 10})
+    d = make_policy("mooncake").choose(req(tokens=160), s)  # 160 tokens = exactly 10 blocks
+    assert d.reuse_blocks == 9
+
+
+def test_decode_choice_is_the_least_loaded_within_tbt():
+    decs = [decode("d1", running=5), decode("d2", running=2), decode("d3", running=0, free=1)]
+    d = make_policy("mooncake").choose(req(), state([prefill("a")], decs, {}))
+    assert d.decode == "d2"  # d3 is idle but has no room for 11 blocks right now
+    assert d.predicted_tbt_ms == pytest.approx(10 + 3)
+
+
+def test_rejections():
+    pol = make_policy("mooncake")
+    s = state([prefill("a", queue_ms=900.0)], [decode("d", running=50)], {})
+    with pytest.raises(Rejected, match="TTFT"):
+        pol.choose(req(ttft=1000.0), s)  # 900 + 160 > 1000
+    assert pol.choose(req(ttft=1100.0), s).prefill == "a"
+    with pytest.raises(Rejected, match="between tokens"):
+        pol.choose(req(tbt=50.0), s)  # 10 + 51 > 50
+    with pytest.raises(Rejected, match="KV pool"):
+        pol.choose(req(tokens=2000), state([prefill("a")], [decode("d", total=100)], {}))
+    with pytest.raises(Rejected, match="prefill"):
+        pol.choose(req(), state([prefill("a", healthy=False)], [decode("d")], {}))
+    # The baselines never reject on SLOs.
+    assert make_policy("load_balance").choose(req(ttft=1.0, tbt=1.0), s).prefill == "a"
+
+
+def test_baselines():
+    s = state([prefill("a", queue_ms=5.0), prefill("b", queue_ms=1.0)], [decode("d1", running=3), decode("d2")], {"a-node": 9})
+    lb = make_policy("load_balance").choose(req(), s)
+    assert (lb.prefill, lb.decode, lb.use_cache) == ("b", "d2", True)
+    off = make_policy("cache_off").choose(req(), s)
+    assert (off.prefill, off.use_cache, off.reuse_blocks) == ("b", False, 0)
+    picks = {make_policy("random", seed=i).choose(req(), s).prefill for i in range(20)}
+    assert picks == {"a", "b"}
+    with pytest.raises(ValueError, match="unknown policy"):
+        make_policy("nope")
+
+
+def test_timing_models_fit_measurements():
+    rng = random.Random(0)
+    true = (3.0, 0.5, 0.001)
+    m = PrefillTimeModel(prior=(0.0, 0.0, 0.0))
+    for _ in range(200):
+        tokens = rng.randrange(16, 1024)
+        ctx = tokens + rng.randrange(0, 1024)
+        m.observe(true[0] + true[1] * tokens + true[2] * tokens * ctx, tokens, ctx)
+    assert m.predict(100, 300) == pytest.approx(3 + 50 + 30, rel=0.05)
+    assert m.predict(1000, 2000) == pytest.approx(3 + 500 + 2000, rel=0.05)
+    before = m.predict(1000, 2000)
+    m.observe(50_000.0, 1000, 2000)  # one step stalled by a neighbour's burst
+    assert m.predict(1000, 2000) == pytest.approx(before, rel=0.02)
+
+
+def test_timing_model_does_not_extrapolate_from_a_few_noisy_points():
+    # The failure this guards against: a handful of warm-up steps at short contexts and one slow step
+    # at a longer one made a plain fit predict seconds per token at 1k context (and reject requests).
+    d = DecodeTimeModel(prior=(20.0, 2.0, 0.0))
+    for ctx in (25, 26, 27, 31, 32, 33, 34):
+        d.observe(60.0, 1, ctx)
+    d.observe(500.0, 1, 257)
+    assert d.samples == 8
+    assert 40.0 < d.predict(1, 1024) < 120.0
+    assert d.coef[1] == pytest.approx(2.0, rel=0.05)  # batch never varied: its coefficient stays near the prior

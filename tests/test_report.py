@@ -1,0 +1,82 @@
+"""The replay report on hand-made records whose answers are worked out by hand."""
+
+import math
+
+import pytest
+
+from client import ReplayRecord, compute_report, format_reports, plot_cdfs, read_records, request_tbt, write_records
+
+
+def rec(index, status="ok", ttft=100.0, gaps=(), prompt=64, out=None, cached=None, computed=None, sent=0.0,
+        e2e=1000.0, policy="p"):
+    cached = cached or {}
+    return ReplayRecord(
+        index=index, policy=policy, arrival_s=sent, sent_s=sent, status=status,
+        error="" if status == "ok" else "RESOURCE_EXHAUSTED: busy", prompt_tokens=prompt,
+        output_tokens=(len(gaps) + 1 if status == "ok" else 0) if out is None else out,
+        ttft_ms=ttft if status == "ok" else math.nan, gaps_ms=list(gaps), e2e_ms=e2e,
+        cached_tokens={t: cached.get(t, 0) for t in ("device", "dram", "ssd", "remote")},
+        computed_tokens=prompt - sum(cached.values()) if computed is None else computed,
+        prefill_worker="prefill-0", decode_worker="decode-0",
+    )
+
+
+def test_request_tbt_is_mean_of_slowest_tenth():
+    assert request_tbt([]) == 0.0
+    assert request_tbt([7.0]) == 7.0
+    assert request_tbt([10.0] * 9 + [100.0]) == 100.0  # 10 gaps: the slowest 1
+    assert request_tbt([10.0] * 9 + [100.0, 50.0]) == 75.0  # 11 gaps: ceil(1.1) = the slowest 2
+    assert request_tbt(list(range(1, 21))) == 19.5  # 20 gaps: mean of 20 and 19
+
+
+def test_report_on_known_records():
+    records = [
+        # meets both SLOs (TTFT 100 <= 500; TBT = mean(slowest 1 of 9 gaps) = 40 <= 50)
+        rec(0, ttft=100.0, gaps=[10.0] * 8 + [40.0], prompt=100, cached={"device": 32, "dram": 16}),
+        # TTFT too slow
+        rec(1, ttft=3000.0, gaps=[5.0, 5.0], prompt=50, cached={"ssd": 16}, sent=1.0, e2e=2500.0),
+        # TBT too slow on its worst gap (mean gap 14.5 would pass, the slowest 10% does not)
+        rec(2, ttft=500.0, gaps=[5.0] * 9 + [100.0], prompt=50, cached={"remote": 16}),
+        # rejected early: counts against attainment, not in latencies or hit rate
+        rec(3, status="rejected", prompt=80, sent=0.5),
+    ]
+    r = compute_report(records, ttft_slo_ms=500.0, tbt_slo_ms=50.0)
+    assert (r.policy, r.requests, r.done, r.rejected, r.errors) == ("p", 4, 3, 1, 0)
+    assert r.slo_attainment == 0.25
+    # TTFTs 100, 500, 3000 -> p50 500, p90 500 + 0.8 * 2500, p99 500 + 0.98 * 2500
+    assert r.ttft_ms.p50 == pytest.approx(500.0)
+    assert r.ttft_ms.p90 == pytest.approx(2500.0)
+    assert r.ttft_ms.p99 == pytest.approx(2950.0)
+    # per-request TBT 40, 5, 100
+    assert r.tbt_ms.p50 == pytest.approx(40.0)
+    assert r.tbt_ms.p90 == pytest.approx(40.0 + 0.8 * 60.0)
+    assert r.prompt_tokens == 200
+    assert r.hit_rate == pytest.approx(80 / 200)
+    assert r.hit_rate_by_tier == pytest.approx({"device": 0.16, "dram": 0.08, "ssd": 0.08, "remote": 0.08})
+    assert (r.prefill_tokens_saved, r.prefill_tokens_computed) == (80, 120)
+    assert r.output_tokens == 10 + 3 + 11
+    assert r.duration_s == pytest.approx(3.5)  # first send at 0, last end at 1.0 + 2.5
+    assert r.output_tokens_per_s == pytest.approx(24 / 3.5)
+    looser = compute_report(records, ttft_slo_ms=5000.0, tbt_slo_ms=100.0)
+    assert looser.slo_attainment == 0.75
+
+
+def test_empty_and_all_rejected():
+    r = compute_report([rec(0, status="rejected"), rec(1, status="error")], 100.0, 100.0)
+    assert (r.done, r.rejected, r.errors, r.slo_attainment, r.hit_rate) == (0, 1, 1, 0.0, 0.0)
+    assert math.isnan(r.ttft_ms.p50)
+    assert compute_report([], 1.0, 1.0).requests == 0
+
+
+def test_records_round_trip_table_and_png(tmp_path):
+    a = [rec(i, ttft=100.0 + 10 * i, gaps=[5.0, 6.0 + i], policy="mooncake") for i in range(20)]
+    b = [rec(i, ttft=300.0 + 30 * i, gaps=[9.0, 9.0 + i], policy="cache_off") for i in range(19)]
+    b.append(rec(19, status="rejected", policy="cache_off"))
+    write_records(tmp_path / "a.jsonl", a)
+    back = read_records(tmp_path / "a.jsonl")
+    assert back == a
+    table = format_reports([compute_report(a, 400.0, 20.0), compute_report(b, 400.0, 20.0)])
+    assert "mooncake" in table and "cache_off" in table and "19 / 1 / 0" in table
+    png = plot_cdfs({"mooncake": a, "cache_off": b}, 400.0, 20.0, tmp_path / "out" / "cdf.png")
+    data = png.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000

@@ -1,0 +1,295 @@
+"""Disaggregated generation end to end on tiny-random: conductor -> prefill worker -> store -> decode worker."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+import urllib.request
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from kvstore import StoreConfig, StoreNode
+from model import Engine, SamplingParams, load_model
+from prefill_node import PrefillConfig, PrefillWorker
+from protos import halfmoon_pb2 as pb
+from protos import halfmoon_pb2_grpc as pb_grpc
+from tests.serving_cluster import Cluster, request
+
+BS = 16
+
+
+@pytest.fixture(scope="module")
+def lm():
+    return load_model("tiny-random")
+
+
+@pytest.fixture(scope="module")
+def engine(lm):
+    return Engine(lm, block_size=BS)
+
+
+@pytest.fixture(scope="module")
+def cluster(lm):
+    with Cluster(lm, conductor={"metrics_port": 0}) as c:
+        yield c
+
+
+def solo(engine, ids, max_tokens, ignore_eos=True):
+    return engine.generate(ids, SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos))
+
+
+def rand_ids(rng, n, vocab=259):
+    return [rng.randrange(3, vocab) for _ in range(n)]
+
+
+def test_cluster_equals_local_engine(cluster, engine, lm):
+    prompts = [
+        "Hello", "The capital of France is", "a b c d e f g", "Once upon a time, in a land far away, there lived",
+        "1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17", "x" * 40, "What is the meaning of life?", "zebra",
+        "The quick brown fox jumps over the lazy dog. " * 2, "KV caches are keyed by prefix hashes",
+    ]
+    for p in prompts:
+        ids, text, last = cluster.generate(text=p, max_tokens=12, ignore_eos=False)
+        want = solo(engine, lm.tokenizer.encode(p), 12, ignore_eos=False)
+        assert ids == want, p
+        assert text == lm.tokenizer.decode(want)
+        assert last.finished and last.finish_reason in ("stop", "length")
+        assert last.usage.prompt_tokens == len(lm.tokenizer.encode(p)) and last.usage.completion_tokens == len(want)
+        assert last.usage.ttft_ms > 0 and last.usage.prefill_worker == "prefill-0" and last.usage.decode_worker == "decode-0"
+
+
+@pytest.mark.parametrize("device_cache", [True, False])
+def test_shared_prefix_computes_only_new_tokens(lm, engine, device_cache):
+    rng = random.Random(1)
+    prefix = rand_ids(rng, 4 * BS)
+    a, b = prefix + rand_ids(rng, 7), prefix + rand_ids(rng, 9)
+    with Cluster(lm, prefill={"device_cache": device_cache}) as c:
+        _, _, first = c.generate(token_ids=a, max_tokens=8)
+        assert first.usage.cached_tokens == 0 and first.usage.computed_prompt_tokens == len(a)
+        ids, _, last = c.generate(token_ids=b, max_tokens=8)
+        u = last.usage
+        assert u.cached_tokens == 4 * BS and u.computed_prompt_tokens == 9
+        tier = u.cached_device_tokens if device_cache else u.cached_dram_tokens
+        assert tier == 4 * BS
+        assert ids == solo(engine, b, 8)
+        # The policy saw the prefix in the index and predicted less work than a cold prompt.
+        assert u.predicted_ttft_ms < first.usage.predicted_ttft_ms or first.usage.predicted_ttft_ms == 0
+
+
+def test_second_turn_hits_blocks_the_decode_published(lm, engine):
+    rng = random.Random(2)
+    turn1 = rand_ids(rng, 3 * BS + 5)
+    with Cluster(lm) as c:
+        ans, _, _ = c.generate(token_ids=turn1, max_tokens=40)
+        c.wait_idle()  # the decode worker publishes after the stream ends
+        turn2 = turn1 + ans + rand_ids(rng, 6)
+        ids, _, last = c.generate(token_ids=turn2, max_tokens=8)
+        u = last.usage
+        # Everything the decode worker had KV for (the prompt and all but the last answer token), in full blocks.
+        published = (len(turn1) + len(ans) - 1) // BS * BS
+        assert published > len(turn1) // BS * BS
+        assert u.cached_tokens == published
+        assert u.cached_dram_tokens > 0  # the answer's blocks came from the store, not the prefill's pool
+        assert u.computed_prompt_tokens == len(turn2) - published
+        assert ids == solo(engine, turn2, 8)
+
+
+def test_concurrent_streams_batch_together(cluster, engine):
+    rng = random.Random(3)
+    prompts = [rand_ids(rng, rng.randrange(5, 60)) for _ in range(16)]
+    results: dict[int, tuple] = {}
+    start = threading.Barrier(16)
+
+    def run(i):
+        start.wait()
+        results[i] = cluster.generate(token_ids=prompts[i], max_tokens=24)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert len(results) == 16
+    for i, p in enumerate(prompts):
+        assert results[i][0] == solo(engine, p, 24), i
+    assert max(r[2].usage.max_decode_batch for r in results.values()) > 1
+
+
+def test_cancel_mid_stream_frees_decode_blocks(cluster):
+    dec = cluster.decodes[0]
+    cluster.wait_idle()
+    call = cluster.stub.Generate(request(token_ids=list(range(3, 40)), max_tokens=1500), timeout=60)
+    got = 0
+    for msg in call:
+        got += len(msg.token_ids)
+        if got >= 5:
+            break
+    assert dec.load().free_blocks < dec.load().total_blocks  # the sequence holds blocks now
+    call.cancel()
+    cluster.wait_idle(timeout=10)
+    assert dec.load().running == 0
+
+
+@pytest.mark.parametrize(
+    "fields, field",
+    [
+        (dict(text=""), "prompt.text"),
+        (dict(token_ids=[]), "prompt"),
+        (dict(token_ids=[5, 6], max_tokens=0), "max_tokens"),
+        (dict(token_ids=[5, 6], max_tokens=-3), "max_tokens"),
+        (dict(token_ids=[5, 6], max_tokens=100_000), "max_tokens"),
+        (dict(token_ids=[7] * 2048), "context window"),
+        (dict(token_ids=[5, 6], model="gpt-17"), "model"),
+        (dict(token_ids=[5, 100_000]), "token_ids"),
+        (dict(token_ids=[5, -1]), "token_ids"),
+        (dict(token_ids=[5, 6], policy="nope"), "policy"),
+        (dict(messages=[{"role": "robot", "content": "hi"}]), "role"),
+    ],
+)
+def test_bad_input_is_invalid_argument(cluster, fields, field):
+    with pytest.raises(grpc.RpcError) as err:
+        cluster.generate(**fields)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert field in err.value.details()
+    ids, _, last = cluster.generate(token_ids=[5, 6, 7], max_tokens=2)  # still serving
+    assert len(ids) == 2 and last.finished
+
+
+def test_early_rejection_when_slo_cannot_hold(cluster):
+    with pytest.raises(grpc.RpcError) as err:
+        cluster.generate(token_ids=list(range(3, 200)), ttft_slo_ms=1e-6)
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "TTFT" in err.value.details()
+    with pytest.raises(grpc.RpcError) as err:
+        cluster.generate(token_ids=list(range(3, 200)), tbt_slo_ms=1e-6)
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    st = cluster.stub.Status(pb.StatusRequest(), timeout=10)
+    assert st.requests_rejected >= 2
+
+
+def test_cache_off_and_stop_strings_and_chat(cluster, engine, lm):
+    ids = list(range(10, 10 + 3 * BS + 3))
+    cluster.generate(token_ids=ids, max_tokens=2)
+    _, _, last = cluster.generate(token_ids=ids, max_tokens=2, policy="cache_off")
+    assert last.usage.cached_tokens == 0 and last.usage.computed_prompt_tokens == len(ids)
+    assert last.usage.policy == "cache_off"
+    # Stop strings end the answer at (and without) the string.
+    full = lm.tokenizer.decode(solo(engine, ids, 30))
+    stop = full[10:13]
+    _, text, last = cluster.generate(token_ids=ids, max_tokens=30, stop=[stop])
+    assert last.finish_reason == "stop" and text == full[: full.find(stop)]
+    msgs = [{"role": "user", "content": "hi there"}]
+    got, _, _ = cluster.generate(messages=msgs, max_tokens=5)
+    assert got == solo(engine, lm.tokenizer.apply_chat_template(msgs), 5)
+
+
+def test_status_health_and_metrics(cluster):
+    cluster.generate(token_ids=[4, 5, 6], max_tokens=2)
+    time.sleep(0.15)
+    st = cluster.stub.Status(pb.StatusRequest(), timeout=10)
+    kinds = sorted((w.kind, w.worker_id, w.healthy) for w in st.workers)
+    assert kinds == [("decode", "decode-0", True), ("prefill", "prefill-0", True)]
+    pre = next(w for w in st.workers if w.kind == "prefill")
+    assert pre.load.block_size == BS and len(pre.load.prefill_coef) == 3 and pre.load.requests_done > 0
+    assert st.requests_total > 0 and st.prompt_tokens_total > 0 and st.model == "tiny-random"
+    assert st.vocab_size == cluster.lm.config.vocab_size
+    assert st.stores and st.stores[0].tiers
+    for address in [cluster.address, cluster.prefills[0].address, cluster.decodes[0].address]:
+        with grpc.insecure_channel(address) as ch:
+            reply = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5)
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_metrics_endpoint(lm, free_port):
+    with Cluster(lm, conductor={"metrics_port": free_port}) as c:
+        c.generate(token_ids=[4, 5, 6], max_tokens=3)
+        body = urllib.request.urlopen(f"http://{c.conductor.metrics_address}/metrics", timeout=5).read().decode()
+        assert "halfmoon_ttft_seconds_count 1.0" in body
+        assert 'halfmoon_requests_total{reason="length"} 1.0' in body
+
+
+def test_prefill_pulls_a_prefix_from_another_host(lm, engine):
+    rng = random.Random(4)
+    prompt = rand_ids(rng, 5 * BS + 3)
+    with Cluster(lm, prefill={"device_cache": False}) as c:
+        c.generate(token_ids=prompt, max_tokens=2)  # its 5 full blocks now live in store-0
+        # A second "host": its own store node and a prefill worker that uses it.
+        store1 = StoreNode(StoreConfig(node_id="store-1", redis_url=c.redis.url, dram_bytes=32 << 20,
+                                       model_fingerprint=lm.fingerprint, heartbeat_s=0.5))
+        addr1 = store1.start()
+        w = PrefillWorker(PrefillConfig(worker_id="prefill-x", model=lm.name, store_address=addr1, store_node="store-1",
+                                        index_url=c.redis.url, device_cache=False), lm=lm)
+        try:
+            with grpc.insecure_channel(w.start()) as ch:
+                stub = pb_grpc.PrefillWorkerStub(ch)
+                sampling = pb.SamplingParams(max_tokens=1)
+                a = prompt + [9, 10]
+                reply = stub.Prefill(pb.PrefillRequest(token_ids=a, sampling=sampling, fetch_from="store-0", fetch_blocks=5), timeout=30)
+                assert reply.cached_remote_tokens == 5 * BS and reply.computed_tokens == 5
+                assert reply.first_token == solo(engine, a, 1)[0]
+                # Its own host's store now holds the prefix too: the next one is a local DRAM hit.
+                b = prompt + [11]
+                reply = stub.Prefill(pb.PrefillRequest(token_ids=b, sampling=sampling), timeout=30)
+                assert reply.cached_dram_tokens == 5 * BS and reply.cached_remote_tokens == 0
+                # With no hint, the worker finds a prefix held elsewhere through the index by itself.
+                other = rand_ids(rng, 3 * BS + 2)
+                c.generate(token_ids=other, max_tokens=2)
+                reply = stub.Prefill(pb.PrefillRequest(token_ids=other, sampling=sampling), timeout=30)
+                assert reply.cached_remote_tokens == 3 * BS and reply.computed_tokens == 2
+        finally:
+            w.stop()
+            store1.stop()
+
+
+def test_blocks_demoted_to_ssd_are_hits(lm, engine, tmp_path):
+    rng = random.Random(5)
+    prompt = rand_ids(rng, 6 * BS + 1)
+    block = lm.config.num_layers * 2 * BS * lm.config.num_kv_heads * lm.config.head_dim * 4
+    store = {"dram_bytes": 3 * block + 4096, "ssd_dir": str(tmp_path / "ssd"), "ssd_bytes": 64 << 20}
+    # Chunks of 2 blocks: each layer-wise put fits the small DRAM tier, which demotes older blocks to SSD.
+    with Cluster(lm, prefill={"device_cache": False, "chunk_size": 2 * BS}, decode={"publish": False}, store=store) as c:
+        c.generate(token_ids=prompt, max_tokens=2)
+        ids, _, last = c.generate(token_ids=prompt, max_tokens=4)
+        u = last.usage
+        assert u.cached_tokens == 6 * BS and u.cached_ssd_tokens > 0 and u.cached_dram_tokens + u.cached_ssd_tokens == 6 * BS
+        assert ids == solo(engine, prompt, 4)
+
+
+def test_full_decode_pool_makes_sequences_wait_not_break(lm, engine):
+    rng = random.Random(6)
+    prompts = [rand_ids(rng, 20) for _ in range(3)]  # 20 + 40 tokens = 4 blocks each; the pool holds 6
+    with Cluster(lm, decode={"num_blocks": 6}) as c:
+        results: dict[int, tuple] = {}
+        threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, c.generate(token_ids=prompts[i], max_tokens=40)))
+                   for i in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        for i, p in enumerate(prompts):
+            assert results[i][0] == solo(engine, p, 40)
+            assert results[i][2].usage.max_decode_batch == 1  # never two at once: the pool had room for one
+        with pytest.raises(grpc.RpcError) as err:
+            c.generate(token_ids=rand_ids(rng, 80), max_tokens=40)  # 8 blocks: can never fit
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "KV pool" in err.value.details()
+
+
+def test_decode_worker_lost_mid_stream_resumes_elsewhere(lm, engine):
+    rng = random.Random(7)
+    prompt = rand_ids(rng, 2 * BS + 3)
+    want = solo(engine, prompt, 80)
+    with Cluster(lm, num_decode=2) as c:
+        call = c.stub.Generate(request(token_ids=prompt, max_tokens=80), timeout=120)
+        got, last = [], None
+        for msg in call:
+            got.extend(msg.token_ids)
+            if len(got) >= 10 and last is None:
+                busy = next(d for d in c.decodes if d.load().running)
+                busy.stop(grace=0)  # the worker dies with the stream half done
+                last = busy
+            if msg.finished:
+                final = msg
+        assert got == want  # no token repeated, none missing
+        assert final.finish_reason == "length" and final.usage.decode_worker != last.config.worker_id
