@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml | $(PY)
 	touch $(STAMP)
 
 model: $(STAMP)
-	$(PY) -m model.fetch smollm2-135m
+	$(VENV)/bin/halfmoon fetch smollm2-135m
 
 protos: $(STAMP)
 	$(PY) -m protos.build

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Callable
+from typing import Callable, NamedTuple, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -49,6 +49,18 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
 def _heads_first(x: torch.Tensor) -> torch.Tensor:
     """[T, heads, D] -> [1, heads, T, D]: SDPA takes its CPU flash kernel only for 4-D inputs."""
     return x.transpose(0, 1)[None]
+
+
+class _SeqPlan(NamedTuple):
+    """One sequence's part of a prefill forward."""
+
+    token_ids: torch.Tensor  # [T] new tokens
+    positions: torch.Tensor  # [T] their positions, start_pos.. start_pos+T-1
+    table: torch.Tensor  # [n_blocks] pool blocks covering [0, end)
+    slot_block: torch.Tensor  # [T] pool block each new token's KV goes to
+    slot_off: torch.Tensor  # [T] offset in that block
+    end: int  # positions attended: start_pos + T
+    mask: torch.Tensor | None  # [T, end] causal mask over the pool's prefix + new KV; None = causal SDPA on fresh K/V
 
 
 class LlamaLayer(nn.Module):
@@ -183,23 +195,8 @@ class LlamaModel(nn.Module):
         if token_ids.numel() and (int(token_ids.min()) < 0 or int(token_ids.max()) >= self.config.vocab_size):
             raise ValueError(f"token id out of range [0, {self.config.vocab_size})")
 
-    # ---- entry points ----
-
-    @torch.inference_mode()
-    def prefill(
-        self,
-        token_ids: torch.Tensor,
-        pool: KVPool,
-        block_table: list[int],
-        start_pos: int = 0,
-        on_layer_done: Callable[[int], None] | None = None,
-        last_only: bool = False,
-    ) -> torch.Tensor:
-        """Compute positions [start_pos, start_pos+T), the KV of [0, start_pos) being in the pool already.
-
-        Writes the new KV into the pool at the slots `block_table` names; returns fp32 logits [T, vocab]
-        ([1, vocab] with last_only). on_layer_done(l) runs after layer l's KV is written.
-        """
+    def _plan(self, token_ids: torch.Tensor, pool: KVPool, block_table: list[int], start_pos: int) -> _SeqPlan:
+        """Validate one sequence's prefill arguments and work out its positions, slots and attention mode."""
         c, bs = self.config, pool.block_size
         token_ids = torch.as_tensor(token_ids, dtype=torch.long, device=self.device).reshape(-1)
         t = token_ids.numel()
@@ -217,14 +214,82 @@ class LlamaModel(nn.Module):
 
         positions = torch.arange(start_pos, end, device=self.device)
         table = torch.as_tensor(block_table[:n_blocks], dtype=torch.long, device=self.device)
-        slot_block, slot_off = table[positions // bs], positions % bs
         direct = start_pos == 0 and pool.dtype == self.dtype  # no cached prefix: attend to the fresh K/V
+        mask = None
         if not direct:
-            key_pos = torch.arange(end, device=self.device)
-            mask = key_pos[None, :] <= positions[:, None]  # causal over prefix + new tokens
+            mask = torch.arange(end, device=self.device)[None, :] <= positions[:, None]  # causal over prefix + new tokens
+        return _SeqPlan(token_ids, positions, table, table[positions // bs], positions % bs, end, mask)
 
+    def _attend(self, plan: _SeqPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache, v_cache) -> torch.Tensor:
+        """One sequence's attention output [T, q_size], its new KV being in the pool already."""
+        c = self.config
+        if plan.mask is None:
+            attn = F.scaled_dot_product_attention(
+                _heads_first(q), _heads_first(k), _heads_first(v), is_causal=True, scale=self.scale, enable_gqa=True
+            )
+        else:
+            n = plan.table.numel() * k_cache.shape[1]
+            ks = k_cache[plan.table].reshape(n, c.num_kv_heads, c.head_dim)[: plan.end].to(q.dtype)
+            vs = v_cache[plan.table].reshape(n, c.num_kv_heads, c.head_dim)[: plan.end].to(q.dtype)
+            attn = F.scaled_dot_product_attention(
+                _heads_first(q), _heads_first(ks), _heads_first(vs), attn_mask=plan.mask, scale=self.scale, enable_gqa=True
+            )
+        return attn[0].transpose(0, 1).reshape(q.shape[0], c.q_size)
+
+    # ---- entry points ----
+
+    @torch.inference_mode()
+    def prefill(
+        self,
+        token_ids: torch.Tensor,
+        pool: KVPool,
+        block_table: list[int],
+        start_pos: int = 0,
+        on_layer_done: Callable[[int], None] | None = None,
+        last_only: bool = False,
+    ) -> torch.Tensor:
+        """Compute positions [start_pos, start_pos+T), the KV of [0, start_pos) being in the pool already.
+
+        Writes the new KV into the pool at the slots `block_table` names; returns fp32 logits [T, vocab]
+        ([1, vocab] with last_only). on_layer_done(l) runs after layer l's KV is written.
+        """
+        plan = self._plan(token_ids, pool, block_table, start_pos)
+        rope = self._rope_table(plan.positions)
+        x = self.embed_tokens[plan.token_ids]
+        for li, layer in enumerate(self.layers):
+            q, k, v = self._qkv(layer, x, rope)
+            k_cache, v_cache = pool.layer_kv(li)
+            k_cache[plan.slot_block, plan.slot_off] = k.to(pool.dtype)
+            v_cache[plan.slot_block, plan.slot_off] = v.to(pool.dtype)
+            if on_layer_done is not None:
+                on_layer_done(li)
+            x = x + F.linear(self._attend(plan, q, k, v, k_cache, v_cache), layer.o_proj)
+            x = self._mlp(layer, x)
+        if last_only:
+            x = x[-1:]
+        return self._logits(x)
+
+    @torch.inference_mode()
+    def prefill_batch(
+        self,
+        seqs: Sequence[tuple[torch.Tensor, list[int], int]],
+        pool: KVPool,
+        on_layer_done: Callable[[int], None] | None = None,
+    ) -> list[torch.Tensor]:
+        """`prefill` of several sequences (token_ids, block_table, start_pos) in one forward; last-position fp32 logits [1, vocab] each.
+
+        The projections and MLP run once over all new tokens; attention runs per sequence.
+        on_layer_done(l) runs after layer l's KV of every sequence is written.
+        """
+        plans = [self._plan(ids, pool, table, start) for ids, table, start in seqs]
+        if not plans:
+            return []
+        bounds = torch.tensor([0] + [p.token_ids.numel() for p in plans]).cumsum(0).tolist()
+        positions = torch.cat([p.positions for p in plans])
+        slot_block = torch.cat([p.slot_block for p in plans])
+        slot_off = torch.cat([p.slot_off for p in plans])
         rope = self._rope_table(positions)
-        x = self.embed_tokens[token_ids]
+        x = self.embed_tokens[torch.cat([p.token_ids for p in plans])]
         for li, layer in enumerate(self.layers):
             q, k, v = self._qkv(layer, x, rope)
             k_cache, v_cache = pool.layer_kv(li)
@@ -232,21 +297,14 @@ class LlamaModel(nn.Module):
             v_cache[slot_block, slot_off] = v.to(pool.dtype)
             if on_layer_done is not None:
                 on_layer_done(li)
-            if direct:
-                attn = F.scaled_dot_product_attention(
-                    _heads_first(q), _heads_first(k), _heads_first(v), is_causal=True, scale=self.scale, enable_gqa=True
-                )
-            else:
-                ks = k_cache[table].reshape(n_blocks * bs, c.num_kv_heads, c.head_dim)[:end].to(q.dtype)
-                vs = v_cache[table].reshape(n_blocks * bs, c.num_kv_heads, c.head_dim)[:end].to(q.dtype)
-                attn = F.scaled_dot_product_attention(
-                    _heads_first(q), _heads_first(ks), _heads_first(vs), attn_mask=mask, scale=self.scale, enable_gqa=True
-                )
-            x = x + F.linear(attn[0].transpose(0, 1).reshape(t, c.q_size), layer.o_proj)
+            attn = torch.cat([
+                self._attend(p, q[s:e], k[s:e], v[s:e], k_cache, v_cache)
+                for p, s, e in zip(plans, bounds[:-1], bounds[1:])
+            ])
+            x = x + F.linear(attn, layer.o_proj)
             x = self._mlp(layer, x)
-        if last_only:
-            x = x[-1:]
-        return self._logits(x)
+        logits = self._logits(x[torch.tensor(bounds[1:]) - 1])
+        return list(logits.split(1))
 
     @torch.inference_mode()
     def decode(

@@ -31,13 +31,25 @@ class _Failure(Exception):
 
 
 class _Job:
+    """A queued request and, once its round starts, its prefix, pool blocks and progress."""
+
     def __init__(self, request: pb.PrefillRequest):
         self.request = request
+        self.ids = list(request.token_ids)
         self.arrived = time.perf_counter()
+        self.started = 0.0  # when its round took it
         self.done = threading.Event()
         self.cancelled = False
         self.reply: pb.PrefillReply | None = None
         self.error: _Failure | None = None
+        self.keys: list[bytes] = []  # block keys of the prompt's full blocks
+        self.table: list[int] = []  # pool blocks: the reused prefix, then the new ones
+        self.pinned: list[bytes] = []  # device-tier keys held while the job runs
+        self.counts = {"device": 0, "dram": 0, "ssd": 0, "remote": 0}  # reused blocks by tier
+        self.transfer_ms = 0.0
+        self.pos = 0  # next position to compute
+        self.logits: torch.Tensor | None = None  # the last computed position's logits
+        self.prefill_ms = 0.0  # from the round's first forward to this job's last
 
 
 class PrefillWorker(GrpcServer, pb_grpc.PrefillWorkerServicer):
@@ -60,7 +72,8 @@ class PrefillWorker(GrpcServer, pb_grpc.PrefillWorkerServicer):
         self._queue: queue.Queue[_Job | None] = queue.Queue()
         self._queued: list[_Job] = []  # the jobs in _queue, for load reports
         self._queued_lock = threading.Lock()
-        self._current: tuple[float, float] | None = None  # (start, predicted ms) of the job computing now
+        self._current: tuple[float, float] | None = None  # (start, predicted ms) of the round computing now
+        self.max_batch_seen = 0  # the most requests one batched forward has carried
         self._store = StoreClient(config.store_address)
         self._publish_store = StoreClient(config.store_address)  # used by the publisher thread only
         self._publisher = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{config.worker_id}-publish")
@@ -149,7 +162,7 @@ class PrefillWorker(GrpcServer, pb_grpc.PrefillWorkerServicer):
             queued_tokens=sum(waiting), predicted_queue_ms=predicted, free_blocks=self.pool.num_free,
             total_blocks=self.pool.num_blocks, prefill_coef=self.timing.coef, nodes=nodes,
             block_bytes=self.pool.block_bytes, block_size=self.pool.block_size,
-            model_fingerprint=self.fingerprint, requests_done=self._requests_done,
+            model_fingerprint=self.fingerprint, requests_done=self._requests_done, max_batch_seen=self.max_batch_seen,
         )
 
     def _validate(self, request: pb.PrefillRequest) -> str:
@@ -170,12 +183,15 @@ class PrefillWorker(GrpcServer, pb_grpc.PrefillWorkerServicer):
     # ---- the scheduler ----
 
     def _loop(self) -> None:
+        waiting: list[_Job] = []  # jobs put off to the next round
         while True:
-            job = self._queue.get()
-            if job is None:
-                return
+            if not waiting:
+                job = self._queue.get()
+                if job is None:
+                    return
+                waiting = [job]
             # A round takes waiting requests up to max_batch_tokens, in arrival order.
-            batch, tokens = [job], len(job.request.token_ids)
+            batch, tokens = waiting, sum(len(j.ids) for j in waiting)
             while tokens < self.config.max_batch_tokens:
                 try:
                     nxt = self._queue.get_nowait()
@@ -185,35 +201,85 @@ class PrefillWorker(GrpcServer, pb_grpc.PrefillWorkerServicer):
                     self._queue.put(None)
                     break
                 batch.append(nxt)
-                tokens += len(nxt.request.token_ids)
-            for j in batch:
-                self._serve(j)
+                tokens += len(nxt.ids)
+            waiting = self._serve_round(batch)
 
-    def _serve(self, job: _Job) -> None:
+    def _serve_round(self, batch: list[_Job]) -> list[_Job]:
+        """Prepare each job, compute them all together, answer each; returns the jobs put off to the next round."""
         with self._queued_lock:
-            self._queued.remove(job)
+            for job in batch:
+                if job in self._queued:
+                    self._queued.remove(job)
             self.m_queued.set(len(self._queued))
-        if job.cancelled:
-            job.done.set()
-            return
-        start = time.perf_counter()
-        t = len(job.request.token_ids)
-        self._current = (start, self.timing.predict(t, t))
+        jobs: list[_Job] = []
+        later: list[_Job] = []
+        computing: set[bytes] = set()  # keys of the blocks this round computes
+        for job in batch:
+            if job.cancelled:
+                job.done.set()
+                continue
+            if jobs and self._shares_new_blocks(job, computing):
+                later.append(job)  # next round it reuses them instead of computing them again
+                continue
+            job.started = time.perf_counter()
+            try:
+                self._prepare(job)
+            except _Failure as exc:
+                self._release(job)
+                if exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED and jobs:
+                    later.append(job)  # the pool is held by this round's jobs: room comes back after it
+                else:
+                    self._fail(job, exc)
+                continue
+            except Exception as exc:  # noqa: BLE001 - the RPC answers INTERNAL; the worker keeps serving
+                self._fail(job, exc)
+                continue
+            self.m_queue.observe(job.started - job.arrived)
+            computing.update(job.keys[job.pos // self.config.block_size :])
+            jobs.append(job)
+        predicted = sum(self.timing.predict(len(j.ids) - j.pos, len(j.ids)) for j in jobs)
+        self._current = (time.perf_counter(), predicted)
         try:
-            job.reply = self.prefill(job.request, queue_ms=(start - job.arrived) * 1000.0)
-            self.m_requests.labels(self.config.worker_id, "ok").inc()
-        except _Failure as exc:
-            job.error = exc
-            self.m_requests.labels(self.config.worker_id, "error").inc()
-        except Exception as exc:  # noqa: BLE001 - the RPC answers INTERNAL; the worker keeps serving
-            job.error = _Failure(grpc.StatusCode.INTERNAL, f"prefill failed: {type(exc).__name__}: {exc}")
-            self.m_requests.labels(self.config.worker_id, "error").inc()
+            self._compute(jobs)
         finally:
             self._current = None
-            self._requests_done += 1
-            self.m_free.set(self.pool.num_free)
-            self.m_queue.observe((start - job.arrived))
-            job.done.set()
+        for job in jobs:
+            if job.error is not None:
+                continue
+            try:
+                job.reply = self._finish(job, queue_ms=(job.started - job.arrived) * 1000.0)
+            except Exception as exc:  # noqa: BLE001
+                self._fail(job, exc)
+                continue
+            self._complete(job, "ok")
+        return later
+
+    def _shares_new_blocks(self, job: _Job, computing: set[bytes]) -> bool:
+        """Whether a reusable block of the job is one this round computes for an earlier job."""
+        r = job.request
+        if r.no_cache or not computing:
+            return False
+        keys = block_keys(job.ids, self.config.block_size, self.fingerprint, r.cache_salt)
+        return any(k in computing for k in keys[: reusable_blocks(len(keys), len(job.ids), self.config.block_size)])
+
+    def _fail(self, job: _Job, exc: Exception) -> None:
+        """Answer the job with exc's status (INTERNAL unless a _Failure) and give its blocks back."""
+        if not isinstance(exc, _Failure):
+            exc = _Failure(grpc.StatusCode.INTERNAL, f"prefill failed: {type(exc).__name__}: {exc}")
+        job.error = exc
+        self._release(job)
+        self._complete(job, "error")
+
+    def _release(self, job: _Job) -> None:
+        self.device.release(job.pinned)
+        self._free(job.table[len(job.pinned) :])
+        job.pinned, job.table = [], []
+
+    def _complete(self, job: _Job, outcome: str) -> None:
+        self.m_requests.labels(self.config.worker_id, outcome).inc()
+        self._requests_done += 1
+        self.m_free.set(self.pool.num_free)
+        job.done.set()
 
     # ---- one request ----
 
@@ -267,75 +333,89 @@ class PrefillWorker(GrpcServer, pb_grpc.PrefillWorkerServicer):
         table.extend(ids[:got])
         return got, list(found.tiers[:got])
 
-    def prefill(self, request: pb.PrefillRequest, queue_ms: float = 0.0) -> pb.PrefillReply:
-        """Serve one request (on the scheduler thread)."""
-        cfg, bs = self.config, self.config.block_size
-        ids = list(request.token_ids)
-        t = len(ids)
-        keys = block_keys(ids, bs, self.fingerprint, request.cache_salt)
+    def _prepare(self, job: _Job) -> None:
+        """Phase 1: the longest cached prefix from every tier into the pool, and pool blocks for the rest."""
+        cfg, bs, request = self.config, self.config.block_size, job.request
+        t = len(job.ids)
+        job.counts = dict.fromkeys(job.counts, 0)  # a job put off to the next round prepares again
+        keys = job.keys = block_keys(job.ids, bs, self.fingerprint, request.cache_salt)
         cap = 0 if request.no_cache else reusable_blocks(len(keys), t, bs)
-        table: list[int] = []
-        pinned: list[bytes] = []
-        counts = {"device": 0, "dram": 0, "ssd": 0, "remote": 0}
-        transfer_ms = 0.0
-        try:
-            if cfg.device_cache and cap:
-                table.extend(self.device.match(keys[:cap]))
-                pinned = list(keys[: len(table)])
-                counts["device"] = len(table)
-            t0 = time.perf_counter()
-            if len(table) < cap:
-                got, tiers = self._pull(self._store, keys[len(table) : cap], table)
-                for tier in tiers:
-                    counts["ssd" if tier == "ssd" else "dram"] += 1
-            want = min(cap, request.fetch_blocks) if request.fetch_from else cap
-            if len(table) < want:
-                remote = self._remote_client(request.fetch_from) if request.fetch_from else self._best_remote(keys[:cap], len(table))
-                if remote is not None:
-                    got, _ = self._pull(remote, keys[len(table) : want], table)
-                    counts["remote"] += got
-            transfer_ms = (time.perf_counter() - t0) * 1000.0
-            reused = len(table)
-            table.extend(self._allocate(-(-t // bs) - reused))
+        table = job.table  # extended in place, so that a failure frees what was taken
+        if cfg.device_cache and cap:
+            table.extend(self.device.match(keys[:cap]))
+            job.pinned = list(keys[: len(table)])
+            job.counts["device"] = len(table)
+        t0 = time.perf_counter()
+        if len(table) < cap:
+            _, tiers = self._pull(self._store, keys[len(table) : cap], table)
+            for tier in tiers:
+                job.counts["ssd" if tier == "ssd" else "dram"] += 1
+        want = min(cap, request.fetch_blocks) if request.fetch_from else cap
+        if len(table) < want:
+            remote = self._remote_client(request.fetch_from) if request.fetch_from else self._best_remote(keys[:cap], len(table))
+            if remote is not None:
+                got, _ = self._pull(remote, keys[len(table) : want], table)
+                job.counts["remote"] += got
+        job.transfer_ms = (time.perf_counter() - t0) * 1000.0
+        job.pos = len(table) * bs
+        table.extend(self._allocate(-(-t // bs) - len(table)))
 
-            compute_start = time.perf_counter()
-            logits = None
-            for s in range(reused * bs, t, cfg.chunk_size):
-                e = min(t, s + cfg.chunk_size)
-                c0 = time.perf_counter()
-                logits = self._compute_chunk(ids, keys, table, s, e)
-                self.timing.observe((time.perf_counter() - c0) * 1000.0, e - s, e)
-            prefill_ms = (time.perf_counter() - compute_start) * 1000.0
-            self.m_prefill.observe(prefill_ms / 1000.0)
+    def _compute(self, jobs: list[_Job]) -> None:
+        """Phase 2: every job's remaining positions, one batched forward per step of up to chunk_size tokens a job."""
+        start = time.perf_counter()
+        while True:
+            step = [j for j in jobs if j.error is None and j.pos < len(j.ids)]
+            if not step:
+                return
+            spans = [(j.pos, min(len(j.ids), j.pos + self.config.chunk_size)) for j in step]
+            c0 = time.perf_counter()
+            try:
+                logits = self._compute_step(step, spans)
+            except Exception as exc:  # noqa: BLE001 - the jobs of this forward fail; the worker keeps serving
+                for j in step:
+                    self._fail(j, exc)
+                continue
+            now = time.perf_counter()
+            tokens = sum(e - s for s, e in spans)
+            # One observation per forward: tokens*context summed over its sequences, as the model's feature.
+            self.timing.observe((now - c0) * 1000.0, tokens, sum((e - s) * e for s, e in spans) / tokens)
+            self.max_batch_seen = max(self.max_batch_seen, len(step))
+            for j, (_, e), lg in zip(step, spans, logits):
+                j.pos, j.logits, j.prefill_ms = e, lg, (now - start) * 1000.0
 
-            t1 = time.perf_counter()
-            self._ensure_stored(keys, table)
-            transfer_ms += (time.perf_counter() - t1) * 1000.0
-            sp = sampling_params(request.sampling)
-            first = int(sample(logits[-1:], [sp], [sp.generator()])[0])
-            tail_tokens = t % bs
-            tail = b""
-            if tail_tokens:
-                tail = encode_block(self.pool.kv[table[-1]][:, :, :tail_tokens].contiguous(), self.fingerprint)
-        except BaseException:
-            self.device.release(pinned)
-            self._free(table[len(pinned) :])
-            raise
-        self._keep(keys, table, pinned)
+    def _finish(self, job: _Job, queue_ms: float) -> pb.PrefillReply:
+        """Phase 3: every full block in the store, the first token, the tail block; blocks kept as the device tier."""
+        cfg, bs, request = self.config, self.config.block_size, job.request
+        t = len(job.ids)
+        self.m_prefill.observe(job.prefill_ms / 1000.0)
+        t1 = time.perf_counter()
+        self._ensure_stored(job.keys, job.table)
+        job.transfer_ms += (time.perf_counter() - t1) * 1000.0
+        sp = sampling_params(request.sampling)
+        first = int(sample(job.logits, [sp], [sp.generator()])[0])
+        tail_tokens = t % bs
+        tail = b""
+        if tail_tokens:
+            tail = encode_block(self.pool.kv[job.table[-1]][:, :, :tail_tokens].contiguous(), self.fingerprint)
+        table, pinned = job.table, job.pinned
+        job.table, job.pinned = [], []  # _keep owns them now
+        self._keep(job.keys, table, pinned)
+        counts = job.counts
         for tier, n in counts.items():
             if n:
                 self.m_cached.labels(cfg.worker_id, tier).inc(n * bs)
+        reused = sum(counts.values())
         computed = t - reused * bs
         self.m_computed.inc(computed)
         handle = pb.KVHandle(
-            block_keys=keys, store_node=cfg.store_node, store_address=cfg.store_address,
+            block_keys=job.keys, store_node=cfg.store_node, store_address=cfg.store_address,
             num_tokens=t, tail=tail, tail_tokens=tail_tokens,
         )
         return pb.PrefillReply(
             first_token=first, handle=handle, cached_device_tokens=counts["device"] * bs,
             cached_dram_tokens=counts["dram"] * bs, cached_ssd_tokens=counts["ssd"] * bs,
             cached_remote_tokens=counts["remote"] * bs, computed_tokens=computed,
-            queue_ms=queue_ms, prefill_ms=prefill_ms, transfer_ms=transfer_ms,
+            queue_ms=queue_ms, prefill_ms=job.prefill_ms, transfer_ms=job.transfer_ms,
         )
 
     def _best_remote(self, keys: Sequence[bytes], have: int) -> StoreClient | None:
@@ -350,46 +430,49 @@ class PrefillWorker(GrpcServer, pb_grpc.PrefillWorkerServicer):
                 best, best_n = node, n
         return self._remote_client(best) if best else None
 
-    def _compute_chunk(self, ids: list[int], keys: list[bytes], table: list[int], s: int, e: int) -> torch.Tensor:
-        """Prefill positions [s, e); the full blocks it completes go to the store, layer by layer."""
-        bs = self.config.block_size
-        first_block, end_block = s // bs, e // bs
-        new_keys = keys[first_block:end_block]
-        new_ids = torch.tensor(table[first_block:end_block], dtype=torch.long)
-        pending: list[Future] = []
-        on_layer = None
-        writer = None
-        if new_keys and self.config.layerwise:
-            parent = keys[first_block - 1] if first_block else None
-            try:
-                writer = self._publish_store.open_put(new_keys, self.pool.block_shape, self.dtype, self.fingerprint, parent=parent)
-            except Exception:  # noqa: BLE001 - store full or away: compute anyway; _ensure_stored tries again
-                writer = None
+    def _compute_step(self, step: list[_Job], spans: list[tuple[int, int]]) -> list[torch.Tensor]:
+        """One forward over each job's positions [s, e); the full blocks it completes go to the store, layer by layer."""
+        writers = [w for w in (self._open_writer(j, s, e) for j, (s, e) in zip(step, spans)) if w is not None]
+        pending: list[list[Future]] = [[] for _ in writers]  # per writer
 
-        if writer is not None:
+        def on_layer(layer: int) -> None:
+            # The gather copies this layer now; the publisher thread sends it while later layers compute.
+            for (w, ids), futures in zip(writers, pending):
+                futures.append(self._publisher.submit(w.write_layer, layer, self.pool.kv[ids, layer]))
 
-            def on_layer(layer: int) -> None:
-                # The gather copies this layer now; the publisher thread sends it while later layers compute.
-                pending.append(self._publisher.submit(writer.write_layer, layer, self.pool.kv[new_ids, layer]))
-
-        tokens = torch.tensor(ids[s:e], dtype=torch.long)
+        seqs = [(torch.tensor(j.ids[s:e], dtype=torch.long), j.table, s) for j, (s, e) in zip(step, spans)]
         try:
-            logits = self.lm.model.prefill(tokens, self.pool, table, s, on_layer_done=on_layer, last_only=True)
+            logits = self.lm.model.prefill_batch(seqs, self.pool, on_layer_done=on_layer if writers else None)
         except BaseException:
-            if writer is not None:
-                self._publisher.submit(writer.abort).result()
+            for w, _ in writers:
+                self._publisher.submit(w.abort).result()
             raise
-        if writer is not None:
-            pending.append(self._publisher.submit(writer.commit))
+        for (w, _), futures in zip(writers, pending):
+            futures.append(self._publisher.submit(w.commit))
+        for (w, _), futures in zip(writers, pending):
             try:
-                for f in pending:
+                for f in futures:
                     f.result()
             except Exception:  # noqa: BLE001 - publishing is best effort: _ensure_stored retries with a plain put
                 try:
-                    self._publisher.submit(writer.abort).result()
+                    self._publisher.submit(w.abort).result()
                 except Exception:  # noqa: BLE001
                     pass
         return logits
+
+    def _open_writer(self, job: _Job, s: int, e: int):
+        """(a layer-wise store writer, its pool block ids) for the full blocks [s, e) completes; None if none or off."""
+        bs = self.config.block_size
+        first_block, end_block = s // bs, e // bs
+        new_keys = job.keys[first_block:end_block]
+        if not new_keys or not self.config.layerwise:
+            return None
+        parent = job.keys[first_block - 1] if first_block else None
+        try:
+            writer = self._publish_store.open_put(new_keys, self.pool.block_shape, self.dtype, self.fingerprint, parent=parent)
+        except Exception:  # noqa: BLE001 - store full or away: compute anyway; _ensure_stored tries again
+            return None
+        return writer, torch.tensor(job.table[first_block:end_block], dtype=torch.long)
 
     def _ensure_stored(self, keys: list[bytes], table: list[int]) -> None:
         """Every full block of the prompt in the host's store, so a decode worker can pull them all."""

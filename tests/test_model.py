@@ -255,3 +255,31 @@ def test_tokenizer(lm):
     assert chat[0] == tok.token_to_id("<|im_start|>") and tok.decode(chat, skip_special_tokens=False).endswith("assistant\n")
     with pytest.raises(ValueError, match="role"):
         tok.apply_chat_template([{"content": "x"}])
+
+
+def test_prefill_batch_equals_prefill_per_sequence(lm):
+    # (prompt length, cached prefix length): fresh, block-aligned prefix, prefix off a block boundary, short fresh.
+    shapes = [(40, 0), (41, 16), (30, 21), (7, 0)]
+    prompts = [_prompt(n, 20 + i, lm.config.vocab_size) for i, (n, _) in enumerate(shapes)]
+    pools = [KVPool(lm.config, 32, 16), KVPool(lm.config, 32, 16)]
+    tables = [[pool.allocate(pool.blocks_for(n)) for n, _ in shapes] for pool in pools]
+    for pool, pool_tables in zip(pools, tables):
+        for ids, table, (_, start) in zip(prompts, pool_tables, shapes):
+            if start:
+                lm.model.prefill(torch.tensor(ids[:start]), pool, table)
+    solo = [
+        lm.model.prefill(torch.tensor(ids[start:]), pools[0], table, start_pos=start, last_only=True)
+        for ids, table, (_, start) in zip(prompts, tables[0], shapes)
+    ]
+    seen = []
+    seqs = [(torch.tensor(ids[start:]), table, start) for ids, table, (_, start) in zip(prompts, tables[1], shapes)]
+    batched = lm.model.prefill_batch(seqs, pools[1], on_layer_done=seen.append)
+    assert seen == list(range(lm.config.num_layers))
+    assert len(batched) == len(shapes)
+    for one, many in zip(solo, batched):
+        assert many.shape == (1, lm.config.vocab_size) and many.dtype == torch.float32
+        assert (one - many).abs().max().item() <= 1e-4
+    for table_a, table_b in zip(*tables):
+        assert (pools[0].kv[table_a] - pools[1].kv[table_b]).abs().max().item() <= 1e-4
+    with pytest.raises(ValueError, match="block table"):
+        lm.model.prefill_batch([(torch.tensor(prompts[0]), tables[1][0][:1], 0)], pools[1])

@@ -293,3 +293,60 @@ def test_decode_worker_lost_mid_stream_resumes_elsewhere(lm, engine):
                 final = msg
         assert got == want  # no token repeated, none missing
         assert final.finish_reason == "length" and final.usage.decode_worker != last.config.worker_id
+
+
+def test_waiting_prefills_run_as_one_batched_forward(lm, engine):
+    rng = random.Random(8)
+    prompts = [rand_ids(rng, n) for n in (9, 70, 33, 16, 51, 24)]  # 1 to 5 chunks of 16 each
+    with Cluster(lm, prefill={"chunk_size": BS}) as c:
+        w = c.prefills[0]
+        results: dict[int, tuple] = {}
+        threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, c.generate(token_ids=prompts[i], max_tokens=8)))
+                   for i in range(len(prompts))]
+        # Holding the pool lock stalls the first request's round, so the other five queue up behind it.
+        with w._pool_lock:
+            for t in threads:
+                t.start()
+            deadline = time.monotonic() + 30
+            while w.load().queued_requests < len(prompts) - 1 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert w.load().queued_requests == len(prompts) - 1
+        for t in threads:
+            t.join(timeout=120)
+        for i, p in enumerate(prompts):
+            assert results[i][0] == solo(engine, p, 8), i
+            assert results[i][2].usage.computed_prompt_tokens == len(p)
+        assert w.load().max_batch_seen == len(prompts) - 1  # one forward carried the five that waited
+        assert w.load().free_blocks + len(w.device) == w.load().total_blocks  # only the device tier holds blocks
+
+
+def test_a_job_the_pool_cannot_hold_fails_alone(lm, engine):
+    rng = random.Random(9)
+    stall, a, b, huge = (rand_ids(rng, n) for n in (10, 60, 70, 200))  # 1, 4, 5 and 13 blocks; the pool holds 8
+    with Cluster(lm, prefill={"num_blocks": 8}) as c:
+        w = c.prefills[0]
+        results: dict[int, object] = {}
+
+        def run(i, p):
+            try:
+                results[i] = c.generate(token_ids=p, max_tokens=6)[0]
+            except grpc.RpcError as exc:
+                results[i] = exc
+
+        threads = [threading.Thread(target=run, args=(i, p)) for i, p in enumerate((stall, a, b, huge))]
+        # With the pool lock held, the first request's round stalls and the others queue in order behind it:
+        # one round then holds a, b (no room beside a: it waits a round) and huge (never fits: fails).
+        with w._pool_lock:
+            for i, t in enumerate(threads):
+                t.start()
+                deadline = time.monotonic() + 30
+                while w.load().queued_requests < i and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                assert w.load().queued_requests == i
+        for t in threads:
+            t.join(timeout=120)
+        for i, p in enumerate((stall, a, b)):
+            assert results[i] == solo(engine, p, 6), i
+        assert isinstance(results[3], grpc.RpcError) and results[3].code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "KV blocks needed" in results[3].details()
+        assert w.load().free_blocks + len(w.device) == w.load().total_blocks  # nothing leaked
