@@ -153,6 +153,10 @@ class Client:
     def status(self) -> pb.StatusReply:
         return self._stub.Status(pb.StatusRequest(), timeout=STATUS_TIMEOUT_S)
 
+    def clear_cache(self) -> pb.ClearCacheReply:
+        """Empty every KV cache of the cluster (store tiers, index, prefill pools)."""
+        return self._stub.ClearCache(pb.ClearCacheRequest(), timeout=STATUS_TIMEOUT_S)
+
     def close(self) -> None:
         self._channel.close()
 
@@ -189,6 +193,9 @@ class AsyncClient:
 
     async def status(self) -> pb.StatusReply:
         return await self._stub.Status(pb.StatusRequest(), timeout=STATUS_TIMEOUT_S)
+
+    async def clear_cache(self) -> pb.ClearCacheReply:
+        return await self._stub.ClearCache(pb.ClearCacheRequest(), timeout=STATUS_TIMEOUT_S)
 
     async def close(self) -> None:
         await self._channel.close()

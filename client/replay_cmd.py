@@ -50,7 +50,7 @@ def replay_trace(
     seed: int = 0,
     progress: bool = True,
 ) -> ReplayResult:
-    """Replay the same slice once per policy; each run gets a fresh cache salt, so each starts cold."""
+    """Replay the same slice once per policy, each on a cleared cache (and its own cache salt)."""
     reqs = load_trace(trace, fmt, limit)
     if not reqs:
         raise ValueError(f"{trace}: no requests")
@@ -60,6 +60,8 @@ def replay_trace(
     tag = secrets.token_hex(4)
     by_policy, reports = {}, []
     for policy in policies:
+        with Client(address) as c:
+            c.clear_cache()
         settings = ReplaySettings(policy=policy, cache_salt=f"replay-{tag}-{policy or 'default'}",
                                   ttft_slo_ms=ttft_slo_ms, tbt_slo_ms=tbt_slo_ms, progress=progress,
                                   desc=policy or "replay")

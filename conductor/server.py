@@ -451,6 +451,23 @@ class Conductor(GrpcServer, pb_grpc.ConductorServicer):
             reply.stores.append(self._store_status(address))
         return reply
 
+    def ClearCache(self, request: pb.ClearCacheRequest, context: grpc.ServicerContext) -> pb.ClearCacheReply:
+        reply = pb.ClearCacheReply()
+        for address in self.config.store_addresses:
+            client = StoreClient(address, transport="grpc", timeout_s=self.config.load_timeout_s)
+            try:
+                reply.store_blocks += client.clear()
+            except Exception as exc:  # noqa: BLE001 - a half-cleared cluster must say so, not pretend
+                context.abort(grpc.StatusCode.UNAVAILABLE, f"store {address} could not be cleared: {exc}")
+            finally:
+                client.close()
+        for w in [w for w in self._workers if w.kind == "prefill"]:
+            try:
+                reply.device_blocks += w.stub.ClearCache(pb.ClearCacheRequest(), timeout=self.config.load_timeout_s).device_blocks
+            except grpc.RpcError as exc:
+                context.abort(grpc.StatusCode.UNAVAILABLE, f"prefill worker {w.worker_id} could not be cleared: {exc.details()}")
+        return reply
+
     def _store_status(self, address: str) -> pb.StoreStatus:
         st = pb.StoreStatus(address=address)
         try:

@@ -303,6 +303,14 @@ class StoreClient:
                                       for t in s.tiers], s.hits, s.misses, s.promotions, s.demotions, s.leases,
                           s.pending_blocks)
 
+    def clear(self) -> int:
+        """Drop every block the node holds (see KVStore.Clear); how many went now."""
+        self._reap_releases(wait=True)
+        try:
+            return self.stub.Clear(pb.KVClearRequest(), timeout=self.timeout).dropped
+        except grpc.RpcError as e:
+            _raise(e)
+
     def close(self) -> None:
         self._reap_releases(wait=True)
         if self.slab is not None:

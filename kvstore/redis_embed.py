@@ -25,12 +25,16 @@ def _redis_server_binary() -> str:
     return path
 
 
+try:  # resolved here, in the parent: dlopen in a forked child of a threaded process can deadlock
+    _PRCTL = ctypes.CDLL("libc.so.6", use_errno=True).prctl
+except (OSError, AttributeError):
+    _PRCTL = None
+
+
 def _die_with_parent() -> None:
     # PR_SET_PDEATHSIG: the server gets SIGTERM when its starter dies, even by SIGKILL.
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)
-    except OSError:
-        pass
+    if _PRCTL is not None:
+        _PRCTL(1, signal.SIGTERM)
 
 
 def _free_port() -> int:

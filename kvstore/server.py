@@ -228,6 +228,11 @@ class _Servicer:
             tiers=[pb.KVTierStats(tier=t.tier, used_bytes=t.used_bytes, capacity_bytes=t.capacity_bytes,
                                   blocks=t.blocks, hits=t.hits, evictions=t.evictions) for t in s.tiers])
 
+    def Clear(self, req, ctx):
+        dropped, deferred = self.store.clear()
+        self.node.flush()
+        return pb.KVClearReply(dropped=dropped, deferred=deferred)
+
     def Info(self, req, ctx):
         n = self.node
         return pb.KVInfoReply(node_id=self.cfg.node_id, hostname=socket.gethostname(), boot_id=boot_id(),

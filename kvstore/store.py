@@ -275,6 +275,20 @@ class BlockStore:
                     self._drop(e)
             return True
 
+    def clear(self) -> tuple[int, int]:
+        """Drop every block of every tier; a leased one goes when its last lease ends. (dropped, deferred)."""
+        dropped = deferred = 0
+        with self._lock:
+            for tier in (DRAM, SSD):
+                for e in list(self._order[tier].values()):
+                    if e.leases:
+                        e.doomed = True
+                        deferred += 1
+                    else:
+                        self._drop(e)
+                        dropped += 1
+        return dropped, deferred
+
     def expire(self) -> int:
         """Release every lease past its expiry (its holder died or forgot); how many."""
         now = self.clock()

@@ -167,6 +167,7 @@ def add_servicer(servicer, server: grpc.Server) -> None:
         "Commit": u(servicer.Commit, pb.KVCommitRequest.FromString, pb.KVPutReply.SerializeToString),
         "Stats": u(servicer.Stats, pb.KVStatsRequest.FromString, pb.KVStatsReply.SerializeToString),
         "Info": u(servicer.Info, pb.KVInfoRequest.FromString, pb.KVInfoReply.SerializeToString),
+        "Clear": u(servicer.Clear, pb.KVClearRequest.FromString, pb.KVClearReply.SerializeToString),
     }
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(_SERVICE, handlers),))
 

@@ -148,6 +148,14 @@ class PrefillWorker(GrpcServer, pb_grpc.PrefillWorkerServicer):
     def Load(self, request: pb.LoadRequest, context: grpc.ServicerContext) -> pb.WorkerLoad:
         return self.load()
 
+    def ClearCache(self, request: pb.ClearCacheRequest, context: grpc.ServicerContext) -> pb.ClearCacheReply:
+        """Drop the device tier's blocks (those a running request holds stay until it ends)."""
+        with self._pool_lock:
+            ids = self.device.evict(len(self.device))
+            self.pool.free(ids)
+        self.m_free.set(self.pool.num_free)
+        return pb.ClearCacheReply(device_blocks=len(ids))
+
     def load(self) -> pb.WorkerLoad:
         """The load report the conductor routes by."""
         with self._queued_lock:
@@ -243,15 +251,6 @@ class PrefillWorker(GrpcServer, pb_grpc.PrefillWorkerServicer):
             self._compute(jobs)
         finally:
             self._current = None
-        for job in jobs:
-            if job.error is not None:
-                continue
-            try:
-                job.reply = self._finish(job, queue_ms=(job.started - job.arrived) * 1000.0)
-            except Exception as exc:  # noqa: BLE001
-                self._fail(job, exc)
-                continue
-            self._complete(job, "ok")
         return later
 
     def _shares_new_blocks(self, job: _Job, computing: set[bytes]) -> bool:
@@ -261,6 +260,14 @@ class PrefillWorker(GrpcServer, pb_grpc.PrefillWorkerServicer):
             return False
         keys = block_keys(job.ids, self.config.block_size, self.fingerprint, r.cache_salt)
         return any(k in computing for k in keys[: reusable_blocks(len(keys), len(job.ids), self.config.block_size)])
+
+    def _answer(self, job: _Job) -> None:
+        try:
+            job.reply = self._finish(job, queue_ms=(job.started - job.arrived) * 1000.0)
+        except Exception as exc:  # noqa: BLE001 - the RPC answers INTERNAL; the worker keeps serving
+            self._fail(job, exc)
+            return
+        self._complete(job, "ok")
 
     def _fail(self, job: _Job, exc: Exception) -> None:
         """Answer the job with exc's status (INTERNAL unless a _Failure) and give its blocks back."""
@@ -361,7 +368,7 @@ class PrefillWorker(GrpcServer, pb_grpc.PrefillWorkerServicer):
         table.extend(self._allocate(-(-t // bs) - len(table)))
 
     def _compute(self, jobs: list[_Job]) -> None:
-        """Phase 2: every job's remaining positions, one batched forward per step of up to chunk_size tokens a job."""
+        """Phase 2: batched forwards of up to chunk_size tokens a job; a job is answered once its last position is computed."""
         start = time.perf_counter()
         while True:
             step = [j for j in jobs if j.error is None and j.pos < len(j.ids)]
@@ -382,6 +389,8 @@ class PrefillWorker(GrpcServer, pb_grpc.PrefillWorkerServicer):
             self.max_batch_seen = max(self.max_batch_seen, len(step))
             for j, (_, e), lg in zip(step, spans, logits):
                 j.pos, j.logits, j.prefill_ms = e, lg, (now - start) * 1000.0
+                if e == len(j.ids):
+                    self._answer(j)
 
     def _finish(self, job: _Job, queue_ms: float) -> pb.PrefillReply:
         """Phase 3: every full block in the store, the first token, the tail block; blocks kept as the device tier."""

@@ -24,6 +24,18 @@ class SamplingParams(_message.Message):
     ignore_eos: bool
     def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
 
+class ClearCacheRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ClearCacheReply(_message.Message):
+    __slots__ = ("store_blocks", "device_blocks")
+    STORE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    store_blocks: int
+    device_blocks: int
+    def __init__(self, store_blocks: _Optional[int] = ..., device_blocks: _Optional[int] = ...) -> None: ...
+
 class ChatMessage(_message.Message):
     __slots__ = ("role", "content")
     ROLE_FIELD_NUMBER: _ClassVar[int]

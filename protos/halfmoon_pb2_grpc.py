@@ -46,6 +46,11 @@ class ConductorStub:
                 request_serializer=protos_dot_halfmoon__pb2.StatusRequest.SerializeToString,
                 response_deserializer=protos_dot_halfmoon__pb2.StatusReply.FromString,
                 _registered_method=True)
+        self.ClearCache = channel.unary_unary(
+                '/halfmoon.Conductor/ClearCache',
+                request_serializer=protos_dot_halfmoon__pb2.ClearCacheRequest.SerializeToString,
+                response_deserializer=protos_dot_halfmoon__pb2.ClearCacheReply.FromString,
+                _registered_method=True)
 
 
 class ConductorServicer:
@@ -67,6 +72,14 @@ class ConductorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ClearCache(self, request, context):
+        """Empties every KV cache of the cluster (store tiers, index entries, prefill workers' device
+        pools): the next request starts cold. Replay calls it between policies.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ConductorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -79,6 +92,11 @@ def add_ConductorServicer_to_server(servicer, server):
                     servicer.Status,
                     request_deserializer=protos_dot_halfmoon__pb2.StatusRequest.FromString,
                     response_serializer=protos_dot_halfmoon__pb2.StatusReply.SerializeToString,
+            ),
+            'ClearCache': grpc.unary_unary_rpc_method_handler(
+                    servicer.ClearCache,
+                    request_deserializer=protos_dot_halfmoon__pb2.ClearCacheRequest.FromString,
+                    response_serializer=protos_dot_halfmoon__pb2.ClearCacheReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -147,6 +165,33 @@ class Conductor:
             metadata,
             _registered_method=True)
 
+    @staticmethod
+    def ClearCache(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/halfmoon.Conductor/ClearCache',
+            protos_dot_halfmoon__pb2.ClearCacheRequest.SerializeToString,
+            protos_dot_halfmoon__pb2.ClearCacheReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
 
 class PrefillWorkerStub:
     """Missing associated documentation comment in .proto file."""
@@ -167,6 +212,11 @@ class PrefillWorkerStub:
                 request_serializer=protos_dot_halfmoon__pb2.LoadRequest.SerializeToString,
                 response_deserializer=protos_dot_halfmoon__pb2.WorkerLoad.FromString,
                 _registered_method=True)
+        self.ClearCache = channel.unary_unary(
+                '/halfmoon.PrefillWorker/ClearCache',
+                request_serializer=protos_dot_halfmoon__pb2.ClearCacheRequest.SerializeToString,
+                response_deserializer=protos_dot_halfmoon__pb2.ClearCacheReply.FromString,
+                _registered_method=True)
 
 
 class PrefillWorkerServicer:
@@ -184,6 +234,13 @@ class PrefillWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ClearCache(self, request, context):
+        """drops its device-tier blocks
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PrefillWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -196,6 +253,11 @@ def add_PrefillWorkerServicer_to_server(servicer, server):
                     servicer.Load,
                     request_deserializer=protos_dot_halfmoon__pb2.LoadRequest.FromString,
                     response_serializer=protos_dot_halfmoon__pb2.WorkerLoad.SerializeToString,
+            ),
+            'ClearCache': grpc.unary_unary_rpc_method_handler(
+                    servicer.ClearCache,
+                    request_deserializer=protos_dot_halfmoon__pb2.ClearCacheRequest.FromString,
+                    response_serializer=protos_dot_halfmoon__pb2.ClearCacheReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -252,6 +314,33 @@ class PrefillWorker:
             '/halfmoon.PrefillWorker/Load',
             protos_dot_halfmoon__pb2.LoadRequest.SerializeToString,
             protos_dot_halfmoon__pb2.WorkerLoad.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ClearCache(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/halfmoon.PrefillWorker/ClearCache',
+            protos_dot_halfmoon__pb2.ClearCacheRequest.SerializeToString,
+            protos_dot_halfmoon__pb2.ClearCacheReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -7,6 +7,18 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class KVClearRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class KVClearReply(_message.Message):
+    __slots__ = ("dropped", "deferred")
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
+    DEFERRED_FIELD_NUMBER: _ClassVar[int]
+    dropped: int
+    deferred: int
+    def __init__(self, dropped: _Optional[int] = ..., deferred: _Optional[int] = ...) -> None: ...
+
 class KVLookupRequest(_message.Message):
     __slots__ = ("keys",)
     KEYS_FIELD_NUMBER: _ClassVar[int]

@@ -74,6 +74,11 @@ class KVStoreStub:
                 request_serializer=protos_dot_kvstore__pb2.KVInfoRequest.SerializeToString,
                 response_deserializer=protos_dot_kvstore__pb2.KVInfoReply.FromString,
                 _registered_method=True)
+        self.Clear = channel.unary_unary(
+                '/halfmoon.KVStore/Clear',
+                request_serializer=protos_dot_kvstore__pb2.KVClearRequest.SerializeToString,
+                response_deserializer=protos_dot_kvstore__pb2.KVClearReply.FromString,
+                _registered_method=True)
 
 
 class KVStoreServicer:
@@ -137,6 +142,14 @@ class KVStoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Clear(self, request, context):
+        """Drops every block from every tier (a leased block goes when its last lease ends) and its
+        index entries: a cold cache, e.g. between two replays of the same trace.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVStoreServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -179,6 +192,11 @@ def add_KVStoreServicer_to_server(servicer, server):
                     servicer.Info,
                     request_deserializer=protos_dot_kvstore__pb2.KVInfoRequest.FromString,
                     response_serializer=protos_dot_kvstore__pb2.KVInfoReply.SerializeToString,
+            ),
+            'Clear': grpc.unary_unary_rpc_method_handler(
+                    servicer.Clear,
+                    request_deserializer=protos_dot_kvstore__pb2.KVClearRequest.FromString,
+                    response_serializer=protos_dot_kvstore__pb2.KVClearReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -397,6 +415,33 @@ class KVStore:
             '/halfmoon.KVStore/Info',
             protos_dot_kvstore__pb2.KVInfoRequest.SerializeToString,
             protos_dot_kvstore__pb2.KVInfoReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Clear(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/halfmoon.KVStore/Clear',
+            protos_dot_kvstore__pb2.KVClearRequest.SerializeToString,
+            protos_dot_kvstore__pb2.KVClearReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -148,3 +148,30 @@ def test_index_from_env(redis_server, monkeypatch):
         assert idx._embedded is not None and idx.r.ping()
     finally:
         idx.close()
+
+
+def test_clear_drops_every_tier_and_the_index_entries(index, redis_server, tmp_path):
+    cfg = StoreConfig(node_id="c0", dram_bytes=2 * BLOCK, ssd_dir=str(tmp_path / "c0"), ssd_bytes=4 * BLOCK,
+                      redis_url=redis_server.url, model_fingerprint=FP, heartbeat_s=0.2)
+    node = StoreNode(cfg)
+    node.start()
+    try:
+        keys = block_keys(list(range(16)), 4, FP)
+        x = torch.randn(4, *SHAPE)
+        with StoreClient(node.address) as c:
+            c.put(keys[:2], x[:2], FP)
+            c.put(keys[2:], x[2:], FP, parent=keys[1])  # the dram tier holds 2: the rest is demoted to ssd
+            assert sorted(set(c.lookup(keys).tiers)) == ["dram", "ssd"] and c.lookup(keys).num_blocks == 4
+            lease_id, _ = node.store.acquire(keys[:1], ttl=60)  # a reader holds block 0
+            assert c.clear() == 3
+            assert index.longest_prefix(keys)["c0"].num_blocks == 1  # the leased block stays while read
+            assert all(t.blocks == 0 for t in c.stats().tiers if t.tier == "ssd")
+            node.store.release(lease_id)
+            node.flush()
+            assert c.lookup(keys).num_blocks == 0 and "c0" not in index.longest_prefix(keys)
+            assert sum(t.used_bytes for t in c.stats().tiers) == 0
+            assert c.put(keys[:2], x[:2], FP) == 2  # a cleared node keeps serving
+            out = torch.zeros(2, *SHAPE)
+            assert c.get_into(keys[:2], out) == 2 and torch.equal(out, x[:2])
+    finally:
+        node.stop()

@@ -350,3 +350,37 @@ def test_a_job_the_pool_cannot_hold_fails_alone(lm, engine):
         assert isinstance(results[3], grpc.RpcError) and results[3].code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "KV blocks needed" in results[3].details()
         assert w.load().free_blocks + len(w.device) == w.load().total_blocks  # nothing leaked
+
+
+def test_clear_cache_empties_the_device_tier(cluster):
+    w = cluster.prefills[0]
+    cluster.generate(token_ids=rand_ids(random.Random(10), 4 * BS + 5), max_tokens=2)
+    assert len(w.device) >= 4
+    with grpc.insecure_channel(w.address) as ch:
+        reply = pb_grpc.PrefillWorkerStub(ch).ClearCache(pb.ClearCacheRequest(), timeout=10)
+    assert reply.device_blocks >= 4 and len(w.device) == 0
+    assert w.load().free_blocks == w.load().total_blocks
+
+
+def test_a_prefix_computed_this_round_is_reused_next_round(lm, engine):
+    rng = random.Random(11)
+    prefix = rand_ids(rng, 4 * BS)
+    prompts = [rand_ids(rng, 5), prefix + rand_ids(rng, 7), prefix + rand_ids(rng, 9)]
+    with Cluster(lm) as c:
+        w = c.prefills[0]
+        results: dict[int, tuple] = {}
+        threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, c.generate(token_ids=prompts[i], max_tokens=4)))
+                   for i in range(3)]
+        with w._pool_lock:  # the first request's round stalls; the two sharing a prefix queue behind it in order
+            for i, t in enumerate(threads):
+                t.start()
+                deadline = time.monotonic() + 30
+                while w.load().queued_requests < i and time.monotonic() < deadline:
+                    time.sleep(0.01)
+        for t in threads:
+            t.join(timeout=120)
+        for i, p in enumerate(prompts):
+            assert results[i][0] == solo(engine, p, 4), i
+        # Instead of computing the shared blocks twice in one forward, the second waited a round and reused them.
+        assert results[1][2].usage.computed_prompt_tokens == len(prompts[1])
+        assert results[2][2].usage.cached_device_tokens == 4 * BS and results[2][2].usage.computed_prompt_tokens == 9
