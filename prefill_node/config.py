@@ -15,7 +15,7 @@ class PrefillConfig:
     metrics_port: int = 0          # Prometheus exporter on this port; 0 = off
     num_blocks: int = 1024         # KV pool size in blocks (the device tier lives in it too)
     block_size: int = 16           # tokens per block; must match the store's and the decode workers'
-    chunk_size: int = 512          # tokens per prefill forward (chunked prefill); a multiple of block_size
+    chunk_size: int = 512          # most tokens of one request per prefill forward (chunked prefill); a multiple of block_size
     max_batch_tokens: int = 8192   # tokens one scheduling round takes from the queue
     store_address: str = ""        # this host's store node (gRPC "HOST:PORT"); required
     store_node: str = ""           # that node's id in the index (the conductor matches prefixes by it)
