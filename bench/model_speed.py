@@ -24,16 +24,6 @@ from model import Engine, SamplingParams, load_model  # noqa: E402
 from model.fetch import fetch_smollm2  # noqa: E402
 
 
-def best_time(fn, repeats: int) -> float:
-    """Fastest of `repeats` runs (the machine may be shared: the minimum is the least disturbed)."""
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return min(times)
-
-
 def prompts(batch: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(100, vocab, (batch, length), generator=g).tolist()

@@ -97,8 +97,3 @@ class GrpcServer(abc.ABC):
     @property
     def stopped(self) -> bool:
         return self._stopped.is_set()
-
-
-def abort_invalid(context: grpc.ServicerContext, message: str):
-    """End the RPC with INVALID_ARGUMENT (raises)."""
-    context.abort(grpc.StatusCode.INVALID_ARGUMENT, message)
