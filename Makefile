@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
 
-.PHONY: setup model test demo protos bench clean
+.PHONY: setup model lint test demo protos bench clean
 
 setup: $(STAMP) model
 
@@ -24,7 +24,11 @@ model: $(STAMP)
 protos: $(STAMP)
 	$(PY) -m protos.build
 
-test: setup
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+
+# `make test` is the one command CI runs: lint first, then the tests.
+test: setup lint
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 demo: setup

@@ -39,8 +39,8 @@ def token_prompts(vocab: int, seed: int) -> dict:
     rand = lambda n: [rng.randrange(100, vocab - 100) for _ in range(n)]  # noqa: E731 - ordinary tokens
     base = rand(PROMPT_TOKENS)
     return {
-        "cold": [rand(PROMPT_TOKENS) for _ in range(3)],              # never seen before
-        "seed": base,                                                 # served once, so its blocks are cached
+        "cold": [rand(PROMPT_TOKENS) for _ in range(3)],  # never seen before
+        "seed": base,  # served once, so its blocks are cached
         "warm": [base[:CACHED_TOKENS] + rand(PROMPT_TOKENS - CACHED_TOKENS) for _ in range(3)],
         "decode": [rand(rng.randrange(20, 40)) for _ in range(CONCURRENCY + 1)],
         "warmup": rand(256),
@@ -50,70 +50,26 @@ def token_prompts(vocab: int, seed: int) -> dict:
 # ---------------------------------------------------------------- halfmoon
 
 
-def _serve(role: str, cfg, conn) -> None:
-    """Child process: build one server from its config, send its address, serve until told to stop."""
-    from conductor import Conductor
-    from decode_node import DecodeWorker
-    from kvstore import StoreNode
-    from prefill_node import PrefillWorker
+def process_cluster(model: str, dtype: str, fingerprint: str, threads: int, device_cache: bool):
+    """Store node, prefill worker, decode worker and conductor, each in its own process, as a
+    deployment runs them (one interpreter each, no shared GIL), with an embedded Redis index:
+    deploy.LocalCluster, wired as the Ray launcher wires a cluster."""
+    from deploy import LocalCluster, cluster_config_from_dict
 
-    cls = {"store": StoreNode, "prefill": PrefillWorker, "decode": DecodeWorker, "conductor": Conductor}[role]
-    server = cls(cfg)
-    conn.send(server.start())
-    conn.recv()
-    server.stop()
-
-
-class ProcessCluster:
-    """Store node, prefill worker, decode worker and conductor, each in its own process, as a deployment
-    runs them (one Python interpreter each, no shared GIL), with an embedded Redis index."""
-
-    def __init__(self, model: str, dtype: str, fingerprint: str, threads: int, device_cache: bool):
-        import multiprocessing as mp
-
-        from conductor import ConductorConfig
-        from decode_node import DecodeConfig
-        from kvstore import EmbeddedRedis, StoreConfig
-        from prefill_node import PrefillConfig
-
-        self._ctx = mp.get_context("spawn")
-        self._children: list = []
-        self.redis = EmbeddedRedis()
-        try:
-            store = self._start("store", StoreConfig(node_id="store-0", redis_url=self.redis.url, dram_bytes=512 << 20,
-                                                     model_fingerprint=fingerprint))
-            common = dict(model=model, dtype=dtype, num_blocks=512, store_address=store, store_node="store-0",
-                          torch_threads=threads)
-            prefill = self._start("prefill", PrefillConfig(worker_id="prefill-0", chunk_size=512, index_url=self.redis.url,
-                                                           device_cache=device_cache, **common))
-            decode = self._start("decode", DecodeConfig(worker_id="decode-0", max_batch=32, **common))
-            self.address = self._start("conductor", ConductorConfig(
-                model=model, prefill_workers=[prefill], decode_workers=[decode], store_addresses=[store],
-                index_url=self.redis.url, load_poll_s=0.05))
-        except BaseException:
-            self.close()
-            raise
-
-    def _start(self, role: str, cfg) -> str:
-        parent, child = self._ctx.Pipe()
-        proc = self._ctx.Process(target=_serve, args=(role, cfg, child), name=f"halfmoon-{role}", daemon=True)
-        proc.start()
-        self._children.append((proc, parent))
-        if not parent.poll(600):
-            raise TimeoutError(f"{role} did not start")
-        return parent.recv()
-
-    def close(self) -> None:
-        for proc, conn in reversed(self._children):
-            try:
-                conn.send("stop")
-            except OSError:
-                pass
-            proc.join(timeout=30)
-            if proc.is_alive():
-                proc.terminate()
-        self._children = []
-        self.redis.stop()
+    workers = {"num_blocks": 512, "torch_threads": threads}
+    cfg = cluster_config_from_dict(
+        {
+            "model": model,
+            "dtype": dtype,
+            "store": {"dram_bytes": 512 << 20, "model_fingerprint": fingerprint},
+            "prefill": {**workers, "chunk_size": 512, "device_cache": device_cache},
+            "decode": {**workers, "max_batch": 32},
+            "conductor": {"load_poll_s": 0.05},
+        }
+    )
+    cluster = LocalCluster(cfg, processes=True)
+    cluster.start()
+    return cluster
 
 
 def run_halfmoon(lm, prompts: dict, dtype: str, threads: int, device_cache: bool) -> dict:
@@ -137,7 +93,7 @@ def run_halfmoon(lm, prompts: dict, dtype: str, threads: int, device_cache: bool
 
     out: dict = {}
     say("halfmoon: starting the store node, the workers and the conductor (one process each)")
-    cluster = ProcessCluster(lm.name, dtype, lm.fingerprint, threads, device_cache)
+    cluster = process_cluster(lm.name, dtype, lm.fingerprint, threads, device_cache)
     try:
         channel = grpc.insecure_channel(cluster.address)
         stub = pb_grpc.ConductorStub(channel)
@@ -150,14 +106,18 @@ def run_halfmoon(lm, prompts: dict, dtype: str, threads: int, device_cache: bool
         for ids in prompts["cold"]:
             ttft, *_, u = one(stub, ids, 1)
             cold.append(ttft)
-            say(f"halfmoon: TTFT cold  {ttft:8.1f} ms  (computed {u.computed_prompt_tokens}, cached {u.cached_tokens})")
+            say(
+                f"halfmoon: TTFT cold  {ttft:8.1f} ms  (computed {u.computed_prompt_tokens}, cached {u.cached_tokens})"
+            )
         one(stub, prompts["seed"], 1)
         warm = []
         for ids in prompts["warm"]:
             ttft, *_, u = one(stub, ids, 1)
             warm.append(ttft)
-            say(f"halfmoon: TTFT warm  {ttft:8.1f} ms  (computed {u.computed_prompt_tokens}, cached {u.cached_tokens}: "
-                f"device {u.cached_device_tokens}, dram {u.cached_dram_tokens})")
+            say(
+                f"halfmoon: TTFT warm  {ttft:8.1f} ms  (computed {u.computed_prompt_tokens}, cached {u.cached_tokens}: "
+                f"device {u.cached_device_tokens}, dram {u.cached_dram_tokens})"
+            )
         out["ttft_cold_ms"] = statistics.median(cold)
         out["ttft_warm_ms"] = statistics.median(warm)
         out["warm_tier"] = "device" if u.cached_device_tokens else "dram"
@@ -184,17 +144,19 @@ def run_halfmoon(lm, prompts: dict, dtype: str, threads: int, device_cache: bool
         total = sum(r[1] for r in results)
         out["decode_16_tok_s"] = total / wall
         out["decode_16_max_batch"] = max(r[3].max_decode_batch for r in results)
-        say(f"halfmoon: {CONCURRENCY} x {NEW_TOKENS} tokens: {total / wall:7.1f} tok/s "
-            f"(largest decode batch {out['decode_16_max_batch']})")
+        say(
+            f"halfmoon: {CONCURRENCY} x {NEW_TOKENS} tokens: {total / wall:7.1f} tok/s "
+            f"(largest decode batch {out['decode_16_max_batch']})"
+        )
         channel.close()
     finally:
-        cluster.close()
+        cluster.stop()
     return out
 
 
 # ---------------------------------------------------------------- vLLM (its own venv, its own process)
 
-VLLM_SCRIPT = r'''
+VLLM_SCRIPT = r"""
 import json, sys, time
 def main():
     from vllm import LLM, SamplingParams
@@ -221,13 +183,16 @@ def main():
                                         "decode_1_tok_s": n1 / w1, "decode_16_tok_s": n16 / w16}), flush=True)
 if __name__ == "__main__":
     main()
-'''
+"""
 
 
 def run_vllm(python: str, lm, prompts: dict, dtype: str) -> tuple[dict | None, str]:
     """vLLM's figures on the same prompts, or (None, why not)."""
     if not python or not Path(python).exists():
-        return None, f"no vLLM venv at {python or '(none given)'}: install it as ../shared/PEERS.md says"
+        return (
+            None,
+            f"no vLLM venv at {python or '(none given)'}: install it as ../shared/PEERS.md says",
+        )
     from model import save_hf_dir
 
     with tempfile.TemporaryDirectory(prefix="halfmoon-vllm-") as tmp:
@@ -236,17 +201,26 @@ def run_vllm(python: str, lm, prompts: dict, dtype: str) -> tuple[dict | None, s
         prompts_path.write_text(json.dumps(dict(prompts, new_tokens=NEW_TOKENS)))
         script = Path(tmp) / "run_vllm.py"
         script.write_text(VLLM_SCRIPT)
-        env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=f"0-{os.cpu_count() - 1}", VLLM_CPU_KVCACHE_SPACE="4",
-                   TOKENIZERS_PARALLELISM="false")
+        env = dict(
+            os.environ,
+            VLLM_CPU_OMP_THREADS_BIND=f"0-{os.cpu_count() - 1}",
+            VLLM_CPU_KVCACHE_SPACE="4",
+            TOKENIZERS_PARALLELISM="false",
+        )
         env.pop("TRITON_INTERPRET", None)
         say(f"vllm: starting (compiles for 1-2 minutes) with {python}")
         t0 = time.monotonic()
-        proc = subprocess.run([python, str(script), str(model_dir), str(prompts_path), dtype], env=env,
-                              capture_output=True, text=True, timeout=1500)
+        proc = subprocess.run(
+            [python, str(script), str(model_dir), str(prompts_path), dtype],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=1500,
+        )
         say(f"vllm: finished in {time.monotonic() - t0:.0f} s (exit {proc.returncode})")
         for line in proc.stdout.splitlines():
             if line.startswith("VLLM_RESULT "):
-                return json.loads(line[len("VLLM_RESULT "):]), ""
+                return json.loads(line[len("VLLM_RESULT ") :]), ""
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
         return None, "vLLM failed: " + " | ".join(tail)
 
@@ -264,13 +238,33 @@ def plot(result: dict, path: Path) -> None:
     systems = [("halfmoon", "hm")] + ([("vLLM", "vllm")] if "vllm_ttft_cold_ms" in result else [])
     for i, (label, key) in enumerate(systems):
         pre = "" if key == "hm" else "vllm_"
-        a.bar([i * 3, i * 3 + 1], [result[f"{pre}ttft_cold_ms"], result[f"{pre}ttft_warm_ms"]],
-              color=["tab:gray", "tab:green"])
-        b.bar([i * 3, i * 3 + 1], [result[f"{pre}decode_1_tok_s"], result[f"{pre}decode_16_tok_s"]],
-              color=["tab:gray", "tab:blue"])
+        a.bar(
+            [i * 3, i * 3 + 1],
+            [result[f"{pre}ttft_cold_ms"], result[f"{pre}ttft_warm_ms"]],
+            color=["tab:gray", "tab:green"],
+        )
+        b.bar(
+            [i * 3, i * 3 + 1],
+            [result[f"{pre}decode_1_tok_s"], result[f"{pre}decode_16_tok_s"]],
+            color=["tab:gray", "tab:blue"],
+        )
     ticks = [t for i in range(len(systems)) for t in (i * 3, i * 3 + 1)]
-    a.set_xticks(ticks, [f"{s}\ncold" if j == 0 else f"{s}\n{CACHED_TOKENS} cached" for s, _ in systems for j in (0, 1)])
-    b.set_xticks(ticks, [f"{s}\n1 req" if j == 0 else f"{s}\n{CONCURRENCY} req" for s, _ in systems for j in (0, 1)])
+    a.set_xticks(
+        ticks,
+        [
+            f"{s}\ncold" if j == 0 else f"{s}\n{CACHED_TOKENS} cached"
+            for s, _ in systems
+            for j in (0, 1)
+        ],
+    )
+    b.set_xticks(
+        ticks,
+        [
+            f"{s}\n1 req" if j == 0 else f"{s}\n{CONCURRENCY} req"
+            for s, _ in systems
+            for j in (0, 1)
+        ],
+    )
     a.set_ylabel(f"TTFT of a {PROMPT_TOKENS}-token prompt (ms)")
     b.set_ylabel(f"generated tokens/s ({NEW_TOKENS} new tokens each)")
     fig.suptitle(f"halfmoon end to end, SmolLM2-135M, {result['dtype']}")
@@ -280,14 +274,24 @@ def plot(result: dict, path: Path) -> None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
-    ap.add_argument("--threads", type=int, default=0, help="torch threads per worker (0 = torch's default)")
-    ap.add_argument("--vllm-python", default=os.environ.get("VLLM_PYTHON", DEFAULT_VLLM),
-                    help="python of a venv with vllm-cpu ('' = skip vLLM)")
-    ap.add_argument("--no-device-cache", action="store_true",
-                    help="prefill worker keeps no blocks in its own pool: warm prefixes come from the store's DRAM tier")
+    ap.add_argument(
+        "--threads", type=int, default=0, help="torch threads per worker (0 = torch's default)"
+    )
+    ap.add_argument(
+        "--vllm-python",
+        default=os.environ.get("VLLM_PYTHON", DEFAULT_VLLM),
+        help="python of a venv with vllm-cpu ('' = skip vLLM)",
+    )
+    ap.add_argument(
+        "--no-device-cache",
+        action="store_true",
+        help="prefill worker keeps no blocks in its own pool: warm prefixes come from the store's DRAM tier",
+    )
     ap.add_argument("--plot", default="runs/bench/e2e.png")
     args = ap.parse_args(argv)
 
@@ -295,25 +299,42 @@ def main(argv=None) -> int:
 
     from model import load_model
 
-    say(f"loading {args.model} ({args.dtype}); {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}")
+    say(
+        f"loading {args.model} ({args.dtype}); {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}"
+    )
     lm = load_model(args.model, dtype=args.dtype)
     prompts = token_prompts(lm.config.vocab_size, seed=0)
     ours = run_halfmoon(lm, prompts, args.dtype, args.threads, not args.no_device_cache)
-    result = {"model": args.model, "dtype": args.dtype, "torch_threads": torch.get_num_threads(), **ours}
+    result = {
+        "model": args.model,
+        "dtype": args.dtype,
+        "torch_threads": torch.get_num_threads(),
+        **ours,
+    }
     result["ttft_warm_vs_cold"] = ours["ttft_warm_ms"] / ours["ttft_cold_ms"]
     result["decode_16_vs_1"] = ours["decode_16_tok_s"] / ours["decode_1_tok_s"]
-    say(f"halfmoon: TTFT warm/cold = {result['ttft_warm_vs_cold']:.3f}   decode 16/1 = {result['decode_16_vs_1']:.2f}")
+    say(
+        f"halfmoon: TTFT warm/cold = {result['ttft_warm_vs_cold']:.3f}   decode 16/1 = {result['decode_16_vs_1']:.2f}"
+    )
 
-    vllm, why = run_vllm(args.vllm_python, lm, prompts, args.dtype) if args.vllm_python else (None, "skipped (--vllm-python '')")
+    vllm, why = (
+        run_vllm(args.vllm_python, lm, prompts, args.dtype)
+        if args.vllm_python
+        else (None, "skipped (--vllm-python '')")
+    )
     if vllm is not None:
         result.update({f"vllm_{k}": v for k, v in vllm.items()})
         result["ttft_warm_vs_vllm"] = ours["ttft_warm_ms"] / vllm["ttft_warm_ms"]
         result["ttft_cold_vs_vllm"] = ours["ttft_cold_ms"] / vllm["ttft_cold_ms"]
         result["decode_16_vs_vllm"] = ours["decode_16_tok_s"] / vllm["decode_16_tok_s"]
         result["decode_1_vs_vllm"] = ours["decode_1_tok_s"] / vllm["decode_1_tok_s"]
-        say(f"vllm: TTFT cold {vllm['ttft_cold_ms']:.1f} ms, warm {vllm['ttft_warm_ms']:.1f} ms; "
-            f"decode 1: {vllm['decode_1_tok_s']:.1f} tok/s, 16: {vllm['decode_16_tok_s']:.1f} tok/s")
-        say(f"ratios: TTFT warm vs vLLM {result['ttft_warm_vs_vllm']:.2f}, decode 16 vs vLLM {result['decode_16_vs_vllm']:.2f}")
+        say(
+            f"vllm: TTFT cold {vllm['ttft_cold_ms']:.1f} ms, warm {vllm['ttft_warm_ms']:.1f} ms; "
+            f"decode 1: {vllm['decode_1_tok_s']:.1f} tok/s, 16: {vllm['decode_16_tok_s']:.1f} tok/s"
+        )
+        say(
+            f"ratios: TTFT warm vs vLLM {result['ttft_warm_vs_vllm']:.2f}, decode 16 vs vLLM {result['decode_16_vs_vllm']:.2f}"
+        )
     else:
         result["vllm"] = why
         say(f"vllm: {why}")

@@ -1,4 +1,4 @@
-"""Paged decode attention speed against this machine's copy bandwidth, and KIVI's bytes per token.
+r"""Paged decode attention speed against this machine's copy bandwidth, and KIVI's bytes per token.
 
 Workload: one decode step of 8 sequences x 4096 tokens at SmolLM2-135M's shape (9 query heads,
 3 KV heads, head_dim 64, block 16) over a layer-major pool of 30 layers: 30 calls, one per layer,
@@ -8,7 +8,8 @@ copied per second by one large `dst.copy_(src)`; on a GPU, a device-to-device co
 path runs (torch on CPU, Triton on CUDA) beside the gather-then-einsum reference as the baseline.
 The last line printed is one JSON object.
 
-    .venv/bin/python bench/kernels.py [--repeats 5] [--threads N] [--dtypes float32,bfloat16] [--kivi] [--plot PATH]
+    .venv/bin/python bench/kernels.py [--repeats 5] [--threads N] [--dtypes float32,bfloat16] \
+        [--kivi] [--plot PATH]
 """
 
 from __future__ import annotations
@@ -61,8 +62,12 @@ def copy_bandwidth(device, timed, repeats: int) -> float:
 def make_workload(device, dtype):
     g = torch.Generator(device="cpu").manual_seed(0)
     num_blocks = BATCH * TOKENS // BLOCK
-    pool = torch.randn(num_blocks, LAYERS, 2, BLOCK, KV_HEADS, HEAD_DIM, generator=g).to(device=device, dtype=dtype)
-    table = torch.randperm(num_blocks, generator=g).view(BATCH, -1).to(device=device, dtype=torch.int32)
+    pool = torch.randn(num_blocks, LAYERS, 2, BLOCK, KV_HEADS, HEAD_DIM, generator=g).to(
+        device=device, dtype=dtype
+    )
+    table = (
+        torch.randperm(num_blocks, generator=g).view(BATCH, -1).to(device=device, dtype=torch.int32)
+    )
     q = torch.randn(BATCH, Q_HEADS, HEAD_DIM, generator=g).to(device=device, dtype=dtype)
     lens = torch.full((BATCH,), TOKENS, dtype=torch.int32, device=device)
     kv_bytes = LAYERS * BATCH * TOKENS * 2 * KV_HEADS * HEAD_DIM * pool.element_size()
@@ -94,23 +99,46 @@ def kivi_sizes() -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
-    ap.add_argument("--dtypes", default=None, help="comma list; default float32,bfloat16 on CPU, bfloat16,float16,float32 on CUDA")
-    ap.add_argument("--kivi", action=argparse.BooleanOptionalAction, default=None,
-                    help="time the KIVI-4 attention path too (default: on CUDA only)")
+    ap.add_argument(
+        "--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)"
+    )
+    ap.add_argument(
+        "--dtypes",
+        default=None,
+        help="comma list; default float32,bfloat16 on CPU, bfloat16,float16,float32 on CUDA",
+    )
+    ap.add_argument(
+        "--kivi",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="time the KIVI-4 attention path too (default: on CUDA only)",
+    )
     ap.add_argument("--plot", default=str(ROOT / "runs" / "bench" / "kernels.png"))
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     timed = timer(device)
-    names = (args.dtypes or ("bfloat16,float16,float32" if device.type == "cuda" else "float32,bfloat16")).split(",")
+    names = (
+        args.dtypes or ("bfloat16,float16,float32" if device.type == "cuda" else "float32,bfloat16")
+    ).split(",")
     path = "triton" if device.type == "cuda" else "torch"
-    print(f"device {device} ({torch.cuda.get_device_name() if device.type == 'cuda' else f'{torch.get_num_threads()} threads'}), "
-          f"dispatch path: {path}", flush=True)
+    where = (
+        torch.cuda.get_device_name()
+        if device.type == "cuda"
+        else f"{torch.get_num_threads()} threads"
+    )
+    print(
+        f"device {device} ({where}), dispatch path: {path}",
+        flush=True,
+    )
 
-    result = {"device": device.type, "path": path, "workload": f"{BATCH}x{TOKENS} tokens, {Q_HEADS}/{KV_HEADS} heads, "
-              f"head_dim {HEAD_DIM}, {LAYERS} layers"}
+    result = {
+        "device": device.type,
+        "path": path,
+        "workload": f"{BATCH}x{TOKENS} tokens, {Q_HEADS}/{KV_HEADS} heads, "
+        f"head_dim {HEAD_DIM}, {LAYERS} layers",
+    }
     copy_bw = copy_bandwidth(device, timed, args.repeats)
     print(f"copy bandwidth: {copy_bw / 1e9:.2f} GB/s (bytes copied per second)", flush=True)
     result["copy_gbps"] = round(copy_bw / 1e9, 3)
@@ -118,11 +146,25 @@ def main() -> None:
 
     for i, name in enumerate(names):
         pool, table, q, lens, kv_bytes = make_workload(device, DTYPES[name])
-        fast = step_seconds(kernels.paged_decode_attention, pool, table, q, lens, timed, args.repeats)
-        ref = step_seconds(kernels.paged_decode_attention_ref, pool, table, q, lens, timed, max(2, args.repeats // 2))
+        fast = step_seconds(
+            kernels.paged_decode_attention, pool, table, q, lens, timed, args.repeats
+        )
+        ref = step_seconds(
+            kernels.paged_decode_attention_ref,
+            pool,
+            table,
+            q,
+            lens,
+            timed,
+            max(2, args.repeats // 2),
+        )
         gbps, ratio = kv_bytes / fast / 1e9, kv_bytes / fast / copy_bw
-        print(f"{name}: {kv_bytes / 2**20:.0f} MiB of KV per step; {path} {fast * 1e3:.1f} ms = {gbps:.2f} GB/s "
-              f"({ratio:.2f}x copy bandwidth); reference {ref * 1e3:.1f} ms; speed-up {ref / fast:.2f}x", flush=True)
+        print(
+            f"{name}: {kv_bytes / 2**20:.0f} MiB of KV per step; "
+            f"{path} {fast * 1e3:.1f} ms = {gbps:.2f} GB/s ({ratio:.2f}x copy bandwidth); "
+            f"reference {ref * 1e3:.1f} ms; speed-up {ref / fast:.2f}x",
+            flush=True,
+        )
         result[f"{name}_step_ms"] = round(fast * 1e3, 2)
         result[f"{name}_kv_read_gbps"] = round(gbps, 3)
         result[f"{name}_vs_copy_bw"] = round(ratio, 3)
@@ -135,12 +177,18 @@ def main() -> None:
         del pool
 
     result.update(kivi_sizes())
-    print(f"KIVI bytes/token (30 layers, block 16, group 32): fp16 {result['fp16_bytes_per_token']}, "
-          f"kivi4 {result['kivi4_bytes_per_token']:.0f} ({result['kivi4_vs_fp16']}x smaller), "
-          f"kivi2 {result['kivi2_bytes_per_token']:.0f} ({result['kivi2_vs_fp16']}x smaller)", flush=True)
+    print(
+        f"KIVI bytes/token (30 layers, block 16, group 32): fp16 {result['fp16_bytes_per_token']}, "
+        f"kivi4 {result['kivi4_bytes_per_token']:.0f} ({result['kivi4_vs_fp16']}x smaller), "
+        f"kivi2 {result['kivi2_bytes_per_token']:.0f} ({result['kivi2_vs_fp16']}x smaller)",
+        flush=True,
+    )
     if args.kivi or (args.kivi is None and device.type == "cuda"):
         pool, table, q, lens, _ = make_workload(device, torch.float16)
-        layers = [kernels.kivi_quantize(torch.stack([pool[:, layer, 0], pool[:, layer, 1]], dim=1), 4) for layer in range(LAYERS)]
+        layers = [
+            kernels.kivi_quantize(torch.stack([pool[:, layer, 0], pool[:, layer, 1]], dim=1), 4)
+            for layer in range(LAYERS)
+        ]
         del pool
 
         def step():
@@ -149,14 +197,28 @@ def main() -> None:
 
         step()
         secs = statistics.median(timed(step) for _ in range(max(2, args.repeats // 2)))
-        kivi_bytes = LAYERS * BATCH * TOKENS // BLOCK * kernels.kivi_packed_nbytes(BLOCK, KV_HEADS, HEAD_DIM, 4)
-        print(f"kivi4 attention: {secs * 1e3:.1f} ms per step, {kivi_bytes / secs / 1e9:.2f} GB/s of packed KV", flush=True)
+        kivi_bytes = (
+            LAYERS
+            * BATCH
+            * TOKENS
+            // BLOCK
+            * kernels.kivi_packed_nbytes(BLOCK, KV_HEADS, HEAD_DIM, 4)
+        )
+        print(
+            f"kivi4 attention: {secs * 1e3:.1f} ms per step, "
+            f"{kivi_bytes / secs / 1e9:.2f} GB/s of packed KV",
+            flush=True,
+        )
         result["kivi4_step_ms"] = round(secs * 1e3, 2)
         result["kivi4_kv_read_gbps"] = round(kivi_bytes / secs / 1e9, 3)
     pressure = cpu_pressure()
     if pressure is not None:  # other processes' share of the CPUs while this ran (shared machines)
         result["cpu_pressure_avg60"] = pressure
-        print(f"CPU pressure (some, avg60): {pressure}% - figures are only comparable at low pressure", flush=True)
+        print(
+            f"CPU pressure (some, avg60): {pressure}% - "
+            "figures are only comparable at low pressure",
+            flush=True,
+        )
     plot(bars, args.plot, result["workload"], device)
     print(json.dumps(result))
 

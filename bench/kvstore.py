@@ -5,7 +5,8 @@ measured in this run. Ends with one JSON line.
     .venv/bin/python bench/kvstore.py [--total-mib 64] [--repeats 5] [--mooncake-python PATH]
 
 Mooncake runs from its own venv (default /tmp/mooncake-venv, or $MOONCAKE_PYTHON):
-python3 -m venv /tmp/mooncake-venv && /tmp/mooncake-venv/bin/pip install mooncake-transfer-engine-non-cuda numpy
+python3 -m venv /tmp/mooncake-venv &&
+    /tmp/mooncake-venv/bin/pip install mooncake-transfer-engine-non-cuda numpy
 (needs Debian's libibverbs1 and libnuma1). Without it the JSON says why Mooncake was skipped.
 """
 
@@ -73,11 +74,13 @@ def bench_store(address: str, transport: str, total: int, repeats: int, tag: int
             n = max(1, total // size)
             x = torch.randn((n, *shape)).to(torch.bfloat16)
             dst = torch.empty_like(x)
-            rounds = iter(range(10 ** 6))
+            rounds = iter(range(10**6))
 
             def put():  # fresh keys each time: a put of held keys writes nothing
                 r = next(rounds)
-                keys = block_keys(list(range(r * 10 ** 6 + tag, r * 10 ** 6 + tag + n)), 1, f"{FP}-{name}")
+                keys = block_keys(
+                    list(range(r * 10**6 + tag, r * 10**6 + tag + n)), 1, f"{FP}-{name}"
+                )
                 assert c.put(keys, x, FP) == n
                 put.keys = keys
 
@@ -89,13 +92,20 @@ def bench_store(address: str, transport: str, total: int, repeats: int, tag: int
             t_get = timed(get, repeats)
             assert torch.equal(dst, x)
             nbytes = n * x[0].numel() * 2
-            out[name] = {"put_gbps": nbytes / t_put / 1e9, "get_gbps": nbytes / t_get / 1e9, "values": n}
-            print(f"  {transport:4s} {name:>4s}: put {out[name]['put_gbps']:.2f} GB/s, get {out[name]['get_gbps']:.2f} GB/s"
-                  f" ({n} values per call)", flush=True)
+            out[name] = {
+                "put_gbps": nbytes / t_put / 1e9,
+                "get_gbps": nbytes / t_get / 1e9,
+                "values": n,
+            }
+            print(
+                f"  {transport:4s} {name:>4s}: put {out[name]['put_gbps']:.2f} GB/s, "
+                f"get {out[name]['get_gbps']:.2f} GB/s ({n} values per call)",
+                flush=True,
+            )
     return out
 
 
-MOONCAKE_DRIVER = r'''
+MOONCAKE_DRIVER = r"""
 import json, statistics, sys, time
 import numpy as np
 from mooncake.store import MooncakeDistributedStore
@@ -144,7 +154,7 @@ for name, size in sizes.items():
                  "get_into_gbps": nbytes / t_into / 1e9, "values": n}
 print(json.dumps({"results": out}), flush=True)
 s.close()
-'''
+"""
 
 
 def bench_mooncake(python: str, total: int, repeats: int) -> dict:
@@ -159,30 +169,49 @@ def bench_mooncake(python: str, total: int, repeats: int) -> dict:
         Path(driver).write_text(MOONCAKE_DRIVER)
         port = free_port()
         log = open(os.path.join(tmp, "master.log"), "w")
-        master = subprocess.Popen([master_bin, f"--rpc_port={port}", "--enable_http_metadata_server=false"],
-                                  stdout=log, stderr=subprocess.STDOUT)
+        master = subprocess.Popen(
+            [master_bin, f"--rpc_port={port}", "--enable_http_metadata_server=false"],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
         holder = None
         try:
             time.sleep(1.0)
             if master.poll() is not None:
                 return {"skipped": "mooncake_master exited at start"}
             args = [f"127.0.0.1:{port}", str(total), str(repeats), json.dumps(SIZES)]
-            holder = subprocess.Popen([python, driver, "holder", *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                      stderr=subprocess.DEVNULL, text=True)
+            holder = subprocess.Popen(
+                [python, driver, "holder", *args],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL,
+                text=True,
+            )
             line = holder.stdout.readline()
             if '"ready"' not in line:
-                return {"skipped": f"Mooncake holder failed to start: {line.strip() or 'no output'}"}
-            client = subprocess.run([python, driver, "client", *args], capture_output=True, text=True, timeout=600)
+                return {
+                    "skipped": f"Mooncake holder failed to start: {line.strip() or 'no output'}"
+                }
+            client = subprocess.run(
+                [python, driver, "client", *args], capture_output=True, text=True, timeout=600
+            )
             for line in client.stdout.splitlines():
                 if line.startswith("{"):
                     rec = json.loads(line)
                     if "results" in rec:
                         for name, r in rec["results"].items():
-                            print(f"  mooncake {name:>4s}: put {r['put_gbps']:.2f} GB/s, get {r['get_gbps']:.2f} GB/s, "
-                                  f"get_into {r['get_into_gbps']:.2f} GB/s", flush=True)
+                            print(
+                                f"  mooncake {name:>4s}: put {r['put_gbps']:.2f} GB/s, "
+                                f"get {r['get_gbps']:.2f} GB/s, "
+                                f"get_into {r['get_into_gbps']:.2f} GB/s",
+                                flush=True,
+                            )
                         return rec["results"]
                     return {"skipped": rec.get("error", line)}
-            return {"skipped": f"Mooncake client failed (rc {client.returncode}): {client.stderr.strip()[-300:]}"}
+            return {
+                "skipped": f"Mooncake client failed (rc {client.returncode}): "
+                f"{client.stderr.strip()[-300:]}"
+            }
         except Exception as e:  # any failure of the peer is reported, not fatal
             return {"skipped": f"Mooncake failed: {e}"}
         finally:
@@ -194,7 +223,7 @@ def bench_mooncake(python: str, total: int, repeats: int) -> dict:
             log.close()
 
 
-CEILING_SERVER = r'''
+CEILING_SERVER = r"""
 import sys
 from concurrent import futures
 import grpc
@@ -209,22 +238,34 @@ s.add_generic_rpc_handlers((h,))
 print(s.add_insecure_port("127.0.0.1:0"), flush=True)
 s.start()
 sys.stdin.read()
-'''
+"""
 
 
 def bench_grpc_ceiling(total: int, chunk: int, repeats: int) -> float:
-    """GB/s of a bare gRPC stream of `chunk`-byte messages between two processes (no store at all)."""
+    """GB/s of a bare gRPC stream of `chunk`-byte messages between two processes (no store at
+    all)."""
     import grpc
 
-    proc = subprocess.Popen([sys.executable, "-c", CEILING_SERVER, str(chunk)], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", CEILING_SERVER, str(chunk)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         port = int(proc.stdout.readline())
-        with grpc.insecure_channel(f"127.0.0.1:{port}", options=[("grpc.max_receive_message_length", 64 << 20)]) as ch:
-            call = ch.unary_stream("/bench.Ceiling/Stream", request_serializer=lambda b: b,
-                                   response_deserializer=lambda b: b)
+        with grpc.insecure_channel(
+            f"127.0.0.1:{port}", options=[("grpc.max_receive_message_length", 64 << 20)]
+        ) as ch:
+            call = ch.unary_stream(
+                "/bench.Ceiling/Stream",
+                request_serializer=lambda b: b,
+                response_deserializer=lambda b: b,
+            )
             n = max(1, total // chunk)
-            t = timed(lambda: sum(len(m) for m in call(str(n).encode(), wait_for_ready=True)), repeats)
+            t = timed(
+                lambda: sum(len(m) for m in call(str(n).encode(), wait_for_ready=True)), repeats
+            )
             return n * chunk / t / 1e9
     finally:
         proc.stdin.close()
@@ -234,9 +275,24 @@ def bench_grpc_ceiling(total: int, chunk: int, repeats: int) -> float:
 def start_node(total: int, chunk_bytes: int) -> tuple[subprocess.Popen, str]:
     """A store node in its own process; its address."""
     dram = 3 * total + (256 << 20)
-    proc = subprocess.Popen([sys.executable, "-m", "kvstore", "--set", "node_id=bench", "--set",
-                             f"dram_bytes={dram}", "--set", f"model_fingerprint={FP}", "--set", f"chunk_bytes={chunk_bytes}"],
-                            cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "kvstore",
+            "--set",
+            "node_id=bench",
+            "--set",
+            f"dram_bytes={dram}",
+            "--set",
+            f"model_fingerprint={FP}",
+            "--set",
+            f"chunk_bytes={chunk_bytes}",
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     address = proc.stdout.readline().strip()
     if not address:
         raise RuntimeError("store node failed to start")
@@ -245,6 +301,7 @@ def start_node(total: int, chunk_bytes: int) -> tuple[subprocess.Popen, str]:
 
 def plot(results: dict, path: Path) -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -271,17 +328,25 @@ def plot(results: dict, path: Path) -> None:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--total-mib", type=int, default=64, help="bytes moved per call (values of a size per call)")
+    p.add_argument(
+        "--total-mib", type=int, default=64, help="bytes moved per call (values of a size per call)"
+    )
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--chunk-kib", type=int, default=1024, help="the node's gRPC chunk size")
     p.add_argument("--skip-mooncake", action="store_true")
-    p.add_argument("--mooncake-python", default=os.environ.get("MOONCAKE_PYTHON", "/tmp/mooncake-venv/bin/python"))
+    p.add_argument(
+        "--mooncake-python",
+        default=os.environ.get("MOONCAKE_PYTHON", "/tmp/mooncake-venv/bin/python"),
+    )
     p.add_argument("--plot", default=str(ROOT / "runs" / "bench_kvstore.png"))
     args = p.parse_args()
     total = args.total_mib << 20
     load = os.getloadavg()[0]
-    print(f"kvstore bench: {args.total_mib} MiB per call, best of {args.repeats}; load average {load:.2f} "
-          f"on {os.cpu_count()} cores", flush=True)
+    print(
+        f"kvstore bench: {args.total_mib} MiB per call, best of {args.repeats}; "
+        f"load average {load:.2f} on {os.cpu_count()} cores",
+        flush=True,
+    )
     copies = [bench_memcpy(total, args.repeats)]
     print(f"  memcpy: {copies[-1]:.2f} GB/s", flush=True)
     proc, address = start_node(total, args.chunk_kib << 10)
@@ -296,8 +361,11 @@ def main() -> int:
     memcpy = max(copies)
     ceiling = bench_grpc_ceiling(total, args.chunk_kib << 10, args.repeats)
     print(f"  bare gRPC stream of {args.chunk_kib} KiB messages: {ceiling:.2f} GB/s", flush=True)
-    mooncake = ({"skipped": "--skip-mooncake"} if args.skip_mooncake
-                else bench_mooncake(args.mooncake_python, total, args.repeats))
+    mooncake = (
+        {"skipped": "--skip-mooncake"}
+        if args.skip_mooncake
+        else bench_mooncake(args.mooncake_python, total, args.repeats)
+    )
     results = {"memcpy_gbps": memcpy, "shm": shm, "grpc": grpc_, "mooncake": mooncake}
     summary = {
         "bench": "kvstore",
@@ -324,8 +392,12 @@ def main() -> int:
             best = max(mooncake[s]["get_gbps"], mooncake[s]["get_into_gbps"])
             summary[f"grpc_get_vs_mooncake_{s}"] = round(grpc_[s]["get_gbps"] / best, 3)
             # ... and against its plain get, which returns a new bytes object as ours fills a tensor
-            summary[f"grpc_get_vs_mooncake_get_{s}"] = round(grpc_[s]["get_gbps"] / mooncake[s]["get_gbps"], 3)
-            summary[f"grpc_put_vs_mooncake_{s}"] = round(grpc_[s]["put_gbps"] / mooncake[s]["put_gbps"], 3)
+            summary[f"grpc_get_vs_mooncake_get_{s}"] = round(
+                grpc_[s]["get_gbps"] / mooncake[s]["get_gbps"], 3
+            )
+            summary[f"grpc_put_vs_mooncake_{s}"] = round(
+                grpc_[s]["put_gbps"] / mooncake[s]["put_gbps"], 3
+            )
             summary[f"shm_get_vs_mooncake_{s}"] = round(shm[s]["get_gbps"] / best, 3)
     summary["gbps"] = {k: v for k, v in results.items() if k != "memcpy_gbps"}
     try:

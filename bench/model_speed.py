@@ -1,10 +1,15 @@
-"""Model speed on SmolLM2: prefill tokens/s (512-token prompt) and decode tokens/s at batch 1 and 16, fp32 and bf16,
-beside transformers' `generate` on the same GGUF weights measured in the same run. Last line: one JSON object.
+r"""Model speed on SmolLM2: prefill and decode tokens/s beside transformers' `generate`.
 
-Decode tokens/s counts the tokens after each sequence's first one over the time from the first to the last step
-(our engine's own timing; a streamer's timestamps for transformers), so the prompt's prefill does not count.
+Prefill tokens/s of a 512-token prompt and decode tokens/s at batch 1 and 16, fp32 and bf16, beside
+transformers' `generate` on the same GGUF weights measured in the same run. Last line: one JSON
+object.
 
-    .venv/bin/python bench/model_speed.py [--threads N] [--new-tokens 33] [--plot runs/bench/model_speed.png]
+Decode tokens/s counts the tokens after each sequence's first one over the time from the first to
+the last step (our engine's own timing; a streamer's timestamps for transformers), so the prompt's
+prefill does not count.
+
+    .venv/bin/python bench/model_speed.py [--threads N] [--new-tokens 33] \
+        [--plot runs/bench/model_speed.png]
 """
 
 from __future__ import annotations
@@ -43,10 +48,13 @@ class StepClock:
 
 
 def decode_ours(lm, batch: int, prompt_len: int, new_tokens: int):
-    """A run -> decode tokens/s of our engine (all sequences together), from the engine's own step timing."""
+    """A run -> decode tokens/s of our engine (all sequences together), from the engine's own step
+    timing."""
     engine = Engine(lm)
     ps = prompts(batch, prompt_len, lm.config.vocab_size)
-    engine.generate_batch(ps, SamplingParams(max_tokens=2, ignore_eos=True))  # warm-up (pool, allocator)
+    engine.generate_batch(
+        ps, SamplingParams(max_tokens=2, ignore_eos=True)
+    )  # warm-up (pool, allocator)
 
     def run() -> float:
         engine.generate_batch(ps, SamplingParams(max_tokens=new_tokens, ignore_eos=True))
@@ -57,13 +65,22 @@ def decode_ours(lm, batch: int, prompt_len: int, new_tokens: int):
 
 
 def decode_theirs(hf, batch: int, prompt_len: int, new_tokens: int, vocab: int):
-    """A run -> decode tokens/s of transformers' generate (greedy, EOS off so it runs all tokens)."""
+    """A run -> decode tokens/s of transformers' generate (greedy, EOS off so it runs all
+    tokens)."""
     ids = torch.tensor(prompts(batch, prompt_len, vocab))
 
     def gen(n: int) -> list[float]:
         clock = StepClock()
         with torch.inference_mode():
-            hf.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0, streamer=clock)
+            hf.generate(
+                ids,
+                max_new_tokens=n,
+                min_new_tokens=n,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+                streamer=clock,
+            )
         return clock.times
 
     gen(2)
@@ -112,7 +129,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--prefill-len", type=int, default=512)
     ap.add_argument("--prompt-len", type=int, default=128, help="prompt length before decode")
-    ap.add_argument("--new-tokens", type=int, default=33, help="new tokens per sequence in the decode runs")
+    ap.add_argument(
+        "--new-tokens", type=int, default=33, help="new tokens per sequence in the decode runs"
+    )
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=3, help="rounds per workload (best of)")
     ap.add_argument("--plot", default="runs/bench/model_speed.png")
@@ -122,20 +141,38 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
 
     path = fetch_smollm2(quiet=True)
-    print(f"threads={torch.get_num_threads()} load average at start={os.getloadavg()[0]:.2f}", flush=True)
-    hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    print(
+        f"threads={torch.get_num_threads()} load average at start={os.getloadavg()[0]:.2f}",
+        flush=True,
+    )
+    hf = AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, dtype=torch.float32
+    ).eval()
     vocab = hf.config.vocab_size
-    ours = {"fp32": load_model("smollm2-135m"), "bf16": load_model("smollm2-135m", dtype="bfloat16")}
+    ours = {
+        "fp32": load_model("smollm2-135m"),
+        "bf16": load_model("smollm2-135m", dtype="bfloat16"),
+    }
     b = args.batch
     res: dict[str, float] = {}
-    # Each workload runs the three systems in turn, `repeats` rounds, best of each: on a shared machine the
-    # load drifts, and interleaving spreads it evenly over the systems compared.
+    # Each workload runs the three systems in turn, `repeats` rounds, best of each: on a shared
+    # machine the load drifts, and interleaving spreads it evenly over the systems compared.
     workloads = [
-        ("prefill", lambda m: prefill_theirs(m, args.prefill_len, vocab), lambda m: prefill_ours(m, args.prefill_len)),
-        ("decode_b1", lambda m: decode_theirs(m, 1, args.prompt_len, args.new_tokens, vocab),
-         lambda m: decode_ours(m, 1, args.prompt_len, args.new_tokens)),
-        (f"decode_b{b}", lambda m: decode_theirs(m, b, args.prompt_len, args.new_tokens, vocab),
-         lambda m: decode_ours(m, b, args.prompt_len, args.new_tokens)),
+        (
+            "prefill",
+            lambda m: prefill_theirs(m, args.prefill_len, vocab),
+            lambda m: prefill_ours(m, args.prefill_len),
+        ),
+        (
+            "decode_b1",
+            lambda m: decode_theirs(m, 1, args.prompt_len, args.new_tokens, vocab),
+            lambda m: decode_ours(m, 1, args.prompt_len, args.new_tokens),
+        ),
+        (
+            f"decode_b{b}",
+            lambda m: decode_theirs(m, b, args.prompt_len, args.new_tokens, vocab),
+            lambda m: decode_ours(m, b, args.prompt_len, args.new_tokens),
+        ),
     ]
     for work, make_theirs, make_ours in workloads:
         t0 = time.perf_counter()
@@ -161,11 +198,15 @@ def main() -> None:
         "load_average_end": round(os.getloadavg()[0], 2),
         **res,
         "decode_b1_vs_transformers": round(res["decode_b1_fp32"] / res["hf_decode_b1_fp32"], 3),
-        f"decode_b{b}_vs_transformers": round(res[f"decode_b{b}_fp32"] / res[f"hf_decode_b{b}_fp32"], 3),
+        f"decode_b{b}_vs_transformers": round(
+            res[f"decode_b{b}_fp32"] / res[f"hf_decode_b{b}_fp32"], 3
+        ),
         "prefill_vs_transformers": round(res["prefill_fp32"] / res["hf_prefill_fp32"], 3),
         f"decode_b{b}_vs_b1": round(res[f"decode_b{b}_fp32"] / res["decode_b1_fp32"], 3),
         f"decode_b{b}_vs_b1_bf16": round(res[f"decode_b{b}_bf16"] / res["decode_b1_bf16"], 3),
-        "decode_b1_bf16_vs_transformers_fp32": round(res["decode_b1_bf16"] / res["hf_decode_b1_fp32"], 3),
+        "decode_b1_bf16_vs_transformers_fp32": round(
+            res["decode_b1_bf16"] / res["hf_decode_b1_fp32"], 3
+        ),
     }
     if args.plot:
         plot(summary, b, Path(args.plot))
@@ -180,7 +221,11 @@ def plot(s: dict, b: int, out: Path) -> None:
     import matplotlib.pyplot as plt
 
     out.parent.mkdir(parents=True, exist_ok=True)
-    groups = [("prefill 512", "prefill"), ("decode b1", "decode_b1"), (f"decode b{b}", f"decode_b{b}")]
+    groups = [
+        ("prefill 512", "prefill"),
+        ("decode b1", "decode_b1"),
+        (f"decode b{b}", f"decode_b{b}"),
+    ]
     fig, axes = plt.subplots(1, 3, figsize=(11, 3.5))
     for ax, (title, key) in zip(axes, groups):
         names = ["transformers fp32", "halfmoon fp32", "halfmoon bf16"]

@@ -70,11 +70,19 @@ def build_request(
     req = pb.GenerateRequest(
         request_id=request_id,
         sampling=pb.SamplingParams(
-            max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-            seed=seed, stop=list(stop), ignore_eos=ignore_eos,
+            max_tokens=max_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            seed=seed,
+            stop=list(stop),
+            ignore_eos=ignore_eos,
         ),
-        model=model, cache_salt=cache_salt, policy=policy,
-        ttft_slo_ms=ttft_slo_ms, tbt_slo_ms=tbt_slo_ms,
+        model=model,
+        cache_salt=cache_salt,
+        policy=policy,
+        ttft_slo_ms=ttft_slo_ms,
+        tbt_slo_ms=tbt_slo_ms,
     )
     if prompt is not None:
         req.text = prompt
@@ -122,7 +130,15 @@ class _Gather:
 
     def result(self) -> Completion:
         ttft = (self.first_s - self.sent_s) * 1000.0 if self.first_s is not None else float("nan")
-        return Completion(self.request_id, "".join(self.texts), self.ids, self.reason, self.usage, ttft, self.times)
+        return Completion(
+            self.request_id,
+            "".join(self.texts),
+            self.ids,
+            self.reason,
+            self.usage,
+            ttft,
+            self.times,
+        )
 
 
 class Client:
@@ -168,7 +184,8 @@ class Client:
 
 
 class AsyncClient:
-    """asyncio client: `async with AsyncClient(addr) as c: async for chunk in c.generate_stream(...)`."""
+    """asyncio client: `async with AsyncClient(addr) as c: async for chunk in
+    c.generate_stream(...)`."""
 
     def __init__(self, address: str = DEFAULT_ADDRESS, timeout_s: float = GENERATE_TIMEOUT_S):
         self.address = address

@@ -19,14 +19,20 @@ COMMANDS = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="halfmoon", description="Disaggregated prefill/decode LLM serving.")
+    parser = argparse.ArgumentParser(
+        prog="halfmoon", description="Disaggregated prefill/decode LLM serving."
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     address_help = "conductor address HOST:PORT (default: $HALFMOON_ADDRESS or 127.0.0.1:50050)"
     default_address = os.environ.get("HALFMOON_ADDRESS", "127.0.0.1:50050")
 
-    g = sub.add_parser("generate", help="generate a completion (on a cluster, or --local in this process)")
+    g = sub.add_parser(
+        "generate", help="generate a completion (on a cluster, or --local in this process)"
+    )
     g.add_argument("prompt")
-    g.add_argument("--local", action="store_true", help="run the model in this one process (the reference)")
+    g.add_argument(
+        "--local", action="store_true", help="run the model in this one process (the reference)"
+    )
     g.add_argument("--address", default=default_address, help=address_help)
     g.add_argument("--model", default="smollm2-135m")
     g.add_argument("--max-tokens", type=int, default=64)
@@ -34,14 +40,24 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
+    g.add_argument(
+        "--chat", action="store_true", help="wrap the prompt as a user message in the chat template"
+    )
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     g.add_argument("--json", action="store_true", help="print machine-readable records")
 
     s = sub.add_parser("serve", help="start the cluster with Ray and print the conductor's address")
-    s.add_argument("--config", default=None, help="cluster config YAML (default: deploy/configs/local.yaml)")
-    s.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config value")
-    s.add_argument("--ray-address", default=None, help="join a running Ray cluster ('auto') instead of starting one")
+    s.add_argument(
+        "--config", default=None, help="cluster config YAML (default: deploy/configs/local.yaml)"
+    )
+    s.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="override a config value"
+    )
+    s.add_argument(
+        "--ray-address",
+        default=None,
+        help="join a running Ray cluster ('auto') instead of starting one",
+    )
 
     st = sub.add_parser("status", help="print the cluster's workers, loads and store occupancy")
     st.add_argument("--address", default=default_address, help=address_help)
@@ -52,23 +68,44 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--address", default=default_address, help=address_help)
     r.add_argument("--format", default="auto", choices=["auto", "mooncake", "azure"])
     r.add_argument("--limit", type=int, default=None)
-    r.add_argument("--time-scale", type=float, default=1.0, help="multiply inter-arrival times by this")
-    r.add_argument("--length-scale", type=float, default=1.0, help="multiply prompt and block lengths by this")
+    r.add_argument(
+        "--time-scale", type=float, default=1.0, help="multiply inter-arrival times by this"
+    )
+    r.add_argument(
+        "--length-scale", type=float, default=1.0, help="multiply prompt and block lengths by this"
+    )
     r.add_argument("--max-output", type=int, default=None, help="cap output lengths")
     r.add_argument("--policy", default="")
-    r.add_argument("--compare-policies", default="", help="comma-separated policies, replayed one after another")
+    r.add_argument(
+        "--compare-policies",
+        default="",
+        help="comma-separated policies, replayed one after another",
+    )
     r.add_argument("--ttft-slo-ms", type=float, default=2000.0)
     r.add_argument("--tbt-slo-ms", type=float, default=200.0)
     r.add_argument("--max-input", type=int, default=None, help="cap prompt lengths (after scaling)")
-    r.add_argument("--vocab-size", type=int, default=0, help="token ids drawn below this (0: ask the cluster)")
+    r.add_argument(
+        "--vocab-size", type=int, default=0, help="token ids drawn below this (0: ask the cluster)"
+    )
     r.add_argument("--seed", type=int, default=0, help="seed of the hash-id -> token runs")
     r.add_argument("--output", default="runs/replay")
 
-    d = sub.add_parser("demo", help="the main job: local cluster, a chat answer, a replayed trace slice, a report")
+    d = sub.add_parser(
+        "demo", help="the main job: local cluster, a chat answer, a replayed trace slice, a report"
+    )
     d.add_argument("--config", default=None)
-    d.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config value")
-    d.add_argument("--limit", type=int, default=None, help="trace requests to replay (default: sized for 2 CPUs)")
-    d.add_argument("--trace", default=None, help="trace to replay (default: the shipped Mooncake trace)")
+    d.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="override a config value"
+    )
+    d.add_argument(
+        "--limit",
+        type=int,
+        default=None,
+        help="trace requests to replay (default: sized for 2 CPUs)",
+    )
+    d.add_argument(
+        "--trace", default=None, help="trace to replay (default: the shipped Mooncake trace)"
+    )
     d.add_argument("--time-scale", type=float, default=None)
     d.add_argument("--length-scale", type=float, default=None)
     d.add_argument("--max-output", type=int, default=None)

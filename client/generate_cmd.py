@@ -1,4 +1,5 @@
-"""`halfmoon generate`: --local runs the single-process reference, otherwise a running cluster answers."""
+"""`halfmoon generate`: --local runs the single-process reference, otherwise a running cluster
+answers."""
 
 from __future__ import annotations
 

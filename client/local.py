@@ -1,4 +1,5 @@
-"""`halfmoon generate --local`: the single-process reference (load, tokenize, prefill, decode) in this process."""
+"""`halfmoon generate --local`: the single-process reference (load, tokenize, prefill, decode) in
+this process."""
 
 from __future__ import annotations
 
@@ -11,16 +12,23 @@ from model import Engine, SamplingParams, load_model
 
 
 def generate_local(args: argparse.Namespace) -> int:
-    """Print the completion of args.prompt (or one JSON record with --json); errors raise ValueError/FileNotFoundError."""
+    """Print the completion of args.prompt (or one JSON record with --json); errors raise
+    ValueError/FileNotFoundError."""
     if not args.prompt or not args.prompt.strip():
         raise ValueError("empty prompt: give the text to complete")
     params = SamplingParams(
-        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
     )
     lm = load_model(args.model, dtype=args.dtype)
     tok = lm.tokenizer
     if args.chat:
-        prompt_ids = tok.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True)
+        prompt_ids = tok.apply_chat_template(
+            [{"role": "user", "content": args.prompt}], add_generation_prompt=True
+        )
     else:
         prompt_ids = tok.encode(args.prompt)
     engine = Engine(lm)

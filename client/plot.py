@@ -15,22 +15,35 @@ def _cdf(values: list[float]) -> tuple[np.ndarray, np.ndarray]:
     return v, np.arange(1, v.size + 1) / max(v.size, 1)
 
 
-def plot_cdfs(by_policy: dict[str, list[ReplayRecord]], ttft_slo_ms: float, tbt_slo_ms: float,
-              path: str | Path, title: str = "") -> Path:
-    """Write the PNG; requests that got no answer are left out of the curves (the report counts them)."""
+def plot_cdfs(
+    by_policy: dict[str, list[ReplayRecord]],
+    ttft_slo_ms: float,
+    tbt_slo_ms: float,
+    path: str | Path,
+    title: str = "",
+) -> Path:
+    """Write the PNG; requests that got no answer are left out of the curves (the report counts
+    them)."""
     import matplotlib
 
     matplotlib.use("Agg")  # no display here; must precede pyplot
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
-    panels = (("TTFT (ms)", ttft_slo_ms, lambda r: r.ttft_ms), ("TBT, mean of slowest 10% gaps (ms)", tbt_slo_ms,
-                                                                 lambda r: request_tbt(r.gaps_ms)))
+    panels = (
+        ("TTFT (ms)", ttft_slo_ms, lambda r: r.ttft_ms),
+        ("TBT, mean of slowest 10% gaps (ms)", tbt_slo_ms, lambda r: request_tbt(r.gaps_ms)),
+    )
     for ax, (label, slo, metric) in zip(axes, panels):
         for policy, records in by_policy.items():
             x, y = _cdf([metric(r) for r in records if r.status == "ok"])
             if x.size:
-                ax.step(x, y, where="post", label=f"{policy or 'default'} ({x.size} done / {len(records)})")
+                ax.step(
+                    x,
+                    y,
+                    where="post",
+                    label=f"{policy or 'default'} ({x.size} done / {len(records)})",
+                )
         ax.axvline(slo, color="grey", linestyle="--", linewidth=1, label=f"SLO {slo:.0f} ms")
         ax.set_xlabel(label)
         ax.set_ylabel("share of answered requests")

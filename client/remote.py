@@ -19,8 +19,11 @@ def usage_dict(usage) -> dict:
 
 def generate_remote(args: argparse.Namespace) -> int:
     kwargs = dict(
-        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-        top_k=args.top_k, seed=args.seed,
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
     )
     if args.chat:
         kwargs["messages"] = [{"role": "user", "content": args.prompt}]
@@ -34,8 +37,11 @@ def generate_remote(args: argparse.Namespace) -> int:
             last = chunk
             if args.json:
                 record = {
-                    "request_id": chunk.request_id, "token_ids": chunk.token_ids, "text": chunk.text,
-                    "token_times_ms": chunk.token_times_ms, "client_ms": round((chunk.received_s - sent) * 1000, 3),
+                    "request_id": chunk.request_id,
+                    "token_ids": chunk.token_ids,
+                    "text": chunk.text,
+                    "token_times_ms": chunk.token_times_ms,
+                    "client_ms": round((chunk.received_s - sent) * 1000, 3),
                     "finished": chunk.finished,
                 }
                 if chunk.finished:
@@ -51,8 +57,8 @@ def generate_remote(args: argparse.Namespace) -> int:
             u = last.usage
             print(
                 f"[{u.completion_tokens} tokens, {last.finish_reason}; TTFT {u.ttft_ms:.0f} ms, "
-                f"TBT {u.tbt_mean_ms:.1f} ms; prompt {u.prompt_tokens} tokens, {u.cached_tokens} cached; "
-                f"{u.prefill_worker} -> {u.decode_worker}]",
+                f"TBT {u.tbt_mean_ms:.1f} ms; prompt {u.prompt_tokens} tokens, "
+                f"{u.cached_tokens} cached; {u.prefill_worker} -> {u.decode_worker}]",
                 file=sys.stderr,
             )
     return 0

@@ -27,7 +27,8 @@ class ReplaySettings(NamedTuple):
 
 
 def _gaps(server_times: list[float], client_times: list[float]) -> list[float]:
-    """Token gaps, from the server's per-token times when it gave one per token, else the client's."""
+    """Token gaps, from the server's per-token times when it gave one per token, else the
+    client's."""
     t = server_times if len(server_times) == len(client_times) and server_times else client_times
     return [b - a for a, b in zip(t, t[1:])]
 
@@ -41,8 +42,13 @@ async def _one(client: AsyncClient, p: Prompt, s: ReplaySettings, t0: float) -> 
     status, error = "ok", ""
     try:
         async for c in client.generate_stream(
-            token_ids=p.token_ids, max_tokens=p.max_tokens, ignore_eos=s.ignore_eos, policy=s.policy,
-            cache_salt=s.cache_salt, ttft_slo_ms=s.ttft_slo_ms, tbt_slo_ms=s.tbt_slo_ms,
+            token_ids=p.token_ids,
+            max_tokens=p.max_tokens,
+            ignore_eos=s.ignore_eos,
+            policy=s.policy,
+            cache_salt=s.cache_salt,
+            ttft_slo_ms=s.ttft_slo_ms,
+            tbt_slo_ms=s.tbt_slo_ms,
             request_id=f"{s.cache_salt or 'replay'}-{p.index}",
         ):
             server_t.extend(c.token_times_ms)
@@ -80,11 +86,20 @@ async def _one(client: AsyncClient, p: Prompt, s: ReplaySettings, t0: float) -> 
     )
 
 
-async def replay_async(address: str, prompts: list[Prompt], settings: ReplaySettings) -> list[ReplayRecord]:
-    """Send every prompt at its arrival time (open loop) and gather one record each, in trace order."""
+async def replay_async(
+    address: str, prompts: list[Prompt], settings: ReplaySettings
+) -> list[ReplayRecord]:
+    """Send every prompt at its arrival time (open loop) and gather one record each, in trace
+    order."""
     from tqdm import tqdm
 
-    bar = tqdm(total=len(prompts), desc=settings.desc, unit="req", disable=not settings.progress, leave=True)
+    bar = tqdm(
+        total=len(prompts),
+        desc=settings.desc,
+        unit="req",
+        disable=not settings.progress,
+        leave=True,
+    )
     counts = {"ok": 0, "rejected": 0, "error": 0}
 
     def done(task: asyncio.Task) -> None:

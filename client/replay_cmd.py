@@ -1,4 +1,5 @@
-"""`halfmoon replay TRACE`: replay a trace slice once per policy and write records, report and PNG."""
+"""`halfmoon replay TRACE`: replay a trace slice once per policy and write records, report and
+PNG."""
 
 from __future__ import annotations
 
@@ -62,21 +63,37 @@ def replay_trace(
     for policy in policies:
         with Client(address) as c:
             c.clear_cache()
-        settings = ReplaySettings(policy=policy, cache_salt=f"replay-{tag}-{policy or 'default'}",
-                                  ttft_slo_ms=ttft_slo_ms, tbt_slo_ms=tbt_slo_ms, progress=progress,
-                                  desc=policy or "replay")
+        settings = ReplaySettings(
+            policy=policy,
+            cache_salt=f"replay-{tag}-{policy or 'default'}",
+            ttft_slo_ms=ttft_slo_ms,
+            tbt_slo_ms=tbt_slo_ms,
+            progress=progress,
+            desc=policy or "replay",
+        )
         records = replay(address, prompts, settings)
         write_records(out / f"records-{policy or 'default'}.jsonl", records)
         by_policy[policy] = records
         reports.append(compute_report(records, ttft_slo_ms, tbt_slo_ms, policy))
-    png = plot_cdfs(by_policy, ttft_slo_ms, tbt_slo_ms, out / "cdf.png",
-                    title=f"{Path(trace).name}: {len(prompts)} requests, time x{scaling.time_scale:g}, "
-                          f"{scaling.trace_block_tokens}-token trace block -> {block_tokens(scaling)} tokens")
+    png = plot_cdfs(
+        by_policy,
+        ttft_slo_ms,
+        tbt_slo_ms,
+        out / "cdf.png",
+        title=f"{Path(trace).name}: {len(prompts)} requests, time x{scaling.time_scale:g}, "
+        f"{scaling.trace_block_tokens}-token trace block -> {block_tokens(scaling)} tokens",
+    )
     table = format_reports(reports)
     (out / "report.txt").write_text(table + "\n", encoding="utf-8")
-    summary = {"trace": str(trace), "requests": len(prompts), "scaling": scaling._asdict(),
-               "reports": [report_dict(r) for r in reports]}
-    (out / "report.json").write_text(json.dumps(_finite(summary), indent=2) + "\n", encoding="utf-8")
+    summary = {
+        "trace": str(trace),
+        "requests": len(prompts),
+        "scaling": scaling._asdict(),
+        "reports": [report_dict(r) for r in reports],
+    }
+    (out / "report.json").write_text(
+        json.dumps(_finite(summary), indent=2) + "\n", encoding="utf-8"
+    )
     return ReplayResult(reports, out, png, table)
 
 
@@ -104,12 +121,23 @@ def run(args: argparse.Namespace) -> int:
     for name in ("time_scale", "length_scale"):
         if not getattr(args, name) > 0:
             raise ValueError(f"--{name.replace('_', '-')} must be > 0")
-    scaling = Scaling(length_scale=args.length_scale, time_scale=args.time_scale, max_output=args.max_output,
-                      max_input=getattr(args, "max_input", None))
+    scaling = Scaling(
+        length_scale=args.length_scale,
+        time_scale=args.time_scale,
+        max_output=args.max_output,
+        max_input=getattr(args, "max_input", None),
+    )
     result = replay_trace(
-        args.address, args.trace, fmt=args.format, limit=args.limit, scaling=scaling,
-        policies=parse_policies(args.compare_policies, args.policy), ttft_slo_ms=args.ttft_slo_ms,
-        tbt_slo_ms=args.tbt_slo_ms, output_dir=args.output, vocab_size=getattr(args, "vocab_size", 0) or 0,
+        args.address,
+        args.trace,
+        fmt=args.format,
+        limit=args.limit,
+        scaling=scaling,
+        policies=parse_policies(args.compare_policies, args.policy),
+        ttft_slo_ms=args.ttft_slo_ms,
+        tbt_slo_ms=args.tbt_slo_ms,
+        output_dir=args.output,
+        vocab_size=getattr(args, "vocab_size", 0) or 0,
         seed=getattr(args, "seed", 0) or 0,
     )
     print(result.table)

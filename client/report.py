@@ -1,4 +1,5 @@
-"""Replay records and the report computed from them (latency percentiles, SLO attainment, cache hits)."""
+"""Replay records and the report computed from them (latency percentiles, SLO attainment, cache
+hits)."""
 
 from __future__ import annotations
 
@@ -25,7 +26,9 @@ class ReplayRecord(NamedTuple):
     prompt_tokens: int
     output_tokens: int  # tokens received
     ttft_ms: float  # client side: sent -> first token (nan when none came)
-    gaps_ms: list[float]  # time between consecutive tokens (server clock when it gave per-token times)
+    gaps_ms: list[
+        float
+    ]  # time between consecutive tokens (server clock when it gave per-token times)
     e2e_ms: float  # sent -> last message
     cached_tokens: dict[str, int]  # prompt tokens whose KV came from a cache, by tier (TIERS)
     computed_tokens: int  # prompt tokens the prefill worker computed
@@ -63,7 +66,8 @@ class Report(NamedTuple):
 
 
 def request_tbt(gaps_ms: Iterable[float]) -> float:
-    """A request's TBT: the mean of its slowest 10% token gaps (at least one gap); 0 when it has none."""
+    """A request's TBT: the mean of its slowest 10% token gaps (at least one gap); 0 when it has
+    none."""
     g = sorted(gaps_ms, reverse=True)
     if not g:
         return 0.0
@@ -84,7 +88,9 @@ def meets_slo(r: ReplayRecord, ttft_slo_ms: float, tbt_slo_ms: float) -> bool:
     return r.status == "ok" and r.ttft_ms <= ttft_slo_ms and request_tbt(r.gaps_ms) <= tbt_slo_ms
 
 
-def compute_report(records: list[ReplayRecord], ttft_slo_ms: float, tbt_slo_ms: float, policy: str = "") -> Report:
+def compute_report(
+    records: list[ReplayRecord], ttft_slo_ms: float, tbt_slo_ms: float, policy: str = ""
+) -> Report:
     done = [r for r in records if r.status == "ok"]
     prompt = sum(r.prompt_tokens for r in done)
     by_tier = {t: sum(r.cached_tokens.get(t, 0) for r in done) for t in TIERS}
@@ -106,7 +112,9 @@ def compute_report(records: list[ReplayRecord], ttft_slo_ms: float, tbt_slo_ms: 
         tbt_ms=percentiles(request_tbt(r.gaps_ms) for r in done),
         ttft_slo_ms=ttft_slo_ms,
         tbt_slo_ms=tbt_slo_ms,
-        slo_attainment=(sum(meets_slo(r, ttft_slo_ms, tbt_slo_ms) for r in records) / len(records)) if records else 0.0,
+        slo_attainment=(sum(meets_slo(r, ttft_slo_ms, tbt_slo_ms) for r in records) / len(records))
+        if records
+        else 0.0,
         prompt_tokens=prompt,
         hit_rate=saved / prompt if prompt else 0.0,
         hit_rate_by_tier={t: (n / prompt if prompt else 0.0) for t, n in by_tier.items()},
@@ -130,8 +138,14 @@ def format_reports(reports: list[Report]) -> str:
         ("done / rejected / errors", [f"{r.done} / {r.rejected} / {r.errors}" for r in reports]),
         ("TTFT p50/p90/p99 ms", [pct(r.ttft_ms) for r in reports]),
         ("TBT p50/p90/p99 ms", [pct(r.tbt_ms) for r in reports]),
-        ("SLO attainment", [f"{100 * r.slo_attainment:.1f}% (TTFT<={r.ttft_slo_ms:.0f}, TBT<={r.tbt_slo_ms:.0f} ms)"
-                            for r in reports]),
+        (
+            "SLO attainment",
+            [
+                f"{100 * r.slo_attainment:.1f}% "
+                f"(TTFT<={r.ttft_slo_ms:.0f}, TBT<={r.tbt_slo_ms:.0f} ms)"
+                for r in reports
+            ],
+        ),
         ("prefix hit rate", [f"{100 * r.hit_rate:.1f}%" for r in reports]),
     ]
     for t in TIERS:

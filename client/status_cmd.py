@@ -1,4 +1,5 @@
-"""`halfmoon status`: the cluster as tables (workers and loads, store occupancy by tier, hit rate)."""
+"""`halfmoon status`: the cluster as tables (workers and loads, store occupancy by tier, hit
+rate)."""
 
 from __future__ import annotations
 
@@ -26,36 +27,69 @@ def _bytes(n: int) -> str:
 
 def format_status(reply) -> str:
     """The StatusReply as text tables."""
-    hit = reply.cached_tokens_total / reply.prompt_tokens_total if reply.prompt_tokens_total else 0.0
+    hit = (
+        reply.cached_tokens_total / reply.prompt_tokens_total if reply.prompt_tokens_total else 0.0
+    )
     lines = [
-        f"model {reply.model or '?'}  block_size {reply.block_size}  policy {reply.default_policy or '?'}",
+        f"model {reply.model or '?'}  block_size {reply.block_size}  "
+        f"policy {reply.default_policy or '?'}",
         f"requests {reply.requests_total} (rejected {reply.requests_rejected})  prompt tokens "
-        f"{reply.prompt_tokens_total}, cached {reply.cached_tokens_total}  hit rate {100 * hit:.1f}%",
+        f"{reply.prompt_tokens_total}, cached {reply.cached_tokens_total}  "
+        f"hit rate {100 * hit:.1f}%",
         "",
     ]
     rows = []
     for w in reply.workers:
         ld = w.load
         used = ld.total_blocks - ld.free_blocks
-        rows.append([
-            w.worker_id, w.kind, w.address, "yes" if w.healthy else "NO",
-            str(ld.queued_requests), str(ld.queued_tokens), f"{ld.predicted_queue_ms:.0f}", str(ld.running),
-            f"{used}/{ld.total_blocks}" if ld.total_blocks else "-",
-        ])
-    lines += _table(["worker", "kind", "address", "healthy", "queued", "queued_tok", "wait_ms", "running",
-                     "kv_blocks"], rows)
+        rows.append(
+            [
+                w.worker_id,
+                w.kind,
+                w.address,
+                "yes" if w.healthy else "NO",
+                str(ld.queued_requests),
+                str(ld.queued_tokens),
+                f"{ld.predicted_queue_ms:.0f}",
+                str(ld.running),
+                f"{used}/{ld.total_blocks}" if ld.total_blocks else "-",
+            ]
+        )
+    lines += _table(
+        [
+            "worker",
+            "kind",
+            "address",
+            "healthy",
+            "queued",
+            "queued_tok",
+            "wait_ms",
+            "running",
+            "kv_blocks",
+        ],
+        rows,
+    )
     lines.append("")
     rows = []
     for s in reply.stores:
         for t in s.tiers:
             looks = t.hits + t.misses
-            rows.append([
-                s.node_id, s.address, t.tier,
-                f"{_bytes(t.used_bytes)} / {_bytes(t.capacity_bytes)}",
-                f"{100 * t.used_bytes / t.capacity_bytes:.1f}%" if t.capacity_bytes else "-",
-                str(t.blocks), f"{100 * t.hits / looks:.1f}%" if looks else "-", str(t.evictions),
-            ])
-    lines += _table(["store", "address", "tier", "used / capacity", "full", "blocks", "hit_rate", "evictions"], rows)
+            rows.append(
+                [
+                    s.node_id,
+                    s.address,
+                    t.tier,
+                    f"{_bytes(t.used_bytes)} / {_bytes(t.capacity_bytes)}",
+                    f"{100 * t.used_bytes / t.capacity_bytes:.1f}%" if t.capacity_bytes else "-",
+                    str(t.blocks),
+                    f"{100 * t.hits / looks:.1f}%" if looks else "-",
+                    str(t.evictions),
+                ]
+            )
+    lines += _table(
+        ["store", "address", "tier", "used / capacity", "full", "blocks", "hit_rate", "evictions"],
+        rows,
+    )
     return "\n".join(lines)
 
 

@@ -1,4 +1,5 @@
-"""Trace requests to concrete prompts: each hash id becomes a deterministic pseudo-random token run."""
+"""Trace requests to concrete prompts: each hash id becomes a deterministic pseudo-random token
+run."""
 
 from __future__ import annotations
 
@@ -43,7 +44,8 @@ def block_tokens(s: Scaling) -> int:
 
 
 def prompt_tokens(req: TraceRequest, s: Scaling, vocab_size: int, seed: int = 0) -> list[int]:
-    """The request's prompt: its hash ids' runs, cut to its scaled length; equal ids, equal prefixes."""
+    """The request's prompt: its hash ids' runs, cut to its scaled length; equal ids, equal
+    prefixes."""
     if vocab_size <= FIRST_TOKEN_ID + 1:
         raise ValueError(f"vocab_size must be > {FIRST_TOKEN_ID + 1}, got {vocab_size}")
     n = max(1, round(req.input_length * s.length_scale))
@@ -60,14 +62,24 @@ def prompt_tokens(req: TraceRequest, s: Scaling, vocab_size: int, seed: int = 0)
     return out[:n]
 
 
-def make_prompts(reqs: list[TraceRequest], s: Scaling, vocab_size: int, seed: int = 0) -> list[Prompt]:
+def make_prompts(
+    reqs: list[TraceRequest], s: Scaling, vocab_size: int, seed: int = 0
+) -> list[Prompt]:
     """Scaled prompts and arrival times for a trace slice; the first request arrives at 0."""
     if not reqs:
         return []
     t0 = reqs[0].timestamp_ms
     out = []
     for r in reqs:
-        max_tokens = max(1, r.output_length if s.max_output is None else min(r.output_length, s.max_output))
-        out.append(Prompt(r.index, (r.timestamp_ms - t0) / 1000.0 * s.time_scale,
-                          prompt_tokens(r, s, vocab_size, seed), max_tokens))
+        max_tokens = max(
+            1, r.output_length if s.max_output is None else min(r.output_length, s.max_output)
+        )
+        out.append(
+            Prompt(
+                r.index,
+                (r.timestamp_ms - t0) / 1000.0 * s.time_scale,
+                prompt_tokens(r, s, vocab_size, seed),
+                max_tokens,
+            )
+        )
     return out

@@ -11,6 +11,9 @@ from typing import Callable, NamedTuple
 
 MOONCAKE_BLOCK_TOKENS = 512  # tokens per hash id in Mooncake's released traces
 
+# Mooncake's released synthetic trace (Apache-2.0), installed with this package: see data/README.md.
+SHIPPED_TRACE = Path(__file__).resolve().parent / "data" / "mooncake_synthetic_trace.jsonl"
+
 
 class TraceError(ValueError):
     """A trace file that cannot be read; the message names the file and line."""
@@ -23,7 +26,9 @@ class TraceRequest(NamedTuple):
     timestamp_ms: float  # arrival, ms from the start of the trace
     input_length: int  # prompt tokens
     output_length: int  # answer tokens
-    hash_ids: tuple[int, ...]  # one id per trace block of the prompt; equal leading ids = equal prefix
+    hash_ids: tuple[
+        int, ...
+    ]  # one id per trace block of the prompt; equal leading ids = equal prefix
     line: int  # 1-based line in the file, for messages
 
 
@@ -53,12 +58,19 @@ def load_mooncake(path: str | Path, limit: int | None = None) -> list[TraceReque
             if not isinstance(obj, dict):
                 raise TraceError(f"{where}: expected a JSON object")
             ts = obj.get("timestamp")
-            if isinstance(ts, bool) or not isinstance(ts, (int, float)) or not math.isfinite(ts) or ts < 0:
+            if (
+                isinstance(ts, bool)
+                or not isinstance(ts, (int, float))
+                or not math.isfinite(ts)
+                or ts < 0
+            ):
                 raise TraceError(f"{where}: 'timestamp' must be a number of ms >= 0, got {ts!r}")
             inp = _int_field(obj, "input_length", where, 1)
             outp = _int_field(obj, "output_length", where, 0)
             ids = obj.get("hash_ids", [])
-            if not isinstance(ids, list) or not all(isinstance(h, int) and not isinstance(h, bool) for h in ids):
+            if not isinstance(ids, list) or not all(
+                isinstance(h, int) and not isinstance(h, bool) for h in ids
+            ):
                 raise TraceError(f"{where}: 'hash_ids' must be a list of integers")
             out.append(TraceRequest(0, float(ts), inp, outp, tuple(ids), lineno))
     return _sorted(out)
@@ -83,7 +95,9 @@ def load_azure(path: str | Path, limit: int | None = None) -> list[TraceRequest]
         cols = [c.strip() for c in header or []]
         need = ["TIMESTAMP", "ContextTokens", "GeneratedTokens"]
         if any(c not in cols for c in need):
-            raise TraceError(f"{path}:1: expected a header with {','.join(need)}, got {','.join(cols)!r}")
+            raise TraceError(
+                f"{path}:1: expected a header with {','.join(need)}, got {','.join(cols)!r}"
+            )
         pos = [cols.index(c) for c in need]
         for row in reader:
             lineno = reader.line_num
@@ -103,14 +117,27 @@ def load_azure(path: str | Path, limit: int | None = None) -> list[TraceRequest]
                 try:
                     vals[name] = int(row[p])
                 except ValueError:
-                    raise TraceError(f"{where}: {name} must be an integer, got {row[p]!r}") from None
+                    raise TraceError(
+                        f"{where}: {name} must be an integer, got {row[p]!r}"
+                    ) from None
                 if vals[name] < minimum:
                     raise TraceError(f"{where}: {name} must be >= {minimum}, got {vals[name]}")
             t0 = t if t0 is None else t0
             n_blocks = -(-vals["ContextTokens"] // MOONCAKE_BLOCK_TOKENS)
-            ids = tuple(range(next_id, next_id + n_blocks))  # fresh ids: Azure's trace has no content
+            ids = tuple(
+                range(next_id, next_id + n_blocks)
+            )  # fresh ids: Azure's trace has no content
             next_id += n_blocks
-            out.append(TraceRequest(0, (t - t0) * 1000.0, vals["ContextTokens"], vals["GeneratedTokens"], ids, lineno))
+            out.append(
+                TraceRequest(
+                    0,
+                    (t - t0) * 1000.0,
+                    vals["ContextTokens"],
+                    vals["GeneratedTokens"],
+                    ids,
+                    lineno,
+                )
+            )
     return _sorted(out)
 
 
@@ -119,7 +146,10 @@ def _sorted(reqs: list[TraceRequest]) -> list[TraceRequest]:
     return [r._replace(index=i) for i, r in enumerate(reqs)]
 
 
-LOADERS: dict[str, Callable[..., list[TraceRequest]]] = {"mooncake": load_mooncake, "azure": load_azure}
+LOADERS: dict[str, Callable[..., list[TraceRequest]]] = {
+    "mooncake": load_mooncake,
+    "azure": load_azure,
+}
 
 
 def load_trace(path: str | Path, fmt: str = "auto", limit: int | None = None) -> list[TraceRequest]:

@@ -11,12 +11,8 @@ from conductor.policy import (
     PrefillCandidate,
     Rejected,
     RequestInfo,
-    blocks_needed,
     make_policy,
-    reusable_blocks,
 )
-from conductor.serverkit import GrpcServer, config_from_dict, config_from_yaml
-from conductor.timing import DecodeTimeModel, LinearTimeModel, PrefillTimeModel
 
 
 def __getattr__(name: str):
@@ -35,18 +31,10 @@ __all__ = [
     "ConductorConfig",
     "Decision",
     "DecodeCandidate",
-    "DecodeTimeModel",
-    "GrpcServer",
     "IncrementalText",
-    "LinearTimeModel",
     "Policy",
     "PrefillCandidate",
-    "PrefillTimeModel",
     "Rejected",
     "RequestInfo",
-    "blocks_needed",
-    "config_from_dict",
-    "config_from_yaml",
     "make_policy",
-    "reusable_blocks",
 ]

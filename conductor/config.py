@@ -4,33 +4,45 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from servekit import DTYPE_NAMES
+
 
 @dataclass
 class ConductorConfig:
-    model: str = "smollm2-135m"            # the cluster's model (its tokenizer and chat template are loaded here)
-    host: str = "127.0.0.1"                # address the gRPC server binds and advertises
-    port: int = 0                          # 0 = a free port
-    metrics_port: int = 0                  # Prometheus exporter on this port; 0 = off
+    model: str = "smollm2-135m"  # the cluster's model (its tokenizer and chat template load here)
+    host: str = "127.0.0.1"  # address the gRPC server binds and advertises
+    port: int = 0  # 0 = a free port
+    metrics_port: int = 0  # Prometheus exporter on this port; 0 = off
     prefill_workers: list[str] = field(default_factory=list)  # prefill workers' gRPC addresses
-    decode_workers: list[str] = field(default_factory=list)   # decode workers' gRPC addresses
-    store_addresses: list[str] = field(default_factory=list)  # store nodes' gRPC addresses (for Status)
-    index_url: str = ""                    # Redis URL of the global block index; "" = route without cache hits
-    block_size: int = 16                   # tokens per block; must match the workers'
-    policy: str = "mooncake"               # default routing policy (mooncake | load_balance | random | cache_off)
-    kvcache_balancing_threshold: float = 1.5  # mooncake: fetch a longer prefix held elsewhere beyond this x own match
-    transfer_mb_per_ms: float = 1.0        # mooncake: KV transfer bandwidth assumed between hosts (1.0 = 1 GB/s)
-    random_seed: int = 0                   # the random policy's seed
-    ttft_slo_ms: float = 30_000.0          # default time-to-first-token objective (requests may set their own)
-    tbt_slo_ms: float = 2_000.0            # default time-between-tokens objective
-    max_tokens_limit: int = 4096           # the most new tokens one request may ask for
-    load_poll_s: float = 0.1               # how often workers' loads are refreshed
-    load_timeout_s: float = 2.0            # deadline of a Load RPC
-    prefill_timeout_s: float = 120.0       # deadline of a Prefill RPC
-    decode_timeout_s: float = 900.0        # deadline of a Decode stream
-    grpc_workers: int = 128                # one thread per open Generate stream
+    decode_workers: list[str] = field(default_factory=list)  # decode workers' gRPC addresses
+    store_addresses: list[str] = field(default_factory=list)  # store nodes' addresses (Status)
+    index_url: str = ""  # Redis URL of the global block index; "" = route without cache hits
+    block_size: int = 16  # tokens per block; must match the workers'
+    # The workers' KV dtype: part of the model fingerprint, so it must match theirs (the cluster
+    # config's top-level dtype fills it).
+    dtype: str = "float32"
+    policy: str = (
+        "mooncake"  # default routing policy (mooncake | load_balance | random | cache_off)
+    )
+    # mooncake: fetch a longer prefix held elsewhere only beyond this x the worker's own match
+    kvcache_balancing_threshold: float = 1.5
+    # mooncake: KV transfer bandwidth assumed between hosts (1.0 = 1 GB/s)
+    transfer_mb_per_ms: float = 1.0
+    random_seed: int = 0  # the random policy's seed
+    ttft_slo_ms: float = 30_000.0  # default time-to-first-token objective (requests may set theirs)
+    tbt_slo_ms: float = 2_000.0  # default time-between-tokens objective
+    max_tokens_limit: int = 4096  # the most new tokens one request may ask for
+    load_poll_s: float = 0.1  # how often workers' loads are refreshed
+    load_timeout_s: float = 2.0  # deadline of a Load RPC
+    prefill_timeout_s: float = 120.0  # deadline of a Prefill RPC
+    decode_timeout_s: float = 900.0  # deadline of a Decode stream
+    grpc_workers: int = 128  # one thread per open Generate stream
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.max_tokens_limit <= 0:
             raise ValueError("ConductorConfig: block_size and max_tokens_limit must be positive")
+        if self.dtype not in DTYPE_NAMES:
+            known = ", ".join(DTYPE_NAMES)
+            raise ValueError(f"ConductorConfig: dtype must be one of {known}, got {self.dtype!r}")
         if self.load_poll_s <= 0:
             raise ValueError("ConductorConfig: load_poll_s must be positive")

@@ -6,7 +6,8 @@ from typing import Callable, Sequence
 
 
 class IncrementalText:
-    """Feeds token ids, returns the text they add; text that may still grow into a stop string is held back.
+    """Feeds token ids, returns the text they add; text that may still grow into a stop string is
+    held back.
 
     Decodes a short window (from a prefix offset) rather than the whole answer at every token, and
     holds back a trailing U+FFFD, which is an incomplete multi-byte character, not text.
@@ -35,7 +36,8 @@ class IncrementalText:
     def finish(self) -> str:
         """The rest of the text, at the end of the stream."""
         if self._read < len(self._ids):
-            rest = self._decode(self._ids[self._prefix :])[len(self._decode(self._ids[self._prefix : self._read])) :]
+            settled = self._decode(self._ids[self._prefix : self._read])
+            rest = self._decode(self._ids[self._prefix :])[len(settled) :]
             self._text += rest
             self._read = len(self._ids)
         return self._emit(final=True)

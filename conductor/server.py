@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 import uuid
-from typing import NamedTuple
+from typing import Iterator, NamedTuple
 
 import grpc
+import psutil
 from prometheus_client import Counter, Histogram
 
 from conductor.config import ConductorConfig
@@ -22,16 +24,25 @@ from conductor.policy import (
     RequestInfo,
     make_policy,
 )
-from conductor.serverkit import GrpcServer
+from conductor.stream import RequestStream, cached_tokens
 from kvstore import Index, StoreClient, block_keys
+from model import kv_fingerprint
 from protos import halfmoon_pb2 as pb
 from protos import halfmoon_pb2_grpc as pb_grpc
+from servekit import GrpcServer, prompt_ids_problem, sampling_problem, torch_dtype
+
+log = logging.getLogger(__name__)
 
 _ROLES = ("system", "user", "assistant", "tool")
+_MAX_MESSAGE = 256 << 20  # a prefill reply carries the tail block inline
 
 
 class _Invalid(Exception):
     """A bad request field: INVALID_ARGUMENT with this message."""
+
+
+class _Cancelled(Exception):
+    """The client went away: the request ends with no final message."""
 
 
 class _Worker:
@@ -41,13 +52,20 @@ class _Worker:
         self.address = address
         self.kind = kind
         self.channel = grpc.insecure_channel(
-            address, options=[("grpc.max_send_message_length", 256 << 20), ("grpc.max_receive_message_length", 256 << 20)]
+            address,
+            options=[
+                ("grpc.max_send_message_length", _MAX_MESSAGE),
+                ("grpc.max_receive_message_length", _MAX_MESSAGE),
+            ],
         )
-        self.stub = (pb_grpc.PrefillWorkerStub if kind == "prefill" else pb_grpc.DecodeWorkerStub)(self.channel)
+        stub = pb_grpc.PrefillWorkerStub if kind == "prefill" else pb_grpc.DecodeWorkerStub
+        self.stub = stub(self.channel)
         self.load: pb.WorkerLoad | None = None
         self.healthy = False
-        self.inflight_ms = 0.0  # prefill: predicted work routed here and not yet answered (between load reports)
+        # prefill: predicted work routed here and not yet answered (between load reports)
+        self.inflight_ms = 0.0
         self.inflight = 0  # decode: streams routed here and not yet seen in a load report
+        self.warned_fingerprint = ""  # the foreign fingerprint already logged for this worker
 
     @property
     def worker_id(self) -> str:
@@ -55,7 +73,8 @@ class _Worker:
 
 
 class _Retry(Exception):
-    """A worker went away mid-request: route again (it is out of routing until it answers a Load)."""
+    """A worker went away mid-request: route again (it is out of routing until it answers a
+    Load)."""
 
     def __init__(self, what: str, worker: _Worker, error: grpc.RpcError | None):
         super().__init__(what)
@@ -64,30 +83,36 @@ class _Retry(Exception):
 
 class Routed(NamedTuple):
     decision_policy: str  # the policy's registry name
-    prefill: _Worker      # the chosen prefill worker
-    decode: _Worker       # the chosen decode worker
-    fetch_from: str       # store node to pull the prefix from ("" = the worker's own lookup)
-    fetch_blocks: int     # blocks to pull from there
-    use_cache: bool       # False: compute everything (cache_off)
-    predicted_ttft_ms: float
+    prefill: _Worker  # the chosen prefill worker
+    decode: _Worker  # the chosen decode worker
+    fetch_from: str  # remote store node to pull the prefix from ("" = own tiers only)
+    fetch_blocks: int  # the prompt's leading blocks to take from there
+    use_cache: bool  # False: compute everything (cache_off)
+    predicted_ttft_ms: float  # the policy's TTFT estimate
     predicted_prefill_ms: float  # the compute this request adds to the prefill worker's queue
 
 
 class Conductor(GrpcServer, pb_grpc.ConductorServicer):
-    """gRPC `Conductor`: Generate (server-streaming) and Status."""
+    """gRPC `Conductor`: Generate (server-streaming), Status and ClearCache."""
 
     def __init__(self, config: ConductorConfig, lm=None):
-        GrpcServer.__init__(self, config.host, config.port, config.metrics_port, config.grpc_workers)
+        GrpcServer.__init__(
+            self, config.host, config.port, config.metrics_port, config.grpc_workers
+        )
         self.config = config
+        # Only the tokenizer and the architecture: the conductor never touches tensors. A test
+        # may hand over a LoadedModel it already holds.
         if lm is None:
-            from model import load_model
+            from model import load_model_info
 
-            lm = load_model(config.model, dtype="bfloat16")  # for its tokenizer and fingerprint: the smaller copy
-        # Only the tokenizer and the architecture stay: the conductor never touches tensors.
+            lm = load_model_info(config.model)
         self.tokenizer = lm.tokenizer
         self.model_config = lm.config
         self.model_name = lm.name
-        self.fingerprint = lm.fingerprint
+        # Block keys chain from the weights and the workers' KV layout (dtype and shape), so the
+        # fingerprint is the weights id and the layout of the pool the workers hold.
+        layout = lm.config.kv_layout(config.block_size, torch_dtype(config.dtype))
+        self.fingerprint = kv_fingerprint(lm.weights_id, layout)
         self.policies: dict[str, Policy] = {
             "mooncake": make_policy(
                 "mooncake",
@@ -99,11 +124,16 @@ class Conductor(GrpcServer, pb_grpc.ConductorServicer):
             "cache_off": make_policy("cache_off"),
         }
         if config.policy not in self.policies:
-            raise ValueError(f"ConductorConfig.policy: unknown policy {config.policy!r} (known: {', '.join(sorted(POLICIES))})")
+            raise ValueError(
+                f"ConductorConfig.policy: unknown policy {config.policy!r} "
+                f"(known: {', '.join(sorted(POLICIES))})"
+            )
         self._workers = [_Worker(a, "prefill") for a in config.prefill_workers] + [
             _Worker(a, "decode") for a in config.decode_workers
         ]
         self._index = Index(config.index_url) if config.index_url else None
+        self._index_down = False  # the last index lookup failed (logged once per outage)
+        self._process = psutil.Process()
         self._lock = threading.Lock()
         self._policy_lock = threading.Lock()
         self._poller: threading.Thread | None = None
@@ -115,19 +145,42 @@ class Conductor(GrpcServer, pb_grpc.ConductorServicer):
 
     def _init_metrics(self) -> None:
         r = self.registry
-        self.m_requests = Counter("halfmoon_requests", "Generate requests by finish reason", ["reason"], registry=r)
+        self.m_requests = Counter(
+            "halfmoon_requests", "Generate requests by finish reason", ["reason"], registry=r
+        )
         self.m_rejected = Counter("halfmoon_rejections", "Requests refused", ["reason"], registry=r)
         self.m_ttft = Histogram(
-            "halfmoon_ttft_seconds", "Time to first token (at the conductor)", registry=r,
+            "halfmoon_ttft_seconds",
+            "Time to first token (at the conductor)",
+            registry=r,
             buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
         )
         self.m_tbt = Histogram(
-            "halfmoon_tbt_seconds", "Time between tokens (at the conductor)", registry=r,
+            "halfmoon_tbt_seconds",
+            "Time between tokens (at the conductor)",
+            registry=r,
             buckets=(0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56),
         )
         self.m_prompt = Counter("halfmoon_prompt_tokens", "Prompt tokens", registry=r)
-        self.m_cached = Counter("halfmoon_cached_tokens", "Prompt tokens served from a cache, by tier", ["tier"], registry=r)
+        self.m_cached = Counter(
+            "halfmoon_cached_tokens",
+            "Prompt tokens served from a cache, by tier",
+            ["tier"],
+            registry=r,
+        )
         self.m_generated = Counter("halfmoon_generated_tokens", "Tokens generated", registry=r)
+        self.m_mismatch = Counter(
+            "halfmoon_worker_mismatch",
+            "Load reports refused: the worker serves another model fingerprint",
+            ["worker"],
+            registry=r,
+        )
+        self.m_errors = Counter(
+            "halfmoon_conductor_errors",
+            "Failures the conductor worked around (index_lookup, store_status)",
+            ["what"],
+            registry=r,
+        )
 
     # ---- lifecycle ----
 
@@ -154,117 +207,228 @@ class Conductor(GrpcServer, pb_grpc.ConductorServicer):
             self.refresh_loads()
 
     def refresh_loads(self) -> None:
-        """Ask every worker for its load (in parallel); one that does not answer is out of routing."""
-        futures = [(w, w.stub.Load.future(pb.LoadRequest(), timeout=self.config.load_timeout_s)) for w in self._workers]
+        """Ask every worker for its load (in parallel); one that does not answer is out of
+        routing."""
+        timeout = self.config.load_timeout_s
+        futures = [
+            (w, w.stub.Load.future(pb.LoadRequest(), timeout=timeout)) for w in self._workers
+        ]
         for w, f in futures:
             try:
                 load = f.result()
-            except grpc.RpcError:
+            except grpc.RpcError as exc:
+                if w.healthy:
+                    log.warning("%s worker %s stopped answering: %s", w.kind, w.worker_id, exc)
                 w.healthy = False
                 continue
             if load.model_fingerprint and load.model_fingerprint != self.fingerprint:
-                # A worker serving other weights would produce other answers and other block keys.
+                # A worker serving other weights (or another KV dtype or layout) would produce
+                # other answers and other block keys.
+                self._mismatch(w, load)
                 w.healthy = False
                 continue
             with self._lock:
                 w.load, w.healthy = load, True
-                # Routed work the report now counts (queued at the worker) is no longer in flight here.
+                # Routed work the report now counts (queued at the worker) is no longer in flight.
                 w.inflight, w.inflight_ms = 0, 0.0
+
+    def _mismatch(self, w: _Worker, load: pb.WorkerLoad) -> None:
+        """Count every refused report; log once per worker (again if its fingerprint changes)."""
+        self.m_mismatch.labels(load.worker_id or w.address).inc()
+        if w.warned_fingerprint != load.model_fingerprint:
+            w.warned_fingerprint = load.model_fingerprint
+            log.warning(
+                "%s worker %s at %s serves model fingerprint %s, the conductor %s: "
+                "kept out of routing (same model, dtype and block size?)",
+                w.kind,
+                load.worker_id,
+                w.address,
+                load.model_fingerprint,
+                self.fingerprint,
+            )
 
     # ---- Generate ----
 
     def Generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext):
+        """Route, prefill, decode; when the decode worker is lost, resume on another pair from
+        the tokens already sent."""
+        s = self._open(request, context)
+        try:
+            while not s.reason:
+                prompt = s.prompt()
+                s.routed = self._route_stream(context, request, s, prompt)
+                try:
+                    reply = self._prefill_leg(context, s, prompt)
+                    if s.first is None:
+                        first = s.start(reply)
+                        self.m_ttft.observe(s.ttft_ms / 1000.0)
+                        yield first
+                    yield from self._decode_leg(context, s, prompt, reply)
+                except _Retry as r:
+                    self._worker_lost(context, s, r)
+        except _Cancelled:
+            self.m_requests.labels("cancelled").inc()
+            return
+        yield self._finish(s)
+
+    def _open(self, request: pb.GenerateRequest, context: grpc.ServicerContext) -> RequestStream:
+        """The request's stream state, or INVALID_ARGUMENT naming the bad field."""
         arrived = time.perf_counter()
-        rid = request.request_id or uuid.uuid4().hex[:16]
         try:
             ids, policy_name = self._prepare(request)
         except _Invalid as exc:
             self.m_rejected.labels("invalid").inc()
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        sp, salt = request.sampling, request.cache_salt
-        ms = lambda: (time.perf_counter() - arrived) * 1000.0  # noqa: E731
-        text = IncrementalText(self.tokenizer.decode, sp.stop)
-        out: list[int] = []     # tokens sent to the client
-        times: list[float] = []
-        first: pb.PrefillReply | None = None
-        routed: Routed | None = None
-        reason, decode_transfer_ms, max_batch, ttft_ms = "", 0.0, 0, 0.0
-        failures = 0
-        while not reason:
-            # After a decode worker died: prefill the prompt and every token sent but the last (mostly
-            # from cache), then decode on from the last one, so no token repeats and none goes missing.
-            prompt = ids + out[:-1]
-            keys = block_keys(prompt, self.config.block_size, self.fingerprint, salt)
+        sp = request.sampling
+        return RequestStream(
+            rid=request.request_id or uuid.uuid4().hex[:16],
+            ids=ids,
+            policy=policy_name,
+            sampling=sp,
+            salt=request.cache_salt,
+            text=IncrementalText(self.tokenizer.decode, sp.stop),
+            arrived=arrived,
+        )
+
+    def _route_stream(
+        self, context, request: pb.GenerateRequest, s: RequestStream, prompt: list[int]
+    ) -> Routed:
+        """A pair for `prompt`; RESOURCE_EXHAUSTED when none meets the SLOs (UNAVAILABLE when a
+        resumed request finds none left)."""
+        keys = block_keys(prompt, self.config.block_size, self.fingerprint, s.salt)
+        try:
+            routed = self._route(request, prompt, keys, s.policy, s.tokens_left())
+        except Rejected as exc:
+            if s.out:
+                context.abort(
+                    grpc.StatusCode.UNAVAILABLE,
+                    f"decode worker lost and no pair left to resume on: {exc}",
+                )
+            with self._lock:
+                self.totals["rejected"] += 1
+            self.m_rejected.labels("slo").inc()
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        if s.routed is None:  # admitted: counted once, however often it is routed again
+            with self._lock:
+                self.totals["requests"] += 1
+        return routed
+
+    def _prefill_leg(self, context, s: RequestStream, prompt: list[int]) -> pb.PrefillReply:
+        """The prefill reply; _Cancelled when the client went away, _Retry when the worker is
+        gone; any other verdict of the worker ends the request."""
+        routed = s.routed
+        preq = pb.PrefillRequest(
+            request_id=s.rid,
+            token_ids=prompt,
+            sampling=s.sampling,
+            cache_salt=s.salt,
+            fetch_from=routed.fetch_from,
+            fetch_blocks=routed.fetch_blocks,
+            no_cache=not routed.use_cache,
+        )
+        with self._lock:
+            routed.prefill.inflight_ms += routed.predicted_prefill_ms
+        try:
+            timeout = self._remaining(context, self.config.prefill_timeout_s)
+            fut = routed.prefill.stub.Prefill.future(preq, timeout=timeout)
+            context.add_callback(fut.cancel)
             try:
-                routed = self._route(request, prompt, keys, policy_name, sp.max_tokens - max(0, len(out) - 1))
-            except Rejected as exc:
-                if out:
-                    context.abort(grpc.StatusCode.UNAVAILABLE, f"decode worker lost and no pair left to resume on: {exc}")
-                with self._lock:
-                    self.totals["rejected"] += 1
-                self.m_rejected.labels("slo").inc()
-                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
-            if first is None:
-                with self._lock:
-                    self.totals["requests"] += 1
-            try:
-                reply = self._prefill(context, rid, prompt, sp, salt, routed)
-                if reply is None:
-                    self.m_requests.labels("cancelled").inc()
-                    return
-                if first is None:
-                    first, ttft_ms = reply, ms()
-                    self.m_ttft.observe(ttft_ms / 1000.0)
-                    out, times = [reply.first_token], [ttft_ms]
-                    yield pb.GenerateResponse(request_id=rid, token_ids=out, text=text.add(out), token_times_ms=times)
-                dsp = pb.SamplingParams()
-                dsp.CopyFrom(sp)
-                dsp.max_tokens = sp.max_tokens - len(out) + 1  # the decode worker counts its first token too
-                dreq = pb.DecodeRequest(request_id=rid, prompt_ids=prompt, first_token=out[-1], handle=reply.handle,
-                                        sampling=dsp, cache_salt=salt)
-                with self._lock:
-                    routed.decode.inflight += 1
-                call = routed.decode.stub.Decode(dreq, timeout=self._remaining(context, self.config.decode_timeout_s))
-                context.add_callback(call.cancel)
-                try:
-                    for msg in call:
-                        if msg.token_ids:
-                            new_times = [max(t, times[-1]) for t in self._rebase(msg.token_times_ms, ms())]
-                            for a, b in zip([times[-1], *new_times], new_times):
-                                self.m_tbt.observe(max(0.0, b - a) / 1000.0)
-                            out.extend(msg.token_ids)
-                            times.extend(new_times)
-                            max_batch = max([max_batch, *msg.batch_sizes])
-                            delta = text.add(list(msg.token_ids))
-                            yield pb.GenerateResponse(request_id=rid, token_ids=list(msg.token_ids), text=delta,
-                                                      token_times_ms=new_times)
-                            if text.stopped:
-                                call.cancel()
-                                reason = "stop"
-                                break
-                        if msg.finished:
-                            reason, decode_transfer_ms = msg.finish_reason, decode_transfer_ms + msg.transfer_ms
-                            break
-                except grpc.RpcError as exc:
-                    if not context.is_active():
-                        self.m_requests.labels("cancelled").inc()
-                        return
-                    if not reason:
-                        raise _Retry("decode", routed.decode, exc) from None
-                if not reason:  # the stream ended without its final message: the worker went away
-                    raise _Retry("decode", routed.decode, None)
-            except _Retry as r:
-                failures += 1
-                if r.worker is not None:
-                    r.worker.healthy = False
-                if failures > len(self._workers) or not context.is_active():
-                    self._downstream_failed(context, r.what, r.worker, r.error)
-                continue
-        rest = text.finish()
-        usage = self._usage(ids, out, times, first, routed, ttft_ms, decode_transfer_ms, max_batch)
-        self.m_requests.labels(reason).inc()
-        self.m_generated.inc(len(out))
-        yield pb.GenerateResponse(request_id=rid, text=rest, finished=True, finish_reason=reason, usage=usage)
+                return fut.result()
+            except grpc.FutureCancelledError:
+                raise _Cancelled() from None
+            except grpc.RpcError as exc:
+                if not context.is_active():
+                    raise _Cancelled() from None
+                if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
+                    raise _Retry("prefill", routed.prefill, exc) from None
+                self._downstream_failed(context, "prefill", routed.prefill, exc)
+        finally:
+            with self._lock:
+                w = routed.prefill
+                w.inflight_ms = max(0.0, w.inflight_ms - routed.predicted_prefill_ms)
+
+    def _decode_leg(
+        self, context, s: RequestStream, prompt: list[int], reply: pb.PrefillReply
+    ) -> Iterator[pb.GenerateResponse]:
+        """Relays the decode worker's tokens until the answer ends (s.reason set); _Cancelled
+        when the client went away, _Retry when the stream broke off before its end."""
+        worker = s.routed.decode
+        dreq = pb.DecodeRequest(
+            request_id=s.rid,
+            prompt_ids=prompt,
+            first_token=s.out[-1],
+            handle=reply.handle,
+            sampling=s.decode_sampling(),
+            cache_salt=s.salt,
+        )
+        with self._lock:
+            worker.inflight += 1
+        timeout = self._remaining(context, self.config.decode_timeout_s)
+        call = worker.stub.Decode(dreq, timeout=timeout)
+        context.add_callback(call.cancel)
+        try:
+            for msg in call:
+                if msg.token_ids:
+                    out, gaps = s.add(msg)
+                    for gap in gaps:
+                        self.m_tbt.observe(gap / 1000.0)
+                    yield out
+                    if s.text.stopped:  # a stop string: the worker need not go on
+                        call.cancel()
+                        s.reason = "stop"
+                        break
+                if msg.finished:
+                    s.reason = msg.finish_reason
+                    s.decode_transfer_ms += msg.transfer_ms
+                    break
+        except grpc.RpcError as exc:
+            if not context.is_active():
+                raise _Cancelled() from None
+            if not s.reason:
+                raise _Retry("decode", worker, exc) from None
+        if not s.reason:  # the stream ended without its final message: the worker went away
+            raise _Retry("decode", worker, None)
+
+    def _worker_lost(self, context, s: RequestStream, r: _Retry) -> None:
+        """Out of routing until it answers a Load; the request goes on elsewhere unless every
+        worker has failed it or the client is gone."""
+        s.failures += 1
+        if r.worker is not None:
+            r.worker.healthy = False
+        if s.failures > len(self._workers) or not context.is_active():
+            self._downstream_failed(context, r.what, r.worker, r.error)
+        log.warning(
+            "request %s: %s worker %s lost (%s); routing again after %d token(s)",
+            s.rid,
+            r.what,
+            r.worker.worker_id if r.worker is not None else "?",
+            r.error.details() if r.error is not None else "stream ended early",
+            len(s.out),
+        )
+
+    def _finish(self, s: RequestStream) -> pb.GenerateResponse:
+        """The final message: the rest of the text and the usage; the totals count it."""
+        rest = s.text.finish()
+        usage = s.usage()
+        r = s.first
+        with self._lock:
+            self.totals["prompt_tokens"] += len(s.ids)
+            self.totals["cached_tokens"] += cached_tokens(r)
+        self.m_prompt.inc(len(s.ids))
+        tiers = (
+            ("device", r.cached_device_tokens),
+            ("dram", r.cached_dram_tokens),
+            ("ssd", r.cached_ssd_tokens),
+            ("remote", r.cached_remote_tokens),
+        )
+        for tier, n in tiers:
+            if n:
+                self.m_cached.labels(tier).inc(n)
+        self.m_requests.labels(s.reason).inc()
+        self.m_generated.inc(len(s.out))
+        return pb.GenerateResponse(
+            request_id=s.rid, text=rest, finished=True, finish_reason=s.reason, usage=usage
+        )
 
     @staticmethod
     def _remaining(context: grpc.ServicerContext, cap: float) -> float:
@@ -272,41 +436,9 @@ class Conductor(GrpcServer, pb_grpc.ConductorServicer):
         left = context.time_remaining()
         return cap if left is None else max(0.001, min(cap, left))
 
-    def _prefill(self, context, rid, prompt, sp, salt, routed: Routed) -> pb.PrefillReply | None:
-        """The prefill reply; None when the client went away; _Retry when the worker is gone."""
-        preq = pb.PrefillRequest(
-            request_id=rid, token_ids=prompt, sampling=sp, cache_salt=salt, fetch_from=routed.fetch_from,
-            fetch_blocks=routed.fetch_blocks, no_cache=not routed.use_cache,
-        )
-        with self._lock:
-            routed.prefill.inflight_ms += routed.predicted_prefill_ms
-        try:
-            fut = routed.prefill.stub.Prefill.future(preq, timeout=self._remaining(context, self.config.prefill_timeout_s))
-            context.add_callback(fut.cancel)
-            try:
-                return fut.result()
-            except grpc.FutureCancelledError:
-                return None
-            except grpc.RpcError as exc:
-                if not context.is_active():
-                    return None
-                if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
-                    raise _Retry("prefill", routed.prefill, exc) from None
-                self._downstream_failed(context, "prefill", routed.prefill, exc)
-        finally:
-            with self._lock:
-                routed.prefill.inflight_ms = max(0.0, routed.prefill.inflight_ms - routed.predicted_prefill_ms)
-
-    @staticmethod
-    def _rebase(decode_times: list[float], now: float) -> list[float]:
-        """Decode-worker times (ms since it got the request) on the conductor's clock: end them at `now`."""
-        if not decode_times:
-            return []
-        shift = now - decode_times[-1]
-        return [t + shift for t in decode_times]
-
     def _downstream_failed(self, context, what: str, worker: _Worker, exc: grpc.RpcError | None):
-        """End the request with the worker's own verdict (INVALID_ARGUMENT, RESOURCE_EXHAUSTED...), naming who said it."""
+        """End the request with the worker's own verdict (INVALID_ARGUMENT, RESOURCE_EXHAUSTED...),
+        naming who said it."""
         code = exc.code() if exc is not None else grpc.StatusCode.UNAVAILABLE
         if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
             worker.healthy = False
@@ -316,50 +448,23 @@ class Conductor(GrpcServer, pb_grpc.ConductorServicer):
         details = exc.details() if exc is not None else "stream ended early"
         context.abort(code, f"{what} worker {worker.worker_id}: {details}")
 
-    def _usage(self, ids, out, times, reply: pb.PrefillReply, routed: Routed, ttft_ms, decode_transfer_ms, max_batch) -> pb.Usage:
-        gaps = sorted(b - a for a, b in zip(times, times[1:]))
-        cached = reply.cached_device_tokens + reply.cached_dram_tokens + reply.cached_ssd_tokens + reply.cached_remote_tokens
-        with self._lock:
-            self.totals["prompt_tokens"] += len(ids)
-            self.totals["cached_tokens"] += cached
-        self.m_prompt.inc(len(ids))
-        for tier, n in (("device", reply.cached_device_tokens), ("dram", reply.cached_dram_tokens),
-                        ("ssd", reply.cached_ssd_tokens), ("remote", reply.cached_remote_tokens)):
-            if n:
-                self.m_cached.labels(tier).inc(n)
-        return pb.Usage(
-            prompt_tokens=len(ids), completion_tokens=len(out), cached_tokens=cached,
-            cached_device_tokens=reply.cached_device_tokens, cached_dram_tokens=reply.cached_dram_tokens,
-            cached_ssd_tokens=reply.cached_ssd_tokens, cached_remote_tokens=reply.cached_remote_tokens,
-            computed_prompt_tokens=reply.computed_tokens, ttft_ms=ttft_ms,
-            tbt_mean_ms=sum(gaps) / len(gaps) if gaps else 0.0,
-            tbt_p90_ms=gaps[min(len(gaps) - 1, int(0.9 * len(gaps)))] if gaps else 0.0,
-            prefill_worker=routed.prefill.worker_id, decode_worker=routed.decode.worker_id,
-            queue_ms=reply.queue_ms, transfer_ms=reply.transfer_ms + decode_transfer_ms,
-            max_decode_batch=max_batch, predicted_ttft_ms=routed.predicted_ttft_ms, policy=routed.decision_policy,
-        )
-
     # ---- validation and routing ----
 
     def _prepare(self, r: pb.GenerateRequest) -> tuple[list[int], str]:
         """Token ids of the prompt and the policy name, or _Invalid naming the field."""
         c = self.model_config
         if r.model and r.model not in (self.model_name, self.config.model):
-            raise _Invalid(f"model: unknown model {r.model!r} (this cluster serves {self.model_name!r})")
+            raise _Invalid(
+                f"model: unknown model {r.model!r} (this cluster serves {self.model_name!r})"
+            )
         policy = r.policy or self.config.policy
         if policy not in self.policies:
-            raise _Invalid(f"policy: unknown policy {policy!r} (known: {', '.join(sorted(self.policies))})")
-        sp = r.sampling
-        if sp.max_tokens < 1:
-            raise _Invalid(f"sampling.max_tokens: must be at least 1, got {sp.max_tokens}")
-        if sp.max_tokens > self.config.max_tokens_limit:
-            raise _Invalid(f"sampling.max_tokens: {sp.max_tokens} is above the limit of {self.config.max_tokens_limit}")
-        if sp.temperature < 0:
-            raise _Invalid(f"sampling.temperature: must be >= 0, got {sp.temperature}")
-        if not 0 <= sp.top_p <= 1:
-            raise _Invalid(f"sampling.top_p: must be in [0, 1], got {sp.top_p}")
-        if sp.top_k < 0:
-            raise _Invalid(f"sampling.top_k: must be >= 0, got {sp.top_k}")
+            raise _Invalid(
+                f"policy: unknown policy {policy!r} (known: {', '.join(sorted(self.policies))})"
+            )
+        problem = sampling_problem(r.sampling, self.config.max_tokens_limit)
+        if problem:
+            raise _Invalid(problem)
         if r.ttft_slo_ms < 0 or r.tbt_slo_ms < 0:
             raise _Invalid("ttft_slo_ms/tbt_slo_ms: must be >= 0 (0 = the conductor's default)")
         kind = r.WhichOneof("prompt")
@@ -371,34 +476,50 @@ class Conductor(GrpcServer, pb_grpc.ConductorServicer):
             ids = self.tokenizer.encode(r.text)
         elif kind == "token_ids":
             ids = list(r.token_ids.ids)
-            if not ids:
-                raise _Invalid("prompt.token_ids: empty prompt")
-            bad = [t for t in ids if not 0 <= t < c.vocab_size]
-            if bad:
-                raise _Invalid(f"prompt.token_ids: id {bad[0]} is outside the vocabulary [0, {c.vocab_size})")
         else:
             msgs = r.chat.messages
             if not msgs:
                 raise _Invalid("prompt.chat: no messages")
             for i, m in enumerate(msgs):
                 if m.role not in _ROLES:
-                    raise _Invalid(f"prompt.chat.messages[{i}].role: {m.role!r} is not one of {', '.join(_ROLES)}")
-            ids = self.tokenizer.apply_chat_template([{"role": m.role, "content": m.content} for m in msgs])
-        if not ids:
-            raise _Invalid("prompt: empty after tokenization")
-        if len(ids) >= c.max_position_embeddings:
-            raise _Invalid(f"prompt: {len(ids)} tokens do not fit the context window of {c.max_position_embeddings} tokens")
-        return ids, policy
+                    raise _Invalid(
+                        f"prompt.chat.messages[{i}].role: {m.role!r} is not one of "
+                        f"{', '.join(_ROLES)}"
+                    )
+            chat = [{"role": m.role, "content": m.content} for m in msgs]
+            ids = self.tokenizer.apply_chat_template(chat)
+        # Empty (after tokenization), outside the vocabulary, or no room in the context window.
+        problem = prompt_ids_problem(f"prompt.{kind}", ids, c.vocab_size, c.max_position_embeddings)
+        if problem:
+            raise _Invalid(problem)
+        return list(ids), policy
+
+    def _matches(self, keys: list[bytes]) -> dict[str, int]:
+        """The index's answer: node id -> leading blocks of these keys it holds. An unreachable
+        index means routing without cache knowledge, logged once per outage and counted."""
+        if self._index is None or not keys:
+            return {}
+        try:
+            found = self._index.longest_prefix(keys)
+            matches = {
+                node: int(f[0] if isinstance(f, tuple) else f.num_blocks)
+                for node, f in found.items()
+            }
+        except Exception as exc:  # noqa: BLE001 - any index failure: route blind, say so
+            self.m_errors.labels("index_lookup").inc()
+            if not self._index_down:
+                log.warning("index lookup failed, routing without cache hits: %r", exc)
+            self._index_down = True
+            return {}
+        if self._index_down:
+            log.info("index lookups answer again")
+            self._index_down = False
+        return matches
 
     def _state(self, keys: list[bytes]) -> ClusterState:
-        matches: dict[str, int] = {}
-        if self._index is not None and keys:
-            try:
-                for node, found in self._index.longest_prefix(keys).items():
-                    matches[node] = int(found[0] if isinstance(found, tuple) else found.num_blocks)
-            except Exception:  # noqa: BLE001 - an unreachable index means routing without cache knowledge
-                matches = {}
+        matches = self._matches(keys)
         prefill, decode = [], []
+        device_nodes: set[str] = set()
         block_bytes = 0
         with self._lock:
             for w in self._workers:
@@ -407,27 +528,63 @@ class Conductor(GrpcServer, pb_grpc.ConductorServicer):
                     continue
                 if w.kind == "prefill":
                     block_bytes = max(block_bytes, ld.block_bytes)
-                    prefill.append(PrefillCandidate(
-                        ld.worker_id, tuple(ld.nodes), ld.predicted_queue_ms + w.inflight_ms, tuple(ld.prefill_coef), w.healthy
-                    ))
+                    nodes = tuple(ld.nodes)
+                    if ld.device_node:
+                        # Its own pool: counts toward its own match, never a fetch source.
+                        device_nodes.add(ld.device_node)
+                        if ld.device_node not in nodes:
+                            nodes += (ld.device_node,)
+                    queue_ms = ld.predicted_queue_ms + w.inflight_ms
+                    prefill.append(
+                        PrefillCandidate(
+                            ld.worker_id, nodes, queue_ms, tuple(ld.prefill_coef), w.healthy
+                        )
+                    )
                 else:
-                    decode.append(DecodeCandidate(
-                        ld.worker_id, ld.running + ld.waiting + w.inflight, ld.free_blocks, ld.total_blocks,
-                        ld.total_context_tokens, tuple(ld.decode_coef), w.healthy,
-                    ))
-        return ClusterState(prefill, decode, matches, self.config.block_size, block_bytes)
+                    decode.append(
+                        DecodeCandidate(
+                            ld.worker_id,
+                            ld.running + ld.waiting + w.inflight,
+                            ld.free_blocks,
+                            ld.total_blocks,
+                            ld.total_context_tokens,
+                            tuple(ld.decode_coef),
+                            w.healthy,
+                        )
+                    )
+        return ClusterState(
+            prefill, decode, matches, self.config.block_size, block_bytes, frozenset(device_nodes)
+        )
 
-    def _route(self, r: pb.GenerateRequest, ids: list[int], keys: list[bytes], policy_name: str, max_tokens: int) -> Routed:
+    def _route(
+        self,
+        r: pb.GenerateRequest,
+        ids: list[int],
+        keys: list[bytes],
+        policy_name: str,
+        max_tokens: int,
+    ) -> Routed:
         info = RequestInfo(
-            len(ids), max_tokens, r.ttft_slo_ms or self.config.ttft_slo_ms, r.tbt_slo_ms or self.config.tbt_slo_ms
+            len(ids),
+            max_tokens,
+            r.ttft_slo_ms or self.config.ttft_slo_ms,
+            r.tbt_slo_ms or self.config.tbt_slo_ms,
         )
         state = self._state(keys)
         with self._policy_lock:  # the random policy's generator is not thread-safe
             d = self.policies[policy_name].choose(info, state)
         with self._lock:
             by_id = {w.worker_id: w for w in self._workers}
-        return Routed(policy_name, by_id[d.prefill], by_id[d.decode], d.fetch_from, d.fetch_blocks, d.use_cache, d.predicted_ttft_ms,
-                      d.predicted_prefill_ms)
+        return Routed(
+            policy_name,
+            by_id[d.prefill],
+            by_id[d.decode],
+            d.fetch_from,
+            d.fetch_blocks,
+            d.use_cache,
+            d.predicted_ttft_ms,
+            d.predicted_prefill_ms,
+        )
 
     # ---- Status ----
 
@@ -437,10 +594,15 @@ class Conductor(GrpcServer, pb_grpc.ConductorServicer):
             block_size=self.config.block_size,
             default_policy=self.config.policy,
             vocab_size=self.model_config.vocab_size,
+            conductor_rss_bytes=self._process.memory_info().rss,
+            model_fingerprint=self.fingerprint,
+            kv_dtype=self.config.dtype,
         )
         with self._lock:
             for w in self._workers:
-                ws = reply.workers.add(worker_id=w.worker_id, kind=w.kind, address=w.address, healthy=w.healthy)
+                ws = reply.workers.add(
+                    worker_id=w.worker_id, kind=w.kind, address=w.address, healthy=w.healthy
+                )
                 if w.load is not None:
                     ws.load.CopyFrom(w.load)
             reply.requests_total = self.totals["requests"] + self.totals["rejected"]
@@ -451,24 +613,35 @@ class Conductor(GrpcServer, pb_grpc.ConductorServicer):
             reply.stores.append(self._store_status(address))
         return reply
 
-    def ClearCache(self, request: pb.ClearCacheRequest, context: grpc.ServicerContext) -> pb.ClearCacheReply:
+    def ClearCache(
+        self, request: pb.ClearCacheRequest, context: grpc.ServicerContext
+    ) -> pb.ClearCacheReply:
         reply = pb.ClearCacheReply()
         for address in self.config.store_addresses:
             client = StoreClient(address, transport="grpc", timeout_s=self.config.load_timeout_s)
             try:
                 reply.store_blocks += client.clear()
-            except Exception as exc:  # noqa: BLE001 - a half-cleared cluster must say so, not pretend
-                context.abort(grpc.StatusCode.UNAVAILABLE, f"store {address} could not be cleared: {exc}")
+            except Exception as exc:  # noqa: BLE001 - a half-cleared cluster must say so
+                context.abort(
+                    grpc.StatusCode.UNAVAILABLE, f"store {address} could not be cleared: {exc}"
+                )
             finally:
                 client.close()
         for w in [w for w in self._workers if w.kind == "prefill"]:
             try:
-                reply.device_blocks += w.stub.ClearCache(pb.ClearCacheRequest(), timeout=self.config.load_timeout_s).device_blocks
+                cleared = w.stub.ClearCache(
+                    pb.ClearCacheRequest(), timeout=self.config.load_timeout_s
+                )
             except grpc.RpcError as exc:
-                context.abort(grpc.StatusCode.UNAVAILABLE, f"prefill worker {w.worker_id} could not be cleared: {exc.details()}")
+                context.abort(
+                    grpc.StatusCode.UNAVAILABLE,
+                    f"prefill worker {w.worker_id} could not be cleared: {exc.details()}",
+                )
+            reply.device_blocks += cleared.device_blocks
         return reply
 
     def _store_status(self, address: str) -> pb.StoreStatus:
+        """One store node's tiers; an unreachable store shows up with none (logged, counted)."""
         st = pb.StoreStatus(address=address)
         try:
             client = StoreClient(address, transport="grpc", timeout_s=self.config.load_timeout_s)
@@ -476,12 +649,19 @@ class Conductor(GrpcServer, pb_grpc.ConductorServicer):
                 stats = client.stats()
             finally:
                 client.close()
-        except Exception:  # noqa: BLE001 - an unreachable store shows up with no tiers
+        except Exception as exc:  # noqa: BLE001 - any failure: report the store empty, say why
+            self.m_errors.labels("store_status").inc()
+            log.warning("store %s did not answer a stats request: %r", address, exc)
             return st
         st.node_id = getattr(stats, "node_id", "")
         for t in getattr(stats, "tiers", []):
             st.tiers.add(
-                tier=t.tier, used_bytes=t.used_bytes, capacity_bytes=t.capacity_bytes, blocks=t.blocks,
-                hits=t.hits, misses=getattr(t, "misses", 0), evictions=t.evictions,
+                tier=t.tier,
+                used_bytes=t.used_bytes,
+                capacity_bytes=t.capacity_bytes,
+                blocks=t.blocks,
+                hits=t.hits,
+                misses=getattr(t, "misses", 0),
+                evictions=t.evictions,
             )
         return st

@@ -4,28 +4,43 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from servekit import check_device
+
 
 @dataclass
 class DecodeConfig:
     worker_id: str = "decode-0"
-    model: str = "smollm2-135m"    # a load_model name or path
-    dtype: str = "float32"         # float32 | bfloat16 | float16 (weights and KV pool)
-    host: str = "127.0.0.1"        # address the gRPC server binds and advertises
-    port: int = 0                  # 0 = a free port
-    metrics_port: int = 0          # Prometheus exporter on this port; 0 = off
-    num_blocks: int = 1024         # KV pool size in blocks: admission never exceeds it
-    block_size: int = 16           # tokens per block; must match the store's and the prefill workers'
-    max_batch: int = 64            # sequences decoding together at most
-    max_waiting: int = 1024        # sequences waiting for admission beyond this are refused (RESOURCE_EXHAUSTED)
-    store_address: str = ""        # this host's store node (gRPC "HOST:PORT"); required (answers are published there)
-    store_node: str = ""           # that node's id in the index
-    publish: bool = True           # publish the prompt + answer full blocks at the end (next turn starts warm)
-    pull_threads: int = 2          # background KV pulls and publishes
-    torch_threads: int = 0         # torch intra-op threads; 0 = torch's default
-    grpc_workers: int = 128        # one per open stream
+    model: str = "smollm2-135m"  # a load_model name or path
+    dtype: str = "float32"  # float32 | bfloat16 | float16 (weights and KV pool)
+    device: str = "auto"  # auto | cpu | cuda | cuda:N (auto: CUDA when present)
+    host: str = "127.0.0.1"  # address the gRPC server binds and advertises
+    port: int = 0  # 0 = a free port
+    metrics_port: int = 0  # Prometheus exporter on this port; 0 = off
+    num_blocks: int = 1024  # KV pool size in blocks: admission never exceeds it
+    block_size: int = 16  # tokens per block; must match the store's and the prefill workers'
+    max_batch: int = 64  # sequences decoding together at most
+    max_waiting: int = (
+        1024  # sequences waiting for admission beyond this are refused (RESOURCE_EXHAUSTED)
+    )
+    store_address: str = (
+        ""  # this host's store node (gRPC "HOST:PORT"); required (answers are published there)
+    )
+    store_node: str = ""  # that node's id in the index
+    publish: bool = (
+        True  # publish the prompt + answer full blocks at the end (next turn starts warm)
+    )
+    pull_threads: int = 2  # background KV pulls and publishes
+    torch_threads: int = 0  # torch intra-op threads; 0 = torch's default
+    grpc_workers: int = 128  # one per open stream
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.num_blocks <= 0 or self.max_batch <= 0:
             raise ValueError("DecodeConfig: block_size, num_blocks and max_batch must be positive")
         if self.dtype not in ("float32", "bfloat16", "float16"):
-            raise ValueError(f"DecodeConfig: dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+            raise ValueError(
+                f"DecodeConfig: dtype must be float32, bfloat16 or float16, got {self.dtype!r}"
+            )
+        try:
+            check_device(self.device)
+        except ValueError as exc:
+            raise ValueError(f"DecodeConfig: {exc}") from None

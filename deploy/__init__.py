@@ -11,12 +11,28 @@ from deploy.config import (
     load_cluster_config,
     parse_overrides,
 )
-from deploy.launcher import Cluster, ServerInfo
+from deploy.launcher import Cluster
+from deploy.local import LocalCluster
 from deploy.placement import NodeView, Placement, node_views, place_workers
+from deploy.wiring import ServerInfo, Wiring
 
 __all__ = [
-    "DEFAULT_CONFIG", "ROLES", "ClusterConfig", "PlacementConfig", "RayConfig", "cluster_config_from_dict",
-    "load_cluster_config", "parse_overrides",
-    "Cluster", "ServerInfo", "ServerActor", "wait_healthy",
-    "NodeView", "Placement", "node_views", "place_workers",
+    "DEFAULT_CONFIG",
+    "ROLES",
+    "ClusterConfig",
+    "PlacementConfig",
+    "RayConfig",
+    "cluster_config_from_dict",
+    "load_cluster_config",
+    "parse_overrides",
+    "Cluster",
+    "LocalCluster",
+    "ServerInfo",
+    "Wiring",
+    "ServerActor",
+    "wait_healthy",
+    "NodeView",
+    "Placement",
+    "node_views",
+    "place_workers",
 ]

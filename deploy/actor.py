@@ -10,7 +10,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from deploy.config import role_classes
+from servekit import role_classes
 
 
 class ServerActor:
@@ -31,8 +31,12 @@ class ServerActor:
     def info(self) -> dict:
         import ray
 
-        return {"pid": os.getpid(), "hostname": socket.gethostname(),
-                "node_id": ray.get_runtime_context().get_node_id(), "address": self.address}
+        return {
+            "pid": os.getpid(),
+            "hostname": socket.gethostname(),
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "address": self.address,
+        }
 
     def stop(self) -> None:
         if self.server is not None:
@@ -54,5 +58,7 @@ def wait_healthy(address: str, timeout_s: float, what: str = "server") -> None:
             except grpc.RpcError as e:
                 last = f"{e.code().name}: {e.details()}"
             if time.monotonic() > deadline:
-                raise TimeoutError(f"{what} at {address} not healthy after {timeout_s:.0f} s ({last})")
+                raise TimeoutError(
+                    f"{what} at {address} not healthy after {timeout_s:.0f} s ({last})"
+                )
             time.sleep(0.2)

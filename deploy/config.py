@@ -3,31 +3,16 @@
 from __future__ import annotations
 
 import dataclasses
-import importlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import yaml
 
+from servekit import ROLES, config_from_dict, field_names, role_classes
+
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "local.yaml"
 
-
-class Role(NamedTuple):
-    """Where one kind of server lives: its package's public config and server classes."""
-
-    package: str  # importable package
-    config_class: str  # its config dataclass (public name)
-    server_class: str  # its server class: Server(config).start() -> "HOST:PORT"; .stop()
-
-
-# the four kinds of server the launcher starts, by section name in the YAML
-ROLES: dict[str, Role] = {
-    "store": Role("kvstore", "StoreConfig", "StoreNode"),
-    "prefill": Role("prefill_node", "PrefillConfig", "PrefillWorker"),
-    "decode": Role("decode_node", "DecodeConfig", "DecodeWorker"),
-    "conductor": Role("conductor", "ConductorConfig", "Conductor"),
-}
 
 # cluster-wide values copied into every section that has such a field and does not set it itself
 SHARED_KEYS = ("model", "dtype", "block_size", "host")
@@ -37,17 +22,25 @@ SHARED_KEYS = ("model", "dtype", "block_size", "host")
 class RayConfig:
     address: str = ""  # "" = start a local Ray instance; "auto" or "HOST:PORT" = join that cluster
     num_cpus: int = 0  # CPUs a local instance advertises; 0 = this machine's count
-    object_store_mb: int = 128  # a local instance's object store (servers move KV over gRPC/shm, not Ray)
+    object_store_mb: int = (
+        128  # a local instance's object store (servers move KV over gRPC/shm, not Ray)
+    )
     namespace: str = "halfmoon"
 
 
 @dataclass
 class PlacementConfig:
-    prefill_resource: str = "prefill"  # workers go to nodes advertising this custom resource, if any do
+    prefill_resource: str = (
+        "prefill"  # workers go to nodes advertising this custom resource, if any do
+    )
     decode_resource: str = "decode"
-    resource_amount: float = 0.01  # of that resource each worker takes (so several can share a node)
+    resource_amount: float = (
+        0.01  # of that resource each worker takes (so several can share a node)
+    )
     gpus_per_worker: float = 1.0  # asked for only on nodes that have GPUs
-    worker_num_cpus: float = 0.0  # Ray CPU accounting per worker/store/conductor actor (0 = no reservation)
+    worker_num_cpus: float = (
+        0.0  # Ray CPU accounting per worker/store/conductor actor (0 = no reservation)
+    )
 
 
 @dataclass
@@ -59,8 +52,12 @@ class ClusterConfig:
     redis_url: str = ""  # global index; "" = $REDIS_URL, else an embedded Redis the launcher starts
     prefill_workers: int = 1
     decode_workers: int = 1
-    metrics_base_port: int = 0  # servers export Prometheus metrics on consecutive ports from here; 0 = off
-    health_timeout_s: float = 300.0  # for every server to answer its health check (model loading included)
+    metrics_base_port: int = (
+        0  # servers export Prometheus metrics on consecutive ports from here; 0 = off
+    )
+    health_timeout_s: float = (
+        300.0  # for every server to answer its health check (model loading included)
+    )
     ray: RayConfig = field(default_factory=RayConfig)
     placement: PlacementConfig = field(default_factory=PlacementConfig)
     # templates of the servers' own configs; per-instance fields (ids, ports, addresses) are filled at launch
@@ -71,29 +68,6 @@ class ClusterConfig:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
-
-
-def _dataclass_from_dict(cls: type, data: dict, where: str):
-    data = dict(data or {})
-    names = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - names)
-    if unknown:
-        raise ValueError(f"{where}: unknown key(s) {', '.join(unknown)} (known: {', '.join(sorted(names))})")
-    return cls(**data)
-
-
-def role_classes(role: str) -> tuple[type, type]:
-    """(config class, server class) of a role, from its package's public names."""
-    r = ROLES[role]
-    mod = importlib.import_module(r.package)
-    missing = [n for n in (r.config_class, r.server_class) if not hasattr(mod, n)]
-    if missing:
-        raise ImportError(f"{r.package} does not export {', '.join(missing)} (needed for the {role} servers)")
-    return getattr(mod, r.config_class), getattr(mod, r.server_class)
-
-
-def field_names(obj_or_cls) -> set[str]:
-    return {f.name for f in dataclasses.fields(obj_or_cls)}
 
 
 def parse_overrides(items: list[str]) -> dict:
@@ -126,29 +100,32 @@ def cluster_config_from_dict(data: dict) -> ClusterConfig:
     top = {f.name for f in dataclasses.fields(ClusterConfig)}
     unknown = sorted(set(data) - top)
     if unknown:
-        raise ValueError(f"cluster config: unknown key(s) {', '.join(unknown)} (known: {', '.join(sorted(top))})")
+        raise ValueError(
+            f"cluster config: unknown key(s) {', '.join(unknown)} (known: {', '.join(sorted(top))})"
+        )
     sections = {k: data.pop(k, None) or {} for k in (*ROLES, "ray", "placement")}
     for k, v in sections.items():
         if not isinstance(v, dict):
             raise ValueError(f"cluster config: section {k!r} must be a mapping, got {v!r}")
     cfg = ClusterConfig(**data)
-    cfg.ray = _dataclass_from_dict(RayConfig, sections["ray"], "ray")
-    cfg.placement = _dataclass_from_dict(PlacementConfig, sections["placement"], "placement")
+    cfg.ray = config_from_dict(RayConfig, sections["ray"], "ray")
+    cfg.placement = config_from_dict(PlacementConfig, sections["placement"], "placement")
     for role in ROLES:
-        config_cls, _ = role_classes(role)
+        config_cls, _ = role_classes(role)  # imports the role's package
         section = dict(sections[role])
         names = field_names(config_cls)
         for k in SHARED_KEYS:
             if k in names and k not in section:
                 section[k] = getattr(cfg, k)
-        setattr(cfg, role, _dataclass_from_dict(config_cls, section, role))
+        setattr(cfg, role, config_from_dict(config_cls, section, role))
     if cfg.prefill_workers < 1 or cfg.decode_workers < 1:
         raise ValueError("cluster config: prefill_workers and decode_workers must be >= 1")
     return cfg
 
 
-def load_cluster_config(path: str | Path | None = None, overrides: list[str] = (),
-                        ray_address: str | None = None) -> ClusterConfig:
+def load_cluster_config(
+    path: str | Path | None = None, overrides: list[str] = (), ray_address: str | None = None
+) -> ClusterConfig:
     """The YAML at `path` (default: deploy/configs/local.yaml) with `--set` overrides applied."""
     path = Path(path) if path else DEFAULT_CONFIG
     if not path.is_file():

@@ -1,4 +1,5 @@
-"""`halfmoon demo` (`make demo`): a local cluster on SmolLM2, one streamed chat answer, a trace replay per policy."""
+"""`halfmoon demo` (`make demo`): a local cluster on SmolLM2, one streamed chat answer, a trace
+replay per policy."""
 
 from __future__ import annotations
 
@@ -7,17 +8,18 @@ import sys
 import time
 from pathlib import Path
 
-from client import Client, Scaling, block_tokens, parse_policies, replay_trace
+from client import SHIPPED_TRACE, Client, Scaling, block_tokens, parse_policies, replay_trace
 from deploy.config import load_cluster_config
 from deploy.launcher import Cluster
 
-SHIPPED_TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "synthetic_trace.jsonl"
-CHAT = "In two sentences, why does reusing a cached prompt prefix make a language model answer sooner?"
+CHAT = (
+    "In two sentences, why does reusing a cached prompt prefix make a language model answer sooner?"
+)
 
-# The shipped trace, fitted to 2 CPU cores: a 512-token trace block becomes 8 tokens (two make one KV
-# block), answers are capped, and arrivals are stretched so that the slice loads the cluster without
-# drowning it. The first 60 requests are the shortest slice from the start with some prefix reuse
-# (62 of 1,533 trace blocks repeat; none do in the first 40).
+# The shipped trace, fitted to 2 CPU cores: a 512-token trace block becomes 8 tokens (two make one
+# KV block), answers are capped, and arrivals are stretched so that the slice loads the cluster
+# without drowning it. The first 60 requests are the shortest slice from the start with some prefix
+# reuse (62 of 1,533 trace blocks repeat; none do in the first 40).
 DEMO_LIMIT = 60
 DEMO_SCALING = Scaling(length_scale=8 / 512, time_scale=4.0, max_output=16, max_input=2048)
 DEMO_TTFT_SLO_MS = 5000.0
@@ -31,34 +33,57 @@ def run(args: argparse.Namespace) -> int:
     trace = Path(args.trace) if getattr(args, "trace", None) else SHIPPED_TRACE
     if not trace.is_file():
         raise FileNotFoundError(f"no trace at {trace}")
-    scaling = DEMO_SCALING._replace(**{k: v for k, v in (
-        ("length_scale", getattr(args, "length_scale", None)), ("time_scale", getattr(args, "time_scale", None)),
-        ("max_output", getattr(args, "max_output", None))) if v is not None})
+    scaling = DEMO_SCALING._replace(
+        **{
+            k: v
+            for k, v in (
+                ("length_scale", getattr(args, "length_scale", None)),
+                ("time_scale", getattr(args, "time_scale", None)),
+                ("max_output", getattr(args, "max_output", None)),
+            )
+            if v is not None
+        }
+    )
     policies = parse_policies(getattr(args, "policies", "mooncake,load_balance,cache_off"), "")
     limit = args.limit or DEMO_LIMIT
 
-    say(f"== 1/3 starting a local cluster ({cfg.model}, {cfg.prefill_workers} prefill + "
-        f"{cfg.decode_workers} decode)")
+    say(
+        f"== 1/3 starting a local cluster ({cfg.model}, {cfg.prefill_workers} prefill + "
+        f"{cfg.decode_workers} decode)"
+    )
     with Cluster(cfg, log=say) as cluster:
         say(f"\n== 2/3 one chat answer, streamed from {cluster.address}\n> {CHAT}")
         with Client(cluster.address) as c:
             last = None
-            for chunk in c.generate_stream(messages=[{"role": "user", "content": CHAT}], max_tokens=64):
+            for chunk in c.generate_stream(
+                messages=[{"role": "user", "content": CHAT}], max_tokens=64
+            ):
                 print(chunk.text, end="", flush=True)
                 last = chunk
             print(flush=True)
             if last is not None and last.usage is not None:
                 u = last.usage
-                say(f"[{u.completion_tokens} tokens; TTFT {u.ttft_ms:.0f} ms, mean TBT {u.tbt_mean_ms:.0f} ms; "
-                    f"{u.prefill_worker} -> {u.decode_worker}]")
+                say(
+                    f"[{u.completion_tokens} tokens; TTFT {u.ttft_ms:.0f} ms, "
+                    f"mean TBT {u.tbt_mean_ms:.0f} ms; {u.prefill_worker} -> {u.decode_worker}]"
+                )
 
-        say(f"\n== 3/3 replaying the first {limit} requests of {trace.name} once per policy "
+        say(
+            f"\n== 3/3 replaying the first {limit} requests of {trace.name} once per policy "
             f"({', '.join(policies)}): a {scaling.trace_block_tokens}-token trace block becomes "
-            f"{block_tokens(scaling)} tokens, inter-arrival times x{scaling.time_scale:g}, answers <= {scaling.max_output} "
-            "tokens")
-        result = replay_trace(cluster.address, trace, limit=limit, scaling=scaling, policies=policies,
-                              ttft_slo_ms=DEMO_TTFT_SLO_MS, tbt_slo_ms=DEMO_TBT_SLO_MS,
-                              output_dir=getattr(args, "output", "runs/demo"))
+            f"{block_tokens(scaling)} tokens, inter-arrival times x{scaling.time_scale:g}, "
+            f"answers <= {scaling.max_output} tokens"
+        )
+        result = replay_trace(
+            cluster.address,
+            trace,
+            limit=limit,
+            scaling=scaling,
+            policies=policies,
+            ttft_slo_ms=DEMO_TTFT_SLO_MS,
+            tbt_slo_ms=DEMO_TBT_SLO_MS,
+            output_dir=getattr(args, "output", "runs/demo"),
+        )
         print()
         print(result.table)
         print(f"\nrecords and report: {result.output_dir}/   TTFT/TBT CDFs: {result.png}")

@@ -2,52 +2,36 @@
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import time
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable
 
 from deploy.actor import ServerActor, wait_healthy
-from deploy.config import ClusterConfig, field_names
+from deploy.config import ClusterConfig
 from deploy.placement import Placement, node_views, place_workers
-
-
-class ServerInfo(NamedTuple):
-    """One server the launcher started."""
-
-    role: str  # store | prefill | decode | conductor
-    name: str  # its node_id / worker_id
-    address: str  # its gRPC address
-    node_id: str  # the Ray node it runs on
-    pid: int  # its actor's process
-
-
-def _fill(template: Any, required: dict, optional: dict | None = None) -> Any:
-    """A copy of a server config with per-instance values; a required field the class lacks is an error."""
-    names = field_names(template)
-    missing = sorted(k for k in required if k not in names)
-    if missing:
-        raise TypeError(f"{type(template).__name__} has no field(s) {', '.join(missing)}; the launcher needs them")
-    values = dict(required)
-    values.update({k: v for k, v in (optional or {}).items() if k in names})
-    return dataclasses.replace(template, **values)
+from deploy.wiring import ServerInfo, Wiring
 
 
 class Cluster:
     """`with Cluster(cfg) as c: c.address` — everything it starts, it stops (Ray too, when it started Ray)."""
 
-    def __init__(self, cfg: ClusterConfig, log: Callable[[str], None] = print,
-                 on_ray_ready: Callable[[], None] | None = None):
+    def __init__(
+        self,
+        cfg: ClusterConfig,
+        log: Callable[[str], None] = print,
+        on_ray_ready: Callable[[], None] | None = None,
+    ):
         self.cfg = cfg
         self.log = log
-        self.on_ray_ready = on_ray_ready  # called right after ray.init (which installs its own signal handlers)
+        self.on_ray_ready = (
+            on_ray_ready  # called right after ray.init (which installs its own signal handlers)
+        )
         self.address = ""
         self.servers: list[ServerInfo] = []
         self.redis_url = ""
         self._actors: list[tuple[str, Any]] = []  # (name, handle), in start order
         self._redis = None  # an EmbeddedRedis we own
         self._own_ray = False
-        self._next_metrics_port = cfg.metrics_base_port
 
     # ------------------------------------------------------------------ start
 
@@ -70,8 +54,10 @@ class Cluster:
         nodes = node_views(ray.nodes())
         self.redis_url = cfg.redis_url or os.environ.get("REDIS_URL", "")
         if not self.redis_url and len(nodes) > 1:
-            raise ValueError(f"{len(nodes)} Ray nodes need an index they can all reach: set REDIS_URL or "
-                             "redis_url (the embedded Redis listens on 127.0.0.1 only)")
+            raise ValueError(
+                f"{len(nodes)} Ray nodes need an index they can all reach: set REDIS_URL or "
+                "redis_url (the embedded Redis listens on 127.0.0.1 only)"
+            )
         if not self.redis_url:
             from kvstore import EmbeddedRedis
 
@@ -80,50 +66,58 @@ class Cluster:
             self.log(f"index: embedded Redis at {self.redis_url}")
         else:
             self.log(f"index: Redis at {self.redis_url}")
-        self.log(f"ray: {len(nodes)} node(s); starting {len(nodes)} store node(s), {cfg.prefill_workers} prefill, "
-                 f"{cfg.decode_workers} decode worker(s) and the conductor ({cfg.model})")
+        self.log(
+            f"ray: {len(nodes)} node(s); starting {len(nodes)} store node(s), {cfg.prefill_workers} prefill, "
+            f"{cfg.decode_workers} decode worker(s) and the conductor ({cfg.model})"
+        )
 
         # every actor process is created first, so that their imports overlap; each starts once its config is known
         p = cfg.placement
         here = ray.get_runtime_context().get_node_id()
         head = next((n for n in nodes if n.node_id == here), nodes[0])
-        store_actors = [(f"store-{i}", n, self._create("store", f"store-{i}", Placement(n.node_id, n.ip, 0.0, {})))
-                        for i, n in enumerate(nodes)]
+        store_actors = [
+            (
+                f"store-{i}",
+                n,
+                self._create("store", f"store-{i}", Placement(n.node_id, n.ip, 0.0, {})),
+            )
+            for i, n in enumerate(nodes)
+        ]
         worker_actors = []
-        for role, count, resource in (("prefill", cfg.prefill_workers, p.prefill_resource),
-                                      ("decode", cfg.decode_workers, p.decode_resource)):
-            for i, pl in enumerate(place_workers(nodes, count, resource, p.resource_amount, p.gpus_per_worker)):
-                worker_actors.append((role, f"{role}-{i}", pl, self._create(role, f"{role}-{i}", pl)))
-        conductor_actor = self._create("conductor", "conductor", Placement(head.node_id, head.ip, 0.0, {}))
+        for role, count, resource in (
+            ("prefill", cfg.prefill_workers, p.prefill_resource),
+            ("decode", cfg.decode_workers, p.decode_resource),
+        ):
+            for i, pl in enumerate(
+                place_workers(nodes, count, resource, p.resource_amount, p.gpus_per_worker)
+            ):
+                worker_actors.append(
+                    (role, f"{role}-{i}", pl, self._create(role, f"{role}-{i}", pl))
+                )
+        conductor_actor = self._create(
+            "conductor", "conductor", Placement(head.node_id, head.ip, 0.0, {})
+        )
 
         # one store node per Ray node
-        launches = []
-        for name, n, actor in store_actors:
-            store_cfg = _fill(cfg.store, {"node_id": name, "redis_url": self.redis_url, "host": self._host(n.ip)},
-                              {"metrics_port": self._metrics_port(),
-                               "ssd_dir": cfg.store.ssd_dir.format(node_id=name) if cfg.store.ssd_dir else ""})
-            launches.append(("store", name, actor, actor.start.remote(store_cfg)))
+        wiring = Wiring(cfg, self.redis_url)
+        launches = [
+            ("store", name, actor, actor.start.remote(wiring.store(name, self._host(n.ip))))
+            for name, n, actor in store_actors
+        ]
         stores = {info.node_id: info for info in self._gather(launches)}
 
         # workers, each beside its node's store node
         launches = []
         for role, name, pl, actor in worker_actors:
-            store = stores[pl.node_id]
-            wcfg = _fill(getattr(cfg, role), {"worker_id": name, "store_address": store.address,
-                                              "store_node": store.name, "host": self._host(pl.ip)},
-                         {"index_url": self.redis_url, "metrics_port": self._metrics_port()})
+            wcfg = wiring.worker(role, name, stores[pl.node_id], self._host(pl.ip))
             launches.append((role, name, actor, actor.start.remote(wcfg)))
         workers = self._gather(launches)
 
         # the conductor, on this (the driver's) node
-        ccfg = _fill(cfg.conductor, {
-            "prefill_workers": [w.address for w in workers if w.role == "prefill"],
-            "decode_workers": [w.address for w in workers if w.role == "decode"],
-            "store_addresses": [s.address for s in stores.values()],
-            "index_url": self.redis_url,
-            "host": self._host(head.ip),
-        }, {"metrics_port": self._metrics_port()})
-        (conductor,) = self._gather([("conductor", "conductor", conductor_actor, conductor_actor.start.remote(ccfg))])
+        ccfg = wiring.conductor(workers, list(stores.values()), self._host(head.ip))
+        (conductor,) = self._gather(
+            [("conductor", "conductor", conductor_actor, conductor_actor.start.remote(ccfg))]
+        )
         self.address = conductor.address
         self.log(f"cluster up in {time.monotonic() - t0:.1f} s: conductor at {self.address}")
         return self.address
@@ -136,31 +130,35 @@ class Cluster:
             ray.init(address=rc.address, namespace=rc.namespace, log_to_driver=False)
             self.log(f"ray: joined {rc.address}")
         else:
-            ray.init(num_cpus=rc.num_cpus or os.cpu_count(), object_store_memory=rc.object_store_mb << 20,
-                     include_dashboard=False, namespace=rc.namespace, log_to_driver=False)
+            ray.init(
+                num_cpus=rc.num_cpus or os.cpu_count(),
+                object_store_memory=rc.object_store_mb << 20,
+                include_dashboard=False,
+                namespace=rc.namespace,
+                log_to_driver=False,
+            )
             self._own_ray = True
             self.log("ray: started a local instance")
 
     def _host(self, node_ip: str) -> str:
         return node_ip if self.cfg.host == "auto" else self.cfg.host
 
-    def _metrics_port(self) -> int:
-        if not self.cfg.metrics_base_port:
-            return 0
-        port = self._next_metrics_port
-        self._next_metrics_port += 1
-        return port
-
     def _create(self, role: str, name: str, pl: Placement):
         """Create the actor (its process starts and imports its server's package); start comes later."""
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        actor = ray.remote(ServerActor).options(
-            name=f"halfmoon-{name}-{os.getpid()}", num_cpus=self.cfg.placement.worker_num_cpus,
-            num_gpus=pl.num_gpus, resources=pl.resources or None,
-            scheduling_strategy=NodeAffinitySchedulingStrategy(pl.node_id, soft=False),
-        ).remote(role)
+        actor = (
+            ray.remote(ServerActor)
+            .options(
+                name=f"halfmoon-{name}-{os.getpid()}",
+                num_cpus=self.cfg.placement.worker_num_cpus,
+                num_gpus=pl.num_gpus,
+                resources=pl.resources or None,
+                scheduling_strategy=NodeAffinitySchedulingStrategy(pl.node_id, soft=False),
+            )
+            .remote(role)
+        )
         self._actors.append((name, actor))
         return actor
 

@@ -1,4 +1,5 @@
-"""Which Ray node each server goes to, and what it asks Ray for there (a pure function of the nodes)."""
+"""Which Ray node each server goes to, and what it asks Ray for there (a pure function of the
+nodes)."""
 
 from __future__ import annotations
 
@@ -24,12 +25,16 @@ class Placement(NamedTuple):
 
 def node_views(ray_nodes: list[dict]) -> list[NodeView]:
     """Live nodes from `ray.nodes()`, head first as Ray lists them."""
-    return [NodeView(n["NodeID"], n.get("NodeManagerAddress", ""), dict(n.get("Resources", {})))
-            for n in ray_nodes if n.get("Alive", False)]
+    return [
+        NodeView(n["NodeID"], n.get("NodeManagerAddress", ""), dict(n.get("Resources", {})))
+        for n in ray_nodes
+        if n.get("Alive", False)
+    ]
 
 
-def place_workers(nodes: list[NodeView], count: int, resource: str, resource_amount: float,
-                  gpus_per_worker: float) -> list[Placement]:
+def place_workers(
+    nodes: list[NodeView], count: int, resource: str, resource_amount: float, gpus_per_worker: float
+) -> list[Placement]:
     """Round-robin over the nodes that advertise `resource`, or over every node when none does.
 
     A worker asks for a GPU (`gpus_per_worker`) where its node has one, so Ray binds it to that GPU.

@@ -1,4 +1,5 @@
-"""`halfmoon serve`: start the cluster, print the conductor's address, stop everything on Ctrl-C/SIGTERM."""
+"""`halfmoon serve`: start the cluster, print the conductor's address, stop everything on
+Ctrl-C/SIGTERM."""
 
 from __future__ import annotations
 
@@ -27,12 +28,18 @@ def run(args: argparse.Namespace) -> int:
         for s in signals:
             signal.signal(s, on_signal)
 
-    cluster = Cluster(cfg, log=lambda m: print(m, file=sys.stderr, flush=True), on_ray_ready=reclaim_signals)
+    cluster = Cluster(
+        cfg, log=lambda m: print(m, file=sys.stderr, flush=True), on_ray_ready=reclaim_signals
+    )
     try:
         address = cluster.start()
         print(address, flush=True)  # stdout carries the address alone, for scripts
-        print(f"halfmoon serving at {address} (export HALFMOON_ADDRESS={address}); Ctrl-C stops the cluster",
-              file=sys.stderr, flush=True)
+        print(
+            f"halfmoon serving at {address} (export HALFMOON_ADDRESS={address}); "
+            "Ctrl-C stops the cluster",
+            file=sys.stderr,
+            flush=True,
+        )
         while not stop.wait(1.0):
             pass
     except KeyboardInterrupt:

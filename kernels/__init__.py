@@ -21,12 +21,16 @@ from kernels.kivi import (
     kivi_packed_nbytes,
     kivi_to_bytes,
 )
+from kernels.layout import KV_LAYOUTS, FullKVLayout, KVLayout
 from kernels.paged_attention_ref import paged_decode_attention_ref
 
 __all__ = [
     "BACKENDS",
     "HAS_TRITON",
     "KIVI_BITS",
+    "KV_LAYOUTS",
+    "FullKVLayout",
+    "KVLayout",
     "KiviPacked",
     "available_backends",
     "gather_blocks",

@@ -19,13 +19,18 @@ except ImportError:  # torch-only installs: the torch twins still work
 def _ids(block_ids, pool_kv: torch.Tensor) -> torch.Tensor:
     ids = torch.as_tensor(block_ids, dtype=torch.int64, device=pool_kv.device).reshape(-1)
     if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= pool_kv.shape[0]):
-        raise IndexError(f"block ids must lie in [0, {pool_kv.shape[0]}), got {ids.min().item()}..{ids.max().item()}")
+        raise IndexError(
+            f"block ids must lie in [0, {pool_kv.shape[0]}), "
+            f"got {ids.min().item()}..{ids.max().item()}"
+        )
     return ids
 
 
 def _check_block(pool_kv: torch.Tensor, other: torch.Tensor, n: int, name: str) -> None:
     if other.shape[1:] != pool_kv.shape[1:] or other.shape[0] != n:
-        raise ValueError(f"{name} has shape {tuple(other.shape)}, expected {(n, *pool_kv.shape[1:])}")
+        raise ValueError(
+            f"{name} has shape {tuple(other.shape)}, expected {(n, *pool_kv.shape[1:])}"
+        )
     if other.dtype != pool_kv.dtype:
         raise ValueError(f"{name} dtype {other.dtype} differs from the pool's {pool_kv.dtype}")
 
@@ -34,7 +39,9 @@ def gather_blocks_torch(pool_kv, block_ids, out=None):
     """out[j] = pool_kv[block_ids[j]]."""
     ids = _ids(block_ids, pool_kv)
     if out is None:
-        out = torch.empty((ids.numel(), *pool_kv.shape[1:]), dtype=pool_kv.dtype, device=pool_kv.device)
+        out = torch.empty(
+            (ids.numel(), *pool_kv.shape[1:]), dtype=pool_kv.dtype, device=pool_kv.device
+        )
     _check_block(pool_kv, out, ids.numel(), "out")
     return torch.index_select(pool_kv, 0, ids, out=out)
 
@@ -61,8 +68,9 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 if triton is not None:
 
     @triton.jit
-    def _copy_rows_kernel(SRC, DST, IDS, row_elems, src_stride, dst_stride,
-                          GATHER: tl.constexpr, BLOCK: tl.constexpr):
+    def _copy_rows_kernel(
+        SRC, DST, IDS, row_elems, src_stride, dst_stride, GATHER: tl.constexpr, BLOCK: tl.constexpr
+    ):
         j = tl.program_id(0)
         offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < row_elems
@@ -82,14 +90,17 @@ def _copy_triton(src: torch.Tensor, dst: torch.Tensor, ids: torch.Tensor, gather
         return
     block = 1024
     _copy_rows_kernel[(n, triton.cdiv(row, block))](
-        s, d, ids, row, s.stride(0), d.stride(0), GATHER=gather, BLOCK=block)
+        s, d, ids, row, s.stride(0), d.stride(0), GATHER=gather, BLOCK=block
+    )
 
 
 def gather_blocks_triton(pool_kv, block_ids, out=None):
     """Triton twin of `gather_blocks_torch`."""
     ids = _ids(block_ids, pool_kv)
     if out is None:
-        out = torch.empty((ids.numel(), *pool_kv.shape[1:]), dtype=pool_kv.dtype, device=pool_kv.device)
+        out = torch.empty(
+            (ids.numel(), *pool_kv.shape[1:]), dtype=pool_kv.dtype, device=pool_kv.device
+        )
     _check_block(pool_kv, out, ids.numel(), "out")
     _copy_triton(pool_kv, out, ids, gather=True)
     return out

@@ -11,12 +11,18 @@ import torch
 from kernels.blocks import gather_blocks_torch, scatter_blocks_torch
 from kernels.kivi import KiviPacked, kivi_dequantize_blocks_torch, kivi_quantize_torch
 from kernels.paged_attention_ref import paged_decode_attention_ref
-from kernels.paged_attention_torch import paged_decode_attention_kivi_torch, paged_decode_attention_torch
+from kernels.paged_attention_torch import (
+    paged_decode_attention_kivi_torch,
+    paged_decode_attention_torch,
+)
 
 try:
     from kernels.blocks import gather_blocks_triton, scatter_blocks_triton
     from kernels.kivi_triton import kivi_dequantize_triton, kivi_quantize_triton
-    from kernels.paged_attention_triton import paged_decode_attention_kivi_triton, paged_decode_attention_triton
+    from kernels.paged_attention_triton import (
+        paged_decode_attention_kivi_triton,
+        paged_decode_attention_triton,
+    )
 
     HAS_TRITON = True
 except ImportError:  # no triton on this platform: only the torch twins are registered
@@ -24,7 +30,10 @@ except ImportError:  # no triton on this platform: only the torch twins are regi
 
 BACKENDS = ("torch", "triton")
 _IMPLS: dict[str, dict[str, object]] = {
-    "paged_decode_attention": {"torch": paged_decode_attention_torch, "ref": paged_decode_attention_ref},
+    "paged_decode_attention": {
+        "torch": paged_decode_attention_torch,
+        "ref": paged_decode_attention_ref,
+    },
     "paged_decode_attention_kivi": {"torch": paged_decode_attention_kivi_torch},
     "kivi_quantize": {"torch": kivi_quantize_torch},
     "kivi_dequantize": {"torch": kivi_dequantize_blocks_torch},
@@ -55,15 +64,25 @@ def pick(op: str, device: torch.device, backend: str | None = None):
     return impls[backend]
 
 
-def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale=None, *, backend=None):
-    """One decode step over the paged KV cache; see `paged_decode_attention_ref` for the contract."""
-    return pick("paged_decode_attention", q.device, backend)(q, k_cache, v_cache, block_tables, seq_lens, scale)
+def paged_decode_attention(
+    q, k_cache, v_cache, block_tables, seq_lens, scale=None, *, backend=None
+):
+    """One decode step over the paged KV cache; see `paged_decode_attention_ref` for the
+    contract."""
+    return pick("paged_decode_attention", q.device, backend)(
+        q, k_cache, v_cache, block_tables, seq_lens, scale
+    )
 
 
-def paged_decode_attention_kivi(q, kv_pool: KiviPacked, block_tables, seq_lens, scale=None, *, backend=None):
-    """Decode attention over a KIVI pool: `kivi_quantize` of [num_blocks, 2, block_size, kv_heads, head_dim]
-    (each field with a leading num_blocks dim; fields may be strided views of a layer-major pool)."""
-    return pick("paged_decode_attention_kivi", q.device, backend)(q, kv_pool, block_tables, seq_lens, scale)
+def paged_decode_attention_kivi(
+    q, kv_pool: KiviPacked, block_tables, seq_lens, scale=None, *, backend=None
+):
+    """Decode attention over a KIVI pool: `kivi_quantize` of
+    [num_blocks, 2, block_size, kv_heads, head_dim] (each field with a leading num_blocks dim;
+    fields may be strided views of a layer-major pool)."""
+    return pick("paged_decode_attention_kivi", q.device, backend)(
+        q, kv_pool, block_tables, seq_lens, scale
+    )
 
 
 def kivi_quantize(kv: torch.Tensor, bits: int, group_size: int = 32, *, backend=None) -> KiviPacked:
@@ -71,7 +90,9 @@ def kivi_quantize(kv: torch.Tensor, bits: int, group_size: int = 32, *, backend=
     return pick("kivi_quantize", kv.device, backend)(kv, bits, group_size)
 
 
-def kivi_dequantize(p: KiviPacked, dtype: torch.dtype = torch.float32, *, backend=None) -> torch.Tensor:
+def kivi_dequantize(
+    p: KiviPacked, dtype: torch.dtype = torch.float32, *, backend=None
+) -> torch.Tensor:
     """Inverse of `kivi_quantize` -> [..., 2, tokens, kv_heads, head_dim] in `dtype`."""
     return pick("kivi_dequantize", p.k_codes.device, backend)(p, dtype)
 

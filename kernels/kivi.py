@@ -30,12 +30,16 @@ class KiviPacked(NamedTuple):
     k_zero: torch.Tensor  # float16 [kg, kv_heads, head_dim]: key zero point (the group's minimum)
     v_scale: torch.Tensor  # float16 [tokens, kv_heads, vg]: value scale per (token, channel group)
     v_zero: torch.Tensor  # float16 [tokens, kv_heads, vg]: value zero point
-    k_codes: torch.Tensor  # uint8 [tokens, kv_heads, head_dim*bits/8]: 8/bits channels a byte, low bits first
+    k_codes: (
+        torch.Tensor
+    )  # uint8 [tokens, kv_heads, head_dim*bits/8]: 8/bits channels a byte, low bits first
     v_codes: torch.Tensor  # uint8 [tokens, kv_heads, head_dim*bits/8]: same packing, values
 
 
 KIVI_BITS = (2, 4, 8)
-_FIELD_DTYPES = KiviPacked(torch.float16, torch.float16, torch.float16, torch.float16, torch.uint8, torch.uint8)
+_FIELD_DTYPES = KiviPacked(
+    torch.float16, torch.float16, torch.float16, torch.float16, torch.uint8, torch.uint8
+)
 
 
 def kivi_groups(n: int, group_size: int) -> tuple[int, int]:
@@ -48,25 +52,34 @@ def _check(tokens: int, kv_heads: int, head_dim: int, bits: int, group_size: int
     if bits not in KIVI_BITS:
         raise ValueError(f"kivi bits must be one of {KIVI_BITS}, got {bits}")
     if group_size < 1 or tokens < 1 or kv_heads < 1:
-        raise ValueError(f"kivi needs tokens, kv_heads, group_size >= 1, got {tokens}, {kv_heads}, {group_size}")
+        raise ValueError(
+            f"kivi needs tokens, kv_heads, group_size >= 1, got {tokens}, {kv_heads}, {group_size}"
+        )
     if head_dim < 1 or head_dim % (8 // bits):
         raise ValueError(f"kivi{bits} needs head_dim divisible by {8 // bits}, got {head_dim}")
 
 
-def kivi_field_shapes(tokens: int, kv_heads: int, head_dim: int, bits: int, group_size: int = 32) -> KiviPacked:
+def kivi_field_shapes(
+    tokens: int, kv_heads: int, head_dim: int, bits: int, group_size: int = 32
+) -> KiviPacked:
     """The shape of each KiviPacked field (a KiviPacked of tuples) for one stretch of tokens."""
     _check(tokens, kv_heads, head_dim, bits, group_size)
     kg, _ = kivi_groups(tokens, group_size)
     vg, _ = kivi_groups(head_dim, group_size)
     packed = head_dim * bits // 8
     return KiviPacked(
-        (kg, kv_heads, head_dim), (kg, kv_heads, head_dim),
-        (tokens, kv_heads, vg), (tokens, kv_heads, vg),
-        (tokens, kv_heads, packed), (tokens, kv_heads, packed),
+        (kg, kv_heads, head_dim),
+        (kg, kv_heads, head_dim),
+        (tokens, kv_heads, vg),
+        (tokens, kv_heads, vg),
+        (tokens, kv_heads, packed),
+        (tokens, kv_heads, packed),
     )
 
 
-def kivi_packed_nbytes(tokens: int, kv_heads: int, head_dim: int, bits: int, group_size: int = 32) -> int:
+def kivi_packed_nbytes(
+    tokens: int, kv_heads: int, head_dim: int, bits: int, group_size: int = 32
+) -> int:
     """Bytes of one serialised KiviPacked."""
     shapes = kivi_field_shapes(tokens, kv_heads, head_dim, bits, group_size)
     return sum(_numel(s) * d.itemsize for s, d in zip(shapes, _FIELD_DTYPES))
@@ -84,8 +97,11 @@ def kivi_to_bytes(p: KiviPacked) -> bytes:
     return b"".join(f.detach().contiguous().cpu().numpy().tobytes() for f in p)
 
 
-def kivi_from_bytes(buf, tokens: int, kv_heads: int, head_dim: int, bits: int, group_size: int = 32) -> KiviPacked:
-    """Rebuild a KiviPacked (CPU tensors) from `kivi_to_bytes` output; ValueError on a wrong length."""
+def kivi_from_bytes(
+    buf, tokens: int, kv_heads: int, head_dim: int, bits: int, group_size: int = 32
+) -> KiviPacked:
+    """Rebuild a KiviPacked (CPU tensors) from `kivi_to_bytes` output; ValueError on a wrong
+    length."""
     shapes = kivi_field_shapes(tokens, kv_heads, head_dim, bits, group_size)
     want = kivi_packed_nbytes(tokens, kv_heads, head_dim, bits, group_size)
     if len(buf) != want:
@@ -100,7 +116,8 @@ def kivi_from_bytes(buf, tokens: int, kv_heads: int, head_dim: int, bits: int, g
 
 
 def kivi_layout(p: KiviPacked) -> tuple[int, int, int, int, int, int]:
-    """(tokens, kv_heads, head_dim, bits, key group size, value group size) read from field shapes."""
+    """(tokens, kv_heads, head_dim, bits, key group size, value group size) read from field
+    shapes."""
     tokens, kv_heads, packed = p.k_codes.shape[-3:]
     kg, head_dim, vg = p.k_scale.shape[-3], p.k_scale.shape[-1], p.v_scale.shape[-1]
     bits = packed * 8 // head_dim
@@ -108,7 +125,9 @@ def kivi_layout(p: KiviPacked) -> tuple[int, int, int, int, int, int]:
         raise ValueError(f"kivi codes of {packed} bytes do not fit head_dim {head_dim}")
     gk, gv = -(-tokens // kg), -(-head_dim // vg)
     if -(-tokens // gk) != kg or -(-head_dim // gv) != vg:
-        raise ValueError(f"kivi group counts {kg}, {vg} do not fit {tokens} tokens, head_dim {head_dim}")
+        raise ValueError(
+            f"kivi group counts {kg}, {vg} do not fit {tokens} tokens, head_dim {head_dim}"
+        )
     return tokens, kv_heads, head_dim, bits, gk, gv
 
 
@@ -117,7 +136,9 @@ def kivi_layout(p: KiviPacked) -> tuple[int, int, int, int, int, int]:
 _DOWN, _TINY = 2.0**-10, 2.0**-24
 
 
-def _zero_scale(mn: torch.Tensor, mx: torch.Tensor, levels: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _zero_scale(
+    mn: torch.Tensor, mx: torch.Tensor, levels: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     zero = (mn - mn.abs() * _DOWN - _TINY).to(torch.float16)
     scale = ((mx - zero.float()) / levels * (1.0 + _DOWN) + _TINY).to(torch.float16)
     return zero, scale
@@ -129,7 +150,9 @@ def _pad_edge(x: torch.Tensor, dim: int, size: int) -> torch.Tensor:
     if pad == 0:
         return x
     last = x.narrow(dim, x.shape[dim] - 1, 1)
-    return torch.cat([x, last.expand(*[pad if d == dim % x.dim() else -1 for d in range(x.dim())])], dim=dim)
+    return torch.cat(
+        [x, last.expand(*[pad if d == dim % x.dim() else -1 for d in range(x.dim())])], dim=dim
+    )
 
 
 def _encode(x: torch.Tensor, zero: torch.Tensor, scale: torch.Tensor, levels: int) -> torch.Tensor:
@@ -151,8 +174,11 @@ def _unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
     return c.reshape(*packed.shape[:-1], packed.shape[-1] * per).float()
 
 
-def _affine(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, dim: int, group: int) -> torch.Tensor:
-    """codes * scale + zero, scale/zero holding one entry per `group` elements along `dim` (in place)."""
+def _affine(
+    codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, dim: int, group: int
+) -> torch.Tensor:
+    """codes * scale + zero, scale/zero holding one entry per `group` elements along `dim` (in
+    place)."""
     n, count = codes.shape[dim], scale.shape[dim]
     if count * group == n:  # whole groups: broadcast instead of materialising per-element scales
         shape = list(codes.shape)
@@ -189,14 +215,22 @@ def kivi_quantize_torch(kv: torch.Tensor, bits: int, group_size: int = 32) -> Ki
     kg, gk = kivi_groups(tokens, group_size)
     kp = _pad_edge(k, -3, kg * gk).reshape(*lead, kg, gk, kv_heads, head_dim)
     k_zero, k_scale = _zero_scale(kp.amin(dim=-3), kp.amax(dim=-3), levels)
-    k_codes = _encode(k, k_zero.repeat_interleave(gk, dim=-3)[..., :tokens, :, :],
-                      k_scale.repeat_interleave(gk, dim=-3)[..., :tokens, :, :], levels)
+    k_codes = _encode(
+        k,
+        k_zero.repeat_interleave(gk, dim=-3)[..., :tokens, :, :],
+        k_scale.repeat_interleave(gk, dim=-3)[..., :tokens, :, :],
+        levels,
+    )
     # Values: per token, groups along channels.
     vg, gv = kivi_groups(head_dim, group_size)
     vp = _pad_edge(v, -1, vg * gv).reshape(*lead, tokens, kv_heads, vg, gv)
     v_zero, v_scale = _zero_scale(vp.amin(dim=-1), vp.amax(dim=-1), levels)
-    v_codes = _encode(v, v_zero.repeat_interleave(gv, dim=-1)[..., :head_dim],
-                      v_scale.repeat_interleave(gv, dim=-1)[..., :head_dim], levels)
+    v_codes = _encode(
+        v,
+        v_zero.repeat_interleave(gv, dim=-1)[..., :head_dim],
+        v_scale.repeat_interleave(gv, dim=-1)[..., :head_dim],
+        levels,
+    )
     return KiviPacked(k_scale, k_zero, v_scale, v_zero, _pack(k_codes, bits), _pack(v_codes, bits))
 
 

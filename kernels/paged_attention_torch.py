@@ -14,16 +14,19 @@ import torch
 from kernels.kivi import KiviPacked, kivi_dequantize_keys, kivi_dequantize_values
 
 # Bytes of staged K+V per split. Small splits stay cache-resident (6 MiB measured best on an idle
-# 2-core EPYC), but every split costs a few parallel regions, and on a shared machine each region can
-# wait a scheduler time slice for its second thread: 16 MiB (inside a 32 MiB L3) keeps them few.
+# 2-core EPYC), but every split costs a few parallel regions, and on a shared machine each region
+# can wait a scheduler time slice for its second thread: 16 MiB (inside a 32 MiB L3) keeps them
+# few.
 SPLIT_BYTES = 16 * 2**20
 
 _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
-def _attend(q4: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-            scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax attention of q4 [B, QH, 1, D] over k, v [B, KH, T, D] (fp32) -> (out, lse [B, QH, 1])."""
+def _attend(
+    q4: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention of q4 [B, QH, 1, D] over k, v [B, KH, T, D] (fp32) -> (out, lse [B, QH,
+    1])."""
     if _FLASH_CPU is not None and q4.device.type == "cpu":
         return _FLASH_CPU(q4, k, v, attn_mask=mask, scale=scale)
     return _attend_matmul(q4, k, v, mask, scale)
@@ -44,8 +47,11 @@ def _attend_matmul(q4, k, v, mask, scale):
 
 
 def merge_splits(outs: torch.Tensor, lses: torch.Tensor) -> torch.Tensor:
-    """Merge split outputs [S, ..., D] by their log-sum-exps [S, ...] (-inf: empty split, finite output)."""
-    w = torch.softmax(lses, dim=0)  # exp(lse_s - logsumexp(lses)): each split's share of the softmax mass
+    """Merge split outputs [S, ..., D] by their log-sum-exps [S, ...] (-inf: empty split, finite
+    output)."""
+    w = torch.softmax(
+        lses, dim=0
+    )  # exp(lse_s - logsumexp(lses)): each split's share of the softmax mass
     return (outs * w[..., None]).sum(dim=0)
 
 
@@ -60,7 +66,8 @@ def _split_plan(block_tables, seq_lens, block_size, bytes_per_block_column, spli
 
 
 def _run_splits(q, table, lens, n_blocks, chunk, block_size, kv_heads, head_dim, scale, load_chunk):
-    """Attend over table's columns `chunk` at a time; load_chunk(idx, n) -> (k, v) fp32 [B, n*bs, KH, D]."""
+    """Attend over table's columns `chunk` at a time; load_chunk(idx, n) -> (k, v) fp32 [B, n*bs,
+    KH, D]."""
     batch, q_heads, _ = q.shape
     q4 = q.reshape(batch, q_heads, 1, head_dim).float()
     lens_t = torch.tensor(lens, device=q.device)
@@ -107,14 +114,27 @@ def paged_decode_attention_torch(
     _, block_size, kv_heads, _ = k_cache.shape
     scale = head_dim**-0.5 if scale is None else float(scale)
     need_convert = k_cache.dtype != torch.float32
-    per_col = batch * block_size * kv_heads * head_dim * 2 * (4 + (k_cache.element_size() if need_convert else 0))
-    table, lens, n_blocks, chunk = _split_plan(block_tables, seq_lens, block_size, per_col, split_bytes)
+    per_col = (
+        batch
+        * block_size
+        * kv_heads
+        * head_dim
+        * 2
+        * (4 + (k_cache.element_size() if need_convert else 0))
+    )
+    table, lens, n_blocks, chunk = _split_plan(
+        block_tables, seq_lens, block_size, per_col, split_bytes
+    )
     shape = (batch * chunk, block_size, kv_heads, head_dim)
     # Staging buffers allocated once per call and reused by every split (fresh multi-MiB
     # allocations cost page faults that are as slow as the copy itself).
     kbuf = torch.empty(shape, dtype=k_cache.dtype, device=q.device)
     vbuf = torch.empty(shape, dtype=v_cache.dtype, device=q.device)
-    kf, vf = (torch.empty(shape, device=q.device), torch.empty(shape, device=q.device)) if need_convert else (kbuf, vbuf)
+    kf, vf = (
+        (torch.empty(shape, device=q.device), torch.empty(shape, device=q.device))
+        if need_convert
+        else (kbuf, vbuf)
+    )
 
     def load_chunk(idx, n):
         rows = idx.numel()
@@ -126,7 +146,9 @@ def paged_decode_attention_torch(
         view = (batch, n * block_size, kv_heads, head_dim)
         return kf[:rows].view(view), vf[:rows].view(view)
 
-    out = _run_splits(q, table, lens, n_blocks, chunk, block_size, kv_heads, head_dim, scale, load_chunk)
+    out = _run_splits(
+        q, table, lens, n_blocks, chunk, block_size, kv_heads, head_dim, scale, load_chunk
+    )
     return out.to(q.dtype)
 
 
@@ -143,12 +165,16 @@ def paged_decode_attention_kivi_torch(
     _, block_size, kv_heads, _ = kv_pool.k_codes.shape
     scale = head_dim**-0.5 if scale is None else float(scale)
     per_col = batch * block_size * kv_heads * head_dim * 2 * 5
-    table, lens, n_blocks, chunk = _split_plan(block_tables, seq_lens, block_size, per_col, split_bytes)
+    table, lens, n_blocks, chunk = _split_plan(
+        block_tables, seq_lens, block_size, per_col, split_bytes
+    )
 
     def load_chunk(idx, n):
         blocks = KiviPacked(*(f.index_select(0, idx) for f in kv_pool))
         view = (batch, n * block_size, kv_heads, head_dim)
         return kivi_dequantize_keys(blocks).view(view), kivi_dequantize_values(blocks).view(view)
 
-    out = _run_splits(q, table, lens, n_blocks, chunk, block_size, kv_heads, head_dim, scale, load_chunk)
+    out = _run_splits(
+        q, table, lens, n_blocks, chunk, block_size, kv_heads, head_dim, scale, load_chunk
+    )
     return out.to(q.dtype)

@@ -22,20 +22,51 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
-def _load_kv_tile(base, phys, slot, head, offs_d, tmask, stride_n, stride_t, stride_h, HEAD_DIM: tl.constexpr):
-    ptr = base + phys[:, None] * stride_n + slot[:, None] * stride_t + head * stride_h + offs_d[None, :]
-    return tl.load(ptr, mask=tmask[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0).to(tl.float32)
+def _load_kv_tile(
+    base, phys, slot, head, offs_d, tmask, stride_n, stride_t, stride_h, HEAD_DIM: tl.constexpr
+):
+    ptr = (
+        base
+        + phys[:, None] * stride_n
+        + slot[:, None] * stride_t
+        + head * stride_h
+        + offs_d[None, :]
+    )
+    return tl.load(ptr, mask=tmask[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0).to(
+        tl.float32
+    )
 
 
 @triton.jit
-def _load_kivi_tile(codes, scale, zero, phys, slot, group_idx, head, offs_d, tmask,
-                    c_n, c_t, c_h, s_n, s_g, s_h, s_c, group_ch,
-                    HEAD_DIM: tl.constexpr, BITS: tl.constexpr):
+def _load_kivi_tile(
+    codes,
+    scale,
+    zero,
+    phys,
+    slot,
+    group_idx,
+    head,
+    offs_d,
+    tmask,
+    c_n,
+    c_t,
+    c_h,
+    s_n,
+    s_g,
+    s_h,
+    s_c,
+    group_ch,
+    HEAD_DIM: tl.constexpr,
+    BITS: tl.constexpr,
+):
     """Dequantize a [tokens, head_dim] tile: code * scale + zero, scale/zero indexed by group_ch."""
     PER: tl.constexpr = 8 // BITS
     m = tmask[:, None] & (offs_d[None, :] < HEAD_DIM)
-    byte = tl.load(codes + phys[:, None] * c_n + slot[:, None] * c_t + head * c_h + (offs_d // PER)[None, :],
-                   mask=m, other=0).to(tl.int32)
+    byte = tl.load(
+        codes + phys[:, None] * c_n + slot[:, None] * c_t + head * c_h + (offs_d // PER)[None, :],
+        mask=m,
+        other=0,
+    ).to(tl.int32)
     code = (byte >> ((offs_d % PER) * BITS)[None, :]) & ((1 << BITS) - 1)
     soff = phys[:, None] * s_n + group_idx[:, None] * s_g + head * s_h + group_ch[None, :] * s_c
     sc = tl.load(scale + soff, mask=m, other=0.0).to(tl.float32)
@@ -45,15 +76,44 @@ def _load_kivi_tile(codes, scale, zero, phys, slot, group_idx, head, offs_d, tma
 
 @triton.jit
 def _paged_split_kernel(
-    Q, K, V, KS, KZ, VS, VZ, BT, SL, OP, LP,
-    stride_qb, stride_qh,
-    stride_kn, stride_kt, stride_kh,
-    stride_vn, stride_vt, stride_vh,
-    ks_n, ks_g, ks_h, vs_n, vs_t, vs_h,
-    stride_btb, split_tokens, scale,
-    BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    GROUP: tl.constexpr, GROUP_P: tl.constexpr, TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    KIVI_BITS: tl.constexpr, KEY_GROUP: tl.constexpr, VAL_GROUP: tl.constexpr,
+    Q,
+    K,
+    V,
+    KS,
+    KZ,
+    VS,
+    VZ,
+    BT,
+    SL,
+    OP,
+    LP,
+    stride_qb,
+    stride_qh,
+    stride_kn,
+    stride_kt,
+    stride_kh,
+    stride_vn,
+    stride_vt,
+    stride_vh,
+    ks_n,
+    ks_g,
+    ks_h,
+    vs_n,
+    vs_t,
+    vs_h,
+    stride_btb,
+    split_tokens,
+    scale,
+    BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    GROUP: tl.constexpr,
+    GROUP_P: tl.constexpr,
+    TILE_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    KIVI_BITS: tl.constexpr,
+    KEY_GROUP: tl.constexpr,
+    VAL_GROUP: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -67,8 +127,14 @@ def _paged_split_kernel(
     gmask = offs_g < GROUP
     dmask = offs_d < HEAD_DIM
     qh = kvh * GROUP + offs_g
-    q = tl.load(Q + b * stride_qb + qh[:, None] * stride_qh + offs_d[None, :],
-                mask=gmask[:, None] & dmask[None, :], other=0.0).to(tl.float32) * scale
+    q = (
+        tl.load(
+            Q + b * stride_qb + qh[:, None] * stride_qh + offs_d[None, :],
+            mask=gmask[:, None] & dmask[None, :],
+            other=0.0,
+        ).to(tl.float32)
+        * scale
+    )
 
     m_i = tl.full([GROUP_P], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_P], tl.float32)
@@ -80,16 +146,57 @@ def _paged_split_kernel(
         phys = tl.load(BT + b * stride_btb + tok // BLOCK_SIZE, mask=tmask, other=0).to(tl.int64)
         slot = tok % BLOCK_SIZE
         if KIVI_BITS == 0:
-            k = _load_kv_tile(K, phys, slot, kvh, offs_d, tmask, stride_kn, stride_kt, stride_kh, HEAD_DIM)
-            v = _load_kv_tile(V, phys, slot, kvh, offs_d, tmask, stride_vn, stride_vt, stride_vh, HEAD_DIM)
+            k = _load_kv_tile(
+                K, phys, slot, kvh, offs_d, tmask, stride_kn, stride_kt, stride_kh, HEAD_DIM
+            )
+            v = _load_kv_tile(
+                V, phys, slot, kvh, offs_d, tmask, stride_vn, stride_vt, stride_vh, HEAD_DIM
+            )
         else:
-            # Keys: scale/zero per (token group of the block, channel); values: per (token, channel group).
-            k = _load_kivi_tile(K, KS, KZ, phys, slot, slot // KEY_GROUP, kvh, offs_d, tmask,
-                                stride_kn, stride_kt, stride_kh, ks_n, ks_g, ks_h, 1, offs_d,
-                                HEAD_DIM, KIVI_BITS)
-            v = _load_kivi_tile(V, VS, VZ, phys, slot, slot, kvh, offs_d, tmask,
-                                stride_vn, stride_vt, stride_vh, vs_n, vs_t, vs_h, 1, offs_d // VAL_GROUP,
-                                HEAD_DIM, KIVI_BITS)
+            # Keys: scale/zero per (token group of the block, channel);
+            # values: per (token, channel group).
+            k = _load_kivi_tile(
+                K,
+                KS,
+                KZ,
+                phys,
+                slot,
+                slot // KEY_GROUP,
+                kvh,
+                offs_d,
+                tmask,
+                stride_kn,
+                stride_kt,
+                stride_kh,
+                ks_n,
+                ks_g,
+                ks_h,
+                1,
+                offs_d,
+                HEAD_DIM,
+                KIVI_BITS,
+            )
+            v = _load_kivi_tile(
+                V,
+                VS,
+                VZ,
+                phys,
+                slot,
+                slot,
+                kvh,
+                offs_d,
+                tmask,
+                stride_vn,
+                stride_vt,
+                stride_vh,
+                vs_n,
+                vs_t,
+                vs_h,
+                1,
+                offs_d // VAL_GROUP,
+                HEAD_DIM,
+                KIVI_BITS,
+            )
         # [GROUP_P, TILE_N] scores as a broadcast reduction: decode is memory-bound, and this
         # keeps fp32 accuracy without tl.dot's 16-row minimum for small GQA groups.
         s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)
@@ -106,13 +213,25 @@ def _paged_split_kernel(
     out = acc / l_safe[:, None]
     lse = tl.where(empty, float("-inf"), m_i + tl.log(l_safe))
     row = (b * (GROUP * tl.num_programs(1)) + qh) * NUM_SPLITS + split
-    tl.store(OP + row[:, None] * HEAD_DIM + offs_d[None, :], out, mask=gmask[:, None] & dmask[None, :])
+    tl.store(
+        OP + row[:, None] * HEAD_DIM + offs_d[None, :], out, mask=gmask[:, None] & dmask[None, :]
+    )
     tl.store(LP + row, lse, mask=gmask)
 
 
 @triton.jit
-def _merge_kernel(OP, LP, O, stride_ob, stride_oh, q_heads,
-                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_P: tl.constexpr):
+def _merge_kernel(
+    OP,
+    LP,
+    OUT,
+    stride_ob,
+    stride_oh,
+    q_heads,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    SPLITS_P: tl.constexpr,
+):
     b = tl.program_id(0)
     h = tl.program_id(1)
     offs_s = tl.arange(0, SPLITS_P)
@@ -122,10 +241,17 @@ def _merge_kernel(OP, LP, O, stride_ob, stride_oh, q_heads,
     lse = tl.load(LP + row + offs_s, mask=smask, other=float("-inf"))
     m = tl.max(lse, axis=0)
     w = tl.where(lse == float("-inf"), 0.0, tl.exp(lse - m))
-    part = tl.load(OP + (row + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
-                   mask=smask[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
+    part = tl.load(
+        OP + (row + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
+        mask=smask[:, None] & (offs_d[None, :] < HEAD_DIM),
+        other=0.0,
+    )
     out = tl.sum(part * w[:, None], axis=0) / tl.sum(w, axis=0)
-    tl.store(O + b * stride_ob + h * stride_oh + offs_d, out.to(O.dtype.element_ty), mask=offs_d < HEAD_DIM)
+    tl.store(
+        OUT + b * stride_ob + h * stride_oh + offs_d,
+        out.to(OUT.dtype.element_ty),
+        mask=offs_d < HEAD_DIM,
+    )
 
 
 @functools.lru_cache(maxsize=None)
@@ -136,15 +262,31 @@ def _sm_count(device_index: int) -> int:
 def _num_splits(q: torch.Tensor, batch: int, kv_heads: int, max_tokens: int, tile_n: int) -> int:
     """Enough (sequence, head, split) programs to fill the GPU, each with at least one tile."""
     if q.device.type == "cuda":
-        target = 4 * _sm_count(q.device.index if q.device.index is not None else torch.cuda.current_device())
+        target = 4 * _sm_count(
+            q.device.index if q.device.index is not None else torch.cuda.current_device()
+        )
     else:
         target = 4  # the interpreter: few programs, but still more than one split to merge
     splits = max(1, -(-target // (batch * kv_heads)))
     return max(1, min(splits, -(-max_tokens // tile_n)))
 
 
-def _launch(q, k, v, stats, block_tables, seq_lens, scale, block_size, kv_heads, head_dim,
-            kivi_bits=0, key_group=1, val_group=1, tile_n=None):
+def _launch(
+    q,
+    k,
+    v,
+    stats,
+    block_tables,
+    seq_lens,
+    scale,
+    block_size,
+    kv_heads,
+    head_dim,
+    kivi_bits=0,
+    key_group=1,
+    val_group=1,
+    tile_n=None,
+):
     batch, q_heads, _ = q.shape
     if q_heads % kv_heads:
         raise ValueError(f"q_heads {q_heads} is not a multiple of kv_heads {kv_heads}")
@@ -170,20 +312,57 @@ def _launch(q, k, v, stats, block_tables, seq_lens, scale, block_size, kv_heads,
     bt = block_tables if block_tables.dtype == torch.int32 else block_tables.to(torch.int32)
     sl = seq_lens if seq_lens.dtype == torch.int32 else seq_lens.to(torch.int32)
     _paged_split_kernel[(batch, kv_heads, splits)](
-        q, k, v, ks, kz, vs, vz, bt, sl, op, lp,
-        q.stride(0), q.stride(1),
-        k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2),
-        ks.stride(0), ks.stride(1), ks.stride(2), vs.stride(0), vs.stride(1), vs.stride(2),
-        bt.stride(0), split_tokens, scale,
-        BLOCK_SIZE=block_size, HEAD_DIM=head_dim, BLOCK_D=block_d,
-        GROUP=group, GROUP_P=group_p, TILE_N=tile_n, NUM_SPLITS=splits,
-        KIVI_BITS=kivi_bits, KEY_GROUP=key_group, VAL_GROUP=val_group,
+        q,
+        k,
+        v,
+        ks,
+        kz,
+        vs,
+        vz,
+        bt,
+        sl,
+        op,
+        lp,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        k.stride(2),
+        v.stride(0),
+        v.stride(1),
+        v.stride(2),
+        ks.stride(0),
+        ks.stride(1),
+        ks.stride(2),
+        vs.stride(0),
+        vs.stride(1),
+        vs.stride(2),
+        bt.stride(0),
+        split_tokens,
+        scale,
+        BLOCK_SIZE=block_size,
+        HEAD_DIM=head_dim,
+        BLOCK_D=block_d,
+        GROUP=group,
+        GROUP_P=group_p,
+        TILE_N=tile_n,
+        NUM_SPLITS=splits,
+        KIVI_BITS=kivi_bits,
+        KEY_GROUP=key_group,
+        VAL_GROUP=val_group,
     )
     out = torch.empty_like(q)
     _merge_kernel[(batch, q_heads)](
-        op, lp, out, out.stride(0), out.stride(1), q_heads,
-        HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=splits, SPLITS_P=triton.next_power_of_2(splits),
+        op,
+        lp,
+        out,
+        out.stride(0),
+        out.stride(1),
+        q_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_D=block_d,
+        NUM_SPLITS=splits,
+        SPLITS_P=triton.next_power_of_2(splits),
     )
     return out
 
@@ -198,7 +377,9 @@ def paged_decode_attention_triton(
 ) -> torch.Tensor:
     """Flash-decoding paged attention (same contract as `paged_decode_attention_ref`)."""
     _, block_size, kv_heads, head_dim = k_cache.shape
-    return _launch(q, k_cache, v_cache, None, block_tables, seq_lens, scale, block_size, kv_heads, head_dim)
+    return _launch(
+        q, k_cache, v_cache, None, block_tables, seq_lens, scale, block_size, kv_heads, head_dim
+    )
 
 
 def paged_decode_attention_kivi_triton(
@@ -214,5 +395,18 @@ def paged_decode_attention_kivi_triton(
         if f.stride(-1) != 1:
             raise ValueError("kivi pool fields need unit stride along their last dim")
     stats = (kv_pool.k_scale, kv_pool.k_zero, kv_pool.v_scale, kv_pool.v_zero)
-    return _launch(q, kv_pool.k_codes, kv_pool.v_codes, stats, block_tables, seq_lens, scale,
-                   block_size, kv_heads, head_dim, kivi_bits=bits, key_group=gk, val_group=gv)
+    return _launch(
+        q,
+        kv_pool.k_codes,
+        kv_pool.v_codes,
+        stats,
+        block_tables,
+        seq_lens,
+        scale,
+        block_size,
+        kv_heads,
+        head_dim,
+        kivi_bits=bits,
+        key_group=gk,
+        val_group=gv,
+    )

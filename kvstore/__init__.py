@@ -1,10 +1,18 @@
 """KV store: block keys and format, codecs, tiers, eviction, global index, transfer."""
 
-from kvstore.block_format import (BlockCorrupt, BlockHeader, FORMAT_VERSION, check_block, decode_block,
-                                  encode_block, parse_header)
+from kvstore.block_format import (
+    BlockCorrupt,
+    BlockHeader,
+    FORMAT_VERSION,
+    check_block,
+    decode_block,
+    encode_block,
+    parse_header,
+)
 from kvstore.client import BlockWriter, PutResult, StoreClient, StoreUnavailable
 from kvstore.codecs import CODECS, Codec, block_tokens, get_codec
 from kvstore.config import StoreConfig
+from kvstore.connector import KVConnector, LayerPublisher, PrefixLoad
 from kvstore.device import DeviceTier
 from kvstore.index import Index
 from kvstore.keys import KEY_BYTES, block_keys
@@ -14,9 +22,34 @@ from kvstore.store import StoreFull, StoreStats, TierStats
 from kvstore.types import LookupResult, NodeInfo
 
 __all__ = [
-    "KEY_BYTES", "block_keys",
-    "BlockCorrupt", "BlockHeader", "FORMAT_VERSION", "check_block", "decode_block", "encode_block", "parse_header",
-    "CODECS", "Codec", "block_tokens", "get_codec",
-    "StoreConfig", "StoreNode", "StoreClient", "BlockWriter", "PutResult", "StoreFull", "StoreUnavailable",
-    "StoreStats", "TierStats", "DeviceTier", "Index", "EmbeddedRedis", "LookupResult", "NodeInfo",
+    "KEY_BYTES",
+    "block_keys",
+    "BlockCorrupt",
+    "BlockHeader",
+    "FORMAT_VERSION",
+    "check_block",
+    "decode_block",
+    "encode_block",
+    "parse_header",
+    "CODECS",
+    "Codec",
+    "block_tokens",
+    "get_codec",
+    "StoreConfig",
+    "StoreNode",
+    "StoreClient",
+    "BlockWriter",
+    "PutResult",
+    "StoreFull",
+    "StoreUnavailable",
+    "StoreStats",
+    "TierStats",
+    "DeviceTier",
+    "KVConnector",
+    "LayerPublisher",
+    "PrefixLoad",
+    "Index",
+    "EmbeddedRedis",
+    "LookupResult",
+    "NodeInfo",
 ]

@@ -1,4 +1,5 @@
-"""`python -m kvstore [--config YAML] [--set key=value ...]`: serve one store node, print its address."""
+"""`python -m kvstore [--config YAML] [--set key=value ...]`: serve one store node, print its
+address."""
 
 from kvstore.server import main
 

@@ -26,8 +26,12 @@ _PREFIX = struct.Struct("<4sHHI")  # magic, version, bytes before the checksum t
 _U64 = struct.Struct("<Q")
 
 DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
-    "float8_e4m3fn": torch.float8_e4m3fn, "int8": torch.int8, "uint8": torch.uint8,
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+    "int8": torch.int8,
+    "uint8": torch.uint8,
 }
 _DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 
@@ -37,15 +41,15 @@ class BlockCorrupt(ValueError):
 
 
 class BlockHeader(NamedTuple):
-    version: int             # format version
-    codec: str               # codec name (kvstore.CODECS)
-    dtype: torch.dtype       # the decoded block's dtype
-    fingerprint: str         # model fingerprint the block was computed with
-    shape: tuple[int, ...]   # decoded block shape, layer-major: [L, 2, T, H, D] or [L, T, C]
-    layer_bytes: int         # bytes of one encoded layer, padded to 64
-    payload_len: int         # L * layer_bytes
+    version: int  # format version
+    codec: str  # codec name (kvstore.CODECS)
+    dtype: torch.dtype  # the decoded block's dtype
+    fingerprint: str  # model fingerprint the block was computed with
+    shape: tuple[int, ...]  # decoded block shape, layer-major: [L, 2, T, H, D] or [L, T, C]
+    layer_bytes: int  # bytes of one encoded layer, padded to 64
+    payload_len: int  # L * layer_bytes
     checksums: tuple[int, ...]  # xxh3-64 of each encoded layer (padding included)
-    header_len: int          # header bytes, padded to 64; layer l starts at header_len + l * layer_bytes
+    header_len: int  # header bytes, padded to 64; layer l starts at header_len + l * layer_bytes
 
     @property
     def num_layers(self) -> int:
@@ -74,37 +78,79 @@ def checksum(data) -> int:
     return xxhash.xxh3_64_intdigest(data)
 
 
-def make_header(codec: str, dtype: torch.dtype, shape: tuple[int, ...], fingerprint: str,
-                checksums: tuple[int, ...] | None = None) -> BlockHeader:
+def make_header(
+    codec: str,
+    dtype: torch.dtype,
+    shape: tuple[int, ...],
+    fingerprint: str,
+    checksums: tuple[int, ...] | None = None,
+) -> BlockHeader:
     """The header of a block (checksums zero until the layers are known)."""
     shape = tuple(int(s) for s in shape)
     c = get_codec(codec)
     dtype_name(dtype)
     if len(shape) not in (3, 5) or any(s <= 0 for s in shape):
-        raise ValueError(f"block shape must be [L, 2, T, H, D] or [L, T, C] with positive sizes, got {list(shape)}")
+        raise ValueError(
+            "block shape must be [L, 2, T, H, D] or [L, T, C] with positive sizes, "
+            f"got {list(shape)}"
+        )
     if len(shape) == 5 and shape[1] != 2:
         raise ValueError(f"block shape [L, 2, T, H, D] needs 2 at axis 1, got {list(shape)}")
     layer_bytes = _pad(c.layer_nbytes(shape[1:], dtype))
     fp = fingerprint.encode()
     if len(fp) > 0xFFFF:
         raise ValueError("model fingerprint too long")
-    body_len = (_PREFIX.size + 1 + len(codec) + 1 + len(dtype_name(dtype)) + 2 + len(fp) + 1 + 4 * len(shape)
-                + 16 + 8 * shape[0] + 8)
+    body_len = (
+        _PREFIX.size
+        + 1
+        + len(codec)
+        + 1
+        + len(dtype_name(dtype))
+        + 2
+        + len(fp)
+        + 1
+        + 4 * len(shape)
+        + 16
+        + 8 * shape[0]
+        + 8
+    )
     sums = tuple(checksums) if checksums is not None else (0,) * shape[0]
     if len(sums) != shape[0]:
         raise ValueError("one checksum per layer")
-    return BlockHeader(FORMAT_VERSION, codec, dtype, fingerprint, shape, layer_bytes, layer_bytes * shape[0],
-                       sums, _pad(body_len))
+    return BlockHeader(
+        FORMAT_VERSION,
+        codec,
+        dtype,
+        fingerprint,
+        shape,
+        layer_bytes,
+        layer_bytes * shape[0],
+        sums,
+        _pad(body_len),
+    )
 
 
 def pack_header(h: BlockHeader) -> bytes:
     codec, dt, fp = h.codec.encode(), dtype_name(h.dtype).encode(), h.fingerprint.encode()
-    fields = [bytes([len(codec)]), codec, bytes([len(dt)]), dt, struct.pack("<H", len(fp)), fp,
-              bytes([len(h.shape)]), struct.pack(f"<{len(h.shape)}I", *h.shape),
-              struct.pack("<QQ", h.layer_bytes, h.payload_len)]
+    fields = [
+        bytes([len(codec)]),
+        codec,
+        bytes([len(dt)]),
+        dt,
+        struct.pack("<H", len(fp)),
+        fp,
+        bytes([len(h.shape)]),
+        struct.pack(f"<{len(h.shape)}I", *h.shape),
+        struct.pack("<QQ", h.layer_bytes, h.payload_len),
+    ]
     fixed_len = _PREFIX.size + sum(len(f) for f in fields)
-    body = b"".join([_PREFIX.pack(MAGIC, h.version, fixed_len, h.header_len), *fields,
-                     struct.pack(f"<{len(h.checksums)}Q", *h.checksums)])
+    body = b"".join(
+        [
+            _PREFIX.pack(MAGIC, h.version, fixed_len, h.header_len),
+            *fields,
+            struct.pack(f"<{len(h.checksums)}Q", *h.checksums),
+        ]
+    )
     body += _U64.pack(checksum(body))
     return body + bytes(h.header_len - len(body))
 
@@ -121,7 +167,7 @@ def _layout(fixed: bytes) -> BlockHeader:
         nonlocal pos
         if pos + n > fixed_len:
             raise BlockCorrupt("truncated header")
-        out = bytes(mv[pos:pos + n])
+        out = bytes(mv[pos : pos + n])
         pos += n
         return out
 
@@ -178,7 +224,9 @@ def check_block(data, fingerprint: str = "") -> BlockHeader:
     if len(mv) != h.total_len:
         raise BlockCorrupt(f"block is {len(mv)} bytes, its header says {h.total_len}")
     if fingerprint and h.fingerprint != fingerprint:
-        raise BlockCorrupt(f"model fingerprint {h.fingerprint!r} is not this store's {fingerprint!r}")
+        raise BlockCorrupt(
+            f"model fingerprint {h.fingerprint!r} is not this store's {fingerprint!r}"
+        )
     for layer in range(h.num_layers):
         if not layer_ok(mv, h, layer):
             raise BlockCorrupt(f"checksum mismatch in layer {layer}")
@@ -188,7 +236,7 @@ def check_block(data, fingerprint: str = "") -> BlockHeader:
 def layer_ok(data, h: BlockHeader, layer: int, base: int = 0) -> bool:
     """Whether layer `layer` of the block starting at `base` in `data` matches its checksum."""
     off = base + h.layer_offset(layer)
-    return checksum(memoryview(data)[off:off + h.layer_bytes]) == h.checksums[layer]
+    return checksum(memoryview(data)[off : off + h.layer_bytes]) == h.checksums[layer]
 
 
 def encode_block(block: torch.Tensor, model_fingerprint: str, codec: str = "raw") -> bytes:
@@ -196,35 +244,42 @@ def encode_block(block: torch.Tensor, model_fingerprint: str, codec: str = "raw"
     h = make_header(codec, block.dtype, tuple(block.shape), model_fingerprint)
     buf = torch.zeros(h.total_len, dtype=torch.uint8)
     sums = encode_layers_into(block, h, buf, range(h.num_layers))
-    buf[:h.header_len].copy_(u8view(pack_header(h._replace(checksums=tuple(sums)))))
+    buf[: h.header_len].copy_(u8view(pack_header(h._replace(checksums=tuple(sums)))))
     return buf.numpy().tobytes()
 
 
 def encode_layers_into(block: torch.Tensor, h: BlockHeader, buf: torch.Tensor, layers) -> list[int]:
-    """Encode the given layers of `block` into `buf` (uint8, the whole encoded block); their checksums."""
+    """Encode the given layers of `block` into `buf` (uint8, the whole encoded block); their
+    checksums."""
     codec = get_codec(h.codec)
     n = codec.layer_nbytes(h.shape[1:], h.dtype)
     sums = []
     for layer in layers:
         off = h.layer_offset(layer)
-        codec.encode_layer(block[layer], buf[off:off + n])
-        sums.append(checksum(buf[off:off + h.layer_bytes].numpy()))
+        codec.encode_layer(block[layer], buf[off : off + n])
+        sums.append(checksum(buf[off : off + h.layer_bytes].numpy()))
     return sums
 
 
-def decode_block(data, out: torch.Tensor | None = None, model_fingerprint: str = "") -> torch.Tensor:
-    """Decode an encoded block (checking it) into `out` or a new tensor; BlockCorrupt if it fails a check."""
+def decode_block(
+    data, out: torch.Tensor | None = None, model_fingerprint: str = ""
+) -> torch.Tensor:
+    """Decode an encoded block (checking it) into `out` or a new tensor; BlockCorrupt if it fails a
+    check."""
     h = check_block(data, model_fingerprint)
     if out is None:
         out = torch.empty(h.shape, dtype=h.dtype)
     elif tuple(out.shape) != h.shape or out.dtype != h.dtype:
-        raise BlockCorrupt(f"block is {list(h.shape)} {h.dtype}, out is {list(out.shape)} {out.dtype}")
+        raise BlockCorrupt(
+            f"block is {list(h.shape)} {h.dtype}, out is {list(out.shape)} {out.dtype}"
+        )
     decode_layers(u8view(data), h, out, range(h.num_layers))
     return out
 
 
 def u8view(data) -> torch.Tensor:
-    """A uint8 tensor over any buffer without a copy (read-only buffers too: readers never write)."""
+    """A uint8 tensor over any buffer without a copy (read-only buffers too: readers never
+    write)."""
     mv = memoryview(data).cast("B")
     if len(mv) == 0:
         return torch.empty(0, dtype=torch.uint8)
@@ -233,16 +288,23 @@ def u8view(data) -> torch.Tensor:
         return torch.frombuffer(mv, dtype=torch.uint8)
 
 
-def decode_layers(src: torch.Tensor, h: BlockHeader, out: torch.Tensor, layers, base: int = 0) -> None:
+def decode_layers(
+    src: torch.Tensor, h: BlockHeader, out: torch.Tensor, layers, base: int = 0
+) -> None:
     """Decode layers of the encoded block at src[base:] into out[layer] (no checks)."""
     codec = get_codec(h.codec)
     n = codec.layer_nbytes(h.shape[1:], h.dtype)
     layers = list(layers)
-    if codec.name == "raw" and n == h.layer_bytes and len(layers) == h.num_layers and out.is_contiguous():
+    if (
+        codec.name == "raw"
+        and n == h.layer_bytes
+        and len(layers) == h.num_layers
+        and out.is_contiguous()
+    ):
         # unpadded raw layers are the block tensor's bytes as they are: one copy for all of them
         off = base + h.header_len
-        copy_bytes(out.view(-1).view(torch.uint8), src[off:off + h.payload_len])
+        copy_bytes(out.view(-1).view(torch.uint8), src[off : off + h.payload_len])
         return
     for layer in layers:
         off = base + h.layer_offset(layer)
-        codec.decode_layer(src[off:off + n], out[layer])
+        codec.decode_layer(src[off : off + n], out[layer])

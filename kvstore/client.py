@@ -1,5 +1,5 @@
 """StoreClient: batch reads into and writes from a caller's tensors, over shared memory when the
-node is on this host and over gRPC otherwise; a DeviceTier, when given, is asked first."""
+node is on this host and over gRPC otherwise (the tiers above it: kvstore.KVConnector)."""
 
 from __future__ import annotations
 
@@ -15,10 +15,18 @@ import grpc
 import numpy as np
 import torch
 
-from kvstore.block_format import (BlockCorrupt, BlockHeader, checksum, decode_layers, dtype_name, make_header,
-                                  pack_header, parse_header, u8view)
+from kvstore.block_format import (
+    BlockCorrupt,
+    BlockHeader,
+    checksum,
+    decode_layers,
+    dtype_name,
+    make_header,
+    pack_header,
+    parse_header,
+    u8view,
+)
 from kvstore.codecs import copy_bytes, get_codec
-from kvstore.device import DeviceTier
 from kvstore.server import boot_id, grpc_options
 from kvstore.slab import ShmSlab
 from kvstore.store import StoreFull, StoreStats, TierStats
@@ -49,21 +57,22 @@ def _raise(e: grpc.RpcError):
 
 class PutResult(NamedTuple):
     stored: int  # blocks newly written
-    held: int    # blocks of the put the store holds now
+    held: int  # blocks of the put the store holds now
 
 
 class StoreClient:
     """A client of one store node. transport: "auto" (shm on the same host), "shm" or "grpc"."""
 
-    def __init__(self, address: str, transport: str = "auto", device: DeviceTier | None = None,
-                 timeout_s: float = 30.0):
-        self.address, self.device, self.timeout = address, device, timeout_s
+    def __init__(self, address: str, transport: str = "auto", timeout_s: float = 30.0):
+        self.address, self.timeout = address, timeout_s
         self.channel = grpc.insecure_channel(address, options=grpc_options(256 << 20))
         self.stub = pb_grpc.KVStoreStub(self.channel)
         self._get, self._put = raw_get(self.channel), raw_put(self.channel)
         try:
             # waits for the channel to connect, but not as long as a transfer may take
-            self.info = self.stub.Info(pb.KVInfoRequest(), timeout=min(timeout_s, 5.0), wait_for_ready=True)
+            self.info = self.stub.Info(
+                pb.KVInfoRequest(), timeout=min(timeout_s, 5.0), wait_for_ready=True
+            )
         except grpc.RpcError as e:
             self.channel.close()
             _raise(e)
@@ -73,8 +82,12 @@ class StoreClient:
         if transport not in ("auto", "shm", "grpc"):
             raise ValueError(f"transport must be auto, shm or grpc, got {transport!r}")
         if transport != "grpc":
-            same_host = (self.info.hostname == socket.gethostname() and self.info.boot_id == boot_id()
-                         and self.info.shm_path and os.path.exists(self.info.shm_path))
+            same_host = (
+                self.info.hostname == socket.gethostname()
+                and self.info.boot_id == boot_id()
+                and self.info.shm_path
+                and os.path.exists(self.info.shm_path)
+            )
             if same_host:
                 try:
                     self.slab = ShmSlab(self.info.shm_path, self.info.shm_size, create=False)
@@ -95,21 +108,25 @@ class StoreClient:
         except grpc.RpcError as e:
             _raise(e)
         if self.info.shm_path != shm_path:
-            raise StoreUnavailable(f"store {self.address} changed its shared memory during the call")
+            raise StoreUnavailable(
+                f"store {self.address} changed its shared memory during the call"
+            )
         self.slab.close()
         self.slab = ShmSlab(shm_path, self.info.shm_size, create=False)
 
     # ------------------------------------------------------------------ lookups
 
     def lookup(self, keys: list[bytes]) -> LookupResult:
-        """Leading keys held (the device tier first, then the node), and the tier of each."""
-        n_dev = self.device.lookup(keys) if self.device is not None else 0
-        rest = keys[n_dev:]
+        """Leading keys the node holds, and the tier of each."""
         try:
-            reply = self.stub.Lookup(pb.KVLookupRequest(keys=rest), timeout=self.timeout) if rest else None
+            reply = (
+                self.stub.Lookup(pb.KVLookupRequest(keys=keys), timeout=self.timeout)
+                if keys
+                else None
+            )
         except grpc.RpcError as e:
             _raise(e)
-        tiers = ["device"] * n_dev + (list(reply.tiers) if reply else [])
+        tiers = list(reply.tiers) if reply else []
         return LookupResult(len(tiers), tiers)
 
     # ------------------------------------------------------------------ reads
@@ -122,35 +139,44 @@ class StoreClient:
             raise ValueError(f"out holds {out.shape[0]} blocks, {len(keys)} keys asked")
         if not out.is_contiguous():
             raise ValueError("out must be contiguous")
-        k = self.device.get_into(keys, out) if self.device is not None else 0
-        rest = keys[k:]
-        if not rest:
-            return k
+        if not keys:
+            return 0
         if self.slab is not None:
-            return k + self._get_shm(rest, out[k:])
-        return k + self._get_grpc(rest, out[k:])
+            return self._get_shm(keys, out)
+        return self._get_grpc(keys, out)
 
     def _block_ok(self, h: BlockHeader, out_block: torch.Tensor) -> bool:
         if h.shape != tuple(out_block.shape) or h.dtype != out_block.dtype:
-            log.warning("stored block is %s %s, out is %s %s: treated as a miss",
-                        list(h.shape), h.dtype, list(out_block.shape), out_block.dtype)
+            log.warning(
+                "stored block is %s %s, out is %s %s: treated as a miss",
+                list(h.shape),
+                h.dtype,
+                list(out_block.shape),
+                out_block.dtype,
+            )
             return False
         return True
 
     def _get_shm(self, keys: list[bytes], out: torch.Tensor) -> int:
         try:
-            reply = self.stub.Lease(pb.KVLeaseRequest(mode=pb.KVLeaseRequest.READ, keys=keys), timeout=self.timeout)
+            reply = self.stub.Lease(
+                pb.KVLeaseRequest(mode=pb.KVLeaseRequest.READ, keys=keys), timeout=self.timeout
+            )
         except grpc.RpcError as e:
             _raise(e)
         if reply.slots:
             self._check_slab(reply.shm_path)
         got, corrupt = 0, []
         block_bytes = out[0].numel() * out.element_size() if len(out) else 0
-        out_bytes = out.view(-1).view(torch.uint8).numpy() if out.device.type == "cpu" and block_bytes else None
+        out_bytes = (
+            out.view(-1).view(torch.uint8).numpy()
+            if out.device.type == "cpu" and block_bytes
+            else None
+        )
         slab_bytes = self.slab.array
         for slot in reply.slots:
             if slot.offset >= 0:
-                view = self.slab.view[slot.offset:slot.offset + slot.length]
+                view = self.slab.view[slot.offset : slot.offset + slot.length]
             else:
                 view = memoryview(slot.data)
             try:
@@ -163,21 +189,32 @@ class StoreClient:
             if not self._block_ok(h, out[got]):
                 break
             sums, lb = h.checksums, h.layer_bytes
-            if out_bytes is not None and h.codec == "raw" and h.payload_len == block_bytes and slot.offset >= 0:
+            if (
+                out_bytes is not None
+                and h.codec == "raw"
+                and h.payload_len == block_bytes
+                and slot.offset >= 0
+            ):
                 # Unpadded raw: the payload is the block tensor's bytes. Copy, then check the copy
                 # while it is still in cache (one pass over memory instead of two).
                 src = slot.offset + h.header_len
-                dst = out_bytes[got * block_bytes:(got + 1) * block_bytes]
+                dst = out_bytes[got * block_bytes : (got + 1) * block_bytes]
                 step = block_bytes if block_bytes <= _FUSED_COPY_BYTES else lb
                 ok = True
                 for o in range(0, block_bytes, step):
-                    np.copyto(dst[o:o + step], slab_bytes[src + o:src + o + step])
-                    part = memoryview(dst[o:o + step])
-                    ok = ok and all(checksum(part[a:a + lb]) == sums[(o + a) // lb] for a in range(0, step, lb))
+                    np.copyto(dst[o : o + step], slab_bytes[src + o : src + o + step])
+                    part = memoryview(dst[o : o + step])
+                    ok = ok and all(
+                        checksum(part[a : a + lb]) == sums[(o + a) // lb]
+                        for a in range(0, step, lb)
+                    )
                     if not ok:
                         break
             else:
-                ok = all(checksum(view[o:o + lb]) == sums[l] for l, o in enumerate(range(h.header_len, h.total_len, lb)))
+                ok = all(
+                    checksum(view[o : o + lb]) == sums[l]
+                    for l, o in enumerate(range(h.header_len, h.total_len, lb))
+                )
                 if ok:
                     decode_layers(u8view(view), h, out[got], range(h.num_layers))
             if not ok:
@@ -190,7 +227,9 @@ class StoreClient:
 
     def _release_later(self, lease_id: int, corrupt: list[bytes]) -> None:
         # Released in the background: the copies are done, nothing waits on the answer.
-        f = self.stub.Release.future(pb.KVReleaseRequest(lease_id=lease_id, corrupt=corrupt), timeout=self.timeout)
+        f = self.stub.Release.future(
+            pb.KVReleaseRequest(lease_id=lease_id, corrupt=corrupt), timeout=self.timeout
+        )
         with self._releases_lock:
             self._releases.append(f)
         self._reap_releases()
@@ -228,7 +267,9 @@ class StoreClient:
                 headers.append(h)
             k = len(headers)
             corrupt = []
-            stage: dict[tuple[int, int], torch.Tensor] = {}  # (block, layer) -> bytes of a split layer
+            stage: dict[
+                tuple[int, int], torch.Tensor
+            ] = {}  # (block, layer) -> bytes of a split layer
             filled: dict[tuple[int, int], int] = {}
             for raw in stream:
                 for p in parse_parts(raw, 3):
@@ -237,14 +278,16 @@ class StoreClient:
                         continue
                     h = headers[b]
                     start = h.layer_offset(layer)
-                    if p.offset == start and len(p.data) == h.layer_bytes:  # a whole layer: no staging
+                    if (
+                        p.offset == start and len(p.data) == h.layer_bytes
+                    ):  # a whole layer: no staging
                         data = p.data
                     else:
                         buf = stage.get((b, layer))
                         if buf is None:
                             buf = stage[(b, layer)] = torch.empty(h.layer_bytes, dtype=torch.uint8)
                         rel = p.offset - start
-                        copy_bytes(buf[rel:rel + len(p.data)], u8view(p.data))
+                        copy_bytes(buf[rel : rel + len(p.data)], u8view(p.data))
                         filled[(b, layer)] = filled.get((b, layer), 0) + len(p.data)
                         if filled[(b, layer)] < h.layer_bytes:
                             continue
@@ -263,13 +306,21 @@ class StoreClient:
 
     # ------------------------------------------------------------------ writes
 
-    def put(self, keys: list[bytes], blocks: torch.Tensor, model_fingerprint: str, codec: str = "raw",
-            parent: bytes | None = None) -> int:
+    def put(
+        self,
+        keys: list[bytes],
+        blocks: torch.Tensor,
+        model_fingerprint: str,
+        codec: str = "raw",
+        parent: bytes | None = None,
+    ) -> int:
         """Store blocks [n, L, ...] under keys; how many of them the store holds afterwards
         (blocks it held already are not rewritten). StoreFull when it cannot take them."""
         if blocks.shape[0] != len(keys):
             raise ValueError(f"{len(keys)} keys for {blocks.shape[0]} blocks")
-        w = self.open_put(keys, tuple(blocks.shape[1:]), blocks.dtype, model_fingerprint, codec, parent)
+        w = self.open_put(
+            keys, tuple(blocks.shape[1:]), blocks.dtype, model_fingerprint, codec, parent
+        )
         try:
             if isinstance(w, _ShmWriter) and w.can_write_whole(blocks):
                 w.write_whole(blocks)
@@ -281,8 +332,15 @@ class StoreClient:
             raise
         return w.commit().held
 
-    def open_put(self, keys: list[bytes], block_shape: tuple[int, ...], dtype: torch.dtype, model_fingerprint: str,
-                 codec: str = "raw", parent: bytes | None = None) -> "BlockWriter":
+    def open_put(
+        self,
+        keys: list[bytes],
+        block_shape: tuple[int, ...],
+        dtype: torch.dtype,
+        model_fingerprint: str,
+        codec: str = "raw",
+        parent: bytes | None = None,
+    ) -> "BlockWriter":
         """A layer-wise writer: write_layer(l, [n, ...]) for every layer, then commit() or abort()."""
         header = make_header(codec, dtype, tuple(block_shape), model_fingerprint)
         if not keys:
@@ -299,9 +357,19 @@ class StoreClient:
             s = self.stub.Stats(pb.KVStatsRequest(), timeout=self.timeout)
         except grpc.RpcError as e:
             _raise(e)
-        return StoreStats(s.node_id, [TierStats(t.tier, t.used_bytes, t.capacity_bytes, t.blocks, t.hits, t.evictions)
-                                      for t in s.tiers], s.hits, s.misses, s.promotions, s.demotions, s.leases,
-                          s.pending_blocks)
+        return StoreStats(
+            s.node_id,
+            [
+                TierStats(t.tier, t.used_bytes, t.capacity_bytes, t.blocks, t.hits, t.evictions)
+                for t in s.tiers
+            ],
+            s.hits,
+            s.misses,
+            s.promotions,
+            s.demotions,
+            s.leases,
+            s.pending_blocks,
+        )
 
     def clear(self) -> int:
         """Drop every block the node holds (see KVStore.Clear); how many went now."""
@@ -328,7 +396,9 @@ class StoreClient:
 class BlockWriter:
     """Writes n blocks layer by layer; they become visible only at commit()."""
 
-    def __init__(self, client: StoreClient, keys: list[bytes], header: BlockHeader, parent: bytes | None):
+    def __init__(
+        self, client: StoreClient, keys: list[bytes], header: BlockHeader, parent: bytes | None
+    ):
         self.client, self.keys, self.header, self.parent = client, keys, header, parent
         self.codec = get_codec(header.codec)
         self.sums = [[0] * header.num_layers for _ in keys]
@@ -342,8 +412,10 @@ class BlockWriter:
         if not 0 <= layer < self.header.num_layers:
             raise ValueError(f"layer {layer} outside 0..{self.header.num_layers - 1}")
         if tuple(data.shape) != want or data.dtype != self.header.dtype:
-            raise ValueError(f"layer data is {list(data.shape)} {data.dtype}, expected {list(want)} "
-                             f"{dtype_name(self.header.dtype)}")
+            raise ValueError(
+                f"layer data is {list(data.shape)} {data.dtype}, expected {list(want)} "
+                f"{dtype_name(self.header.dtype)}"
+            )
 
     def _headers(self) -> list[bytes]:
         missing = set(range(self.header.num_layers)) - self.written
@@ -377,14 +449,21 @@ class _NoWriter(BlockWriter):
 class _ShmWriter(BlockWriter):
     def __init__(self, client, keys, header, parent):
         super().__init__(client, keys, header, parent)
-        req = pb.KVLeaseRequest(mode=pb.KVLeaseRequest.WRITE, keys=keys, sizes=[header.total_len] * len(keys),
-                                parent=parent or b"", model_fingerprint=header.fingerprint)
+        req = pb.KVLeaseRequest(
+            mode=pb.KVLeaseRequest.WRITE,
+            keys=keys,
+            sizes=[header.total_len] * len(keys),
+            parent=parent or b"",
+            model_fingerprint=header.fingerprint,
+        )
         try:
             reply = client.stub.Lease(req, timeout=client.timeout)
         except grpc.RpcError as e:
             _raise(e)
         self.lease_id, self.ttl = reply.lease_id, reply.ttl_s
-        self.slots = [(s.index, s.offset) for s in reply.slots]  # blocks the store does not hold yet
+        self.slots = [
+            (s.index, s.offset) for s in reply.slots
+        ]  # blocks the store does not hold yet
         if self.slots:
             client._check_slab(reply.shm_path)
         self.renewed = time.monotonic()
@@ -393,8 +472,10 @@ class _ShmWriter(BlockWriter):
         # Before writing, never after: once a lease lapses its ranges may belong to another put.
         if self.slots and time.monotonic() - self.renewed > self.ttl / 3:
             try:
-                self.client.stub.Lease(pb.KVLeaseRequest(mode=pb.KVLeaseRequest.RENEW, lease_id=self.lease_id),
-                                       timeout=self.client.timeout)
+                self.client.stub.Lease(
+                    pb.KVLeaseRequest(mode=pb.KVLeaseRequest.RENEW, lease_id=self.lease_id),
+                    timeout=self.client.timeout,
+                )
             except grpc.RpcError as e:
                 self.closed = True
                 _raise(e)
@@ -407,17 +488,22 @@ class _ShmWriter(BlockWriter):
         n = self.codec.layer_nbytes(h.shape[1:], h.dtype)
         for i, off in self.slots:
             start = off + h.layer_offset(layer)
-            dst = slab.tensor[start:start + h.layer_bytes]
+            dst = slab.tensor[start : start + h.layer_bytes]
             self.codec.encode_layer(data[i], dst[:n])
             if n < h.layer_bytes:
                 dst[n:].zero_()
-            self.sums[i][layer] = checksum(slab.view[start:start + h.layer_bytes])
+            self.sums[i][layer] = checksum(slab.view[start : start + h.layer_bytes])
         self.written.add(layer)
 
     def can_write_whole(self, blocks: torch.Tensor) -> bool:
         h = self.header
-        return (h.codec == "raw" and self.codec.layer_nbytes(h.shape[1:], h.dtype) == h.layer_bytes
-                and blocks.is_contiguous() and tuple(blocks.shape[1:]) == h.shape and blocks.dtype == h.dtype)
+        return (
+            h.codec == "raw"
+            and self.codec.layer_nbytes(h.shape[1:], h.dtype) == h.layer_bytes
+            and blocks.is_contiguous()
+            and tuple(blocks.shape[1:]) == h.shape
+            and blocks.dtype == h.dtype
+        )
 
     def write_whole(self, blocks: torch.Tensor) -> None:
         """All layers of unpadded raw blocks: one copy per block, then the per-layer checksums."""
@@ -425,10 +511,12 @@ class _ShmWriter(BlockWriter):
         h, slab = self.header, self.client.slab
         for i, off in self.slots:
             start = off + h.header_len
-            copy_bytes(slab.tensor[start:start + h.payload_len], blocks[i].reshape(-1).view(torch.uint8))
+            copy_bytes(
+                slab.tensor[start : start + h.payload_len], blocks[i].reshape(-1).view(torch.uint8)
+            )
             for layer in range(h.num_layers):
                 lo = off + h.layer_offset(layer)
-                self.sums[i][layer] = checksum(slab.view[lo:lo + h.layer_bytes])
+                self.sums[i][layer] = checksum(slab.view[lo : lo + h.layer_bytes])
         self.written.update(range(h.num_layers))
 
     def commit(self):
@@ -439,9 +527,11 @@ class _ShmWriter(BlockWriter):
             return PutResult(0, len(self.keys))
         slab = self.client.slab
         for i, off in self.slots:
-            slab.view[off:off + len(headers[i])] = headers[i]
+            slab.view[off : off + len(headers[i])] = headers[i]
         try:
-            reply = self.client.stub.Commit(pb.KVCommitRequest(lease_id=self.lease_id), timeout=self.client.timeout)
+            reply = self.client.stub.Commit(
+                pb.KVCommitRequest(lease_id=self.lease_id), timeout=self.client.timeout
+            )
         except grpc.RpcError as e:
             _raise(e)
         # the node answers for the blocks it reserved; the others were held when the lease was granted
@@ -453,7 +543,9 @@ class _ShmWriter(BlockWriter):
         self.closed = True
         if self.slots:
             try:
-                self.client.stub.Release(pb.KVReleaseRequest(lease_id=self.lease_id), timeout=self.client.timeout)
+                self.client.stub.Release(
+                    pb.KVReleaseRequest(lease_id=self.lease_id), timeout=self.client.timeout
+                )
             except grpc.RpcError as e:
                 log.warning("abort of lease %d failed: %s", self.lease_id, e.details())
 
@@ -462,10 +554,20 @@ class _GrpcWriter(BlockWriter):
     def __init__(self, client, keys, header, parent):
         super().__init__(client, keys, header, parent)
         self.q: queue.Queue = queue.Queue()
-        self.q.put(pb.KVPutChunk(open=pb.KVPutOpen(keys=keys, sizes=[header.total_len] * len(keys),
-                                                   parent=parent or b"", model_fingerprint=header.fingerprint)))
+        self.q.put(
+            pb.KVPutChunk(
+                open=pb.KVPutOpen(
+                    keys=keys,
+                    sizes=[header.total_len] * len(keys),
+                    parent=parent or b"",
+                    model_fingerprint=header.fingerprint,
+                )
+            )
+        )
         # The stream stays open while the caller computes layers: a long deadline, not none.
-        self.call = client._put.future(iter(self.q.get, None), timeout=max(client.timeout, PUT_STREAM_DEADLINE_S))
+        self.call = client._put.future(
+            iter(self.q.get, None), timeout=max(client.timeout, PUT_STREAM_DEADLINE_S)
+        )
 
     def write_layer(self, layer, data):
         self._check_layer(layer, data)
@@ -483,11 +585,13 @@ class _GrpcWriter(BlockWriter):
             raw = memoryview(buf.numpy())
             self.sums[i][layer] = checksum(raw)
             for o in range(0, len(raw), chunk):
-                piece = raw[o:o + chunk]
+                piece = raw[o : o + chunk]
                 parts.append(Part(i, layer, start + o, piece))
                 size += len(piece)
                 if size >= chunk:
-                    self.q.put(put_data_chunk(parts))  # copies the pieces: the caller may reuse data
+                    self.q.put(
+                        put_data_chunk(parts)
+                    )  # copies the pieces: the caller may reuse data
                     parts, size = [], 0
         if parts:
             self.q.put(put_data_chunk(parts))

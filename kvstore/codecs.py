@@ -47,12 +47,17 @@ class Codec(ABC):
 
     @abstractmethod
     def decode_layer(self, data: torch.Tensor, out: torch.Tensor) -> None:
-        """Decode `data` (uint8, layer_nbytes long) into `out` (the layer tensor, its dtype and shape)."""
+        """Decode `data` (uint8, layer_nbytes long) into `out` (the layer tensor, its dtype and
+        shape)."""
         ...
 
     def bytes_per_token(self, block_shape: tuple[int, ...], dtype: torch.dtype) -> float:
         """Encoded bytes per token over all layers of a block of this shape."""
-        return block_shape[0] * self.layer_nbytes(tuple(block_shape[1:]), dtype) / block_tokens(block_shape)
+        return (
+            block_shape[0]
+            * self.layer_nbytes(tuple(block_shape[1:]), dtype)
+            / block_tokens(block_shape)
+        )
 
 
 class RawCodec(Codec):
@@ -123,7 +128,7 @@ class KiviCodec(Codec):
         off = 0
         for field in packed:  # kivi_to_bytes's layout, written in place
             b = field.contiguous().reshape(-1).view(torch.uint8)
-            copy_bytes(out[off:off + b.numel()], b)
+            copy_bytes(out[off : off + b.numel()], b)
             off += b.numel()
 
     def decode_layer(self, data, out):
@@ -134,7 +139,9 @@ class KiviCodec(Codec):
 
 
 # name -> codec; the name is what the block header records.
-CODECS: dict[str, Codec] = {c.name: c for c in (RawCodec(), Int8Codec(), KiviCodec(4), KiviCodec(2))}
+CODECS: dict[str, Codec] = {
+    c.name: c for c in (RawCodec(), Int8Codec(), KiviCodec(4), KiviCodec(2))
+}
 
 
 def get_codec(name: str) -> Codec:

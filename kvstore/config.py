@@ -8,20 +8,20 @@ from dataclasses import dataclass
 @dataclass
 class StoreConfig:
     node_id: str = "store-0"
-    host: str = "127.0.0.1"        # address the gRPC server binds and advertises
-    port: int = 0                  # 0 = a free port
-    dram_bytes: int = 256 << 20    # shared-memory slab size (the dram tier)
-    ssd_dir: str = ""              # LMDB directory; "" = no ssd tier
-    ssd_bytes: int = 0             # ssd tier capacity (encoded block bytes)
-    redis_url: str = ""            # global index; "" = no index (a standalone node)
-    model_fingerprint: str = ""    # puts with another fingerprint are refused; "" = accept any
-    heartbeat_s: float = 2.0       # index heartbeat period; the node's entry lives 3 periods
-    lease_s: float = 30.0          # a lease not released within this is dropped (its holder died)
-    metrics_port: int = 0          # Prometheus exporter on this port; 0 = off
+    host: str = "127.0.0.1"  # address the gRPC server binds and advertises
+    port: int = 0  # 0 = a free port
+    dram_bytes: int = 256 << 20  # shared-memory slab size (the dram tier)
+    ssd_dir: str = ""  # LMDB directory; "" = no ssd tier
+    ssd_bytes: int = 0  # ssd tier capacity (encoded block bytes)
+    redis_url: str = ""  # global index; "" = no index (a standalone node)
+    model_fingerprint: str = ""  # puts with another fingerprint are refused; "" = accept any
+    heartbeat_s: float = 2.0  # index heartbeat period; the node's entry lives 3 periods
+    lease_s: float = 30.0  # a lease not released within this is dropped (its holder died)
+    metrics_port: int = 0  # Prometheus exporter on this port; 0 = off
     max_message_bytes: int = 64 << 20  # gRPC message size limit, both ways
-    chunk_bytes: int = 1 << 20     # gRPC Get/Put payload per message (1 MiB measured best here)
-    grpc_workers: int = 16         # gRPC server threads
-    shm_dir: str = "/dev/shm"      # where the dram slab's file lives
+    chunk_bytes: int = 1 << 20  # gRPC Get/Put payload per message (1 MiB measured best here)
+    grpc_workers: int = 16  # gRPC server threads
+    shm_dir: str = "/dev/shm"  # where the dram slab's file lives
 
     def __post_init__(self) -> None:
         if self.dram_bytes < 0 or self.ssd_bytes < 0:

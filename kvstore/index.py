@@ -11,10 +11,10 @@ import redis
 from kvstore.redis_embed import EmbeddedRedis
 from kvstore.types import LookupResult, NodeInfo
 
-_BLOCK = b"hm:b:"       # + block key -> hash {node_id: tier}
-_NODE = "hm:n:"         # + node id -> NodeInfo JSON, expires unless heartbeats renew it
-_NODES = "hm:nodes"     # set of node ids ever registered (for sweeping dead ones)
-_NODE_KEYS = "hm:nk:"   # + node id -> set of block keys the node published
+_BLOCK = b"hm:b:"  # + block key -> hash {node_id: tier}
+_NODE = "hm:n:"  # + node id -> NodeInfo JSON, expires unless heartbeats renew it
+_NODES = "hm:nodes"  # set of node ids ever registered (for sweeping dead ones)
+_NODE_KEYS = "hm:nk:"  # + node id -> set of block keys the node published
 
 # For each node, how many leading KEYS it holds (contiguously from KEYS[1]) and the tier of each;
 # nodes whose registry entry lapsed are left out.

@@ -17,7 +17,8 @@ def block_keys(
     salt: str = "",
     parent: bytes = _ROOT,
 ) -> list[bytes]:
-    """Keys of the full blocks of `tokens`: key_i = blake2b(key_{i-1} || fingerprint || salt || block_i).
+    """Keys of the full blocks of `tokens`:
+    key_i = blake2b(key_{i-1} || fingerprint || salt || block_i).
 
     Equal prefixes give equal keys; a changed token changes that block's key and every later one.
     A trailing partial block gets no key. `parent` continues a chain from an earlier block's key.

@@ -16,11 +16,19 @@ class _StoreCollector:
 
     def collect(self):
         s = self.store.stats()
-        used = GaugeMetricFamily("halfmoon_store_bytes", "Encoded block bytes held", labels=["node", "tier"])
-        cap = GaugeMetricFamily("halfmoon_store_capacity_bytes", "Tier capacity", labels=["node", "tier"])
+        used = GaugeMetricFamily(
+            "halfmoon_store_bytes", "Encoded block bytes held", labels=["node", "tier"]
+        )
+        cap = GaugeMetricFamily(
+            "halfmoon_store_capacity_bytes", "Tier capacity", labels=["node", "tier"]
+        )
         blocks = GaugeMetricFamily("halfmoon_store_blocks", "Blocks held", labels=["node", "tier"])
-        hits = CounterMetricFamily("halfmoon_store_hits", "Blocks read, by tier", labels=["node", "tier"])
-        ev = CounterMetricFamily("halfmoon_store_evictions", "Blocks evicted, by tier", labels=["node", "tier"])
+        hits = CounterMetricFamily(
+            "halfmoon_store_hits", "Blocks read, by tier", labels=["node", "tier"]
+        )
+        ev = CounterMetricFamily(
+            "halfmoon_store_evictions", "Blocks evicted, by tier", labels=["node", "tier"]
+        )
         for t in s.tiers:
             used.add_metric([s.node_id, t.tier], t.used_bytes)
             cap.add_metric([s.node_id, t.tier], t.capacity_bytes)
@@ -28,9 +36,13 @@ class _StoreCollector:
             hits.add_metric([s.node_id, t.tier], t.hits)
             ev.add_metric([s.node_id, t.tier], t.evictions)
         yield from (used, cap, blocks, hits, ev)
-        misses = CounterMetricFamily("halfmoon_store_misses", "Blocks asked for past the held prefix", labels=["node"])
+        misses = CounterMetricFamily(
+            "halfmoon_store_misses", "Blocks asked for past the held prefix", labels=["node"]
+        )
         misses.add_metric([s.node_id], s.misses)
-        moves = CounterMetricFamily("halfmoon_store_moves", "Blocks moved between tiers", labels=["node", "kind"])
+        moves = CounterMetricFamily(
+            "halfmoon_store_moves", "Blocks moved between tiers", labels=["node", "kind"]
+        )
         moves.add_metric([s.node_id, "promotion"], s.promotions)
         moves.add_metric([s.node_id, "demotion"], s.demotions)
         leases = GaugeMetricFamily("halfmoon_store_leases", "Leases held", labels=["node"])
@@ -44,10 +56,18 @@ class StoreMetrics:
     def __init__(self, store: BlockStore):
         self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(_StoreCollector(store))
-        self.transfer_bytes = Counter("halfmoon_store_transfer_bytes", "Block bytes moved by the node",
-                                      ["node", "op", "path"], registry=self.registry)
-        self.transfer_seconds = Counter("halfmoon_store_transfer_seconds", "Seconds spent serving transfers",
-                                        ["node", "op", "path"], registry=self.registry)
+        self.transfer_bytes = Counter(
+            "halfmoon_store_transfer_bytes",
+            "Block bytes moved by the node",
+            ["node", "op", "path"],
+            registry=self.registry,
+        )
+        self.transfer_seconds = Counter(
+            "halfmoon_store_transfer_seconds",
+            "Seconds spent serving transfers",
+            ["node", "op", "path"],
+            registry=self.registry,
+        )
         self.node_id = store.node_id
         self._http = None
 

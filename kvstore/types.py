@@ -6,16 +6,16 @@ from typing import NamedTuple
 
 
 class LookupResult(NamedTuple):
-    num_blocks: int   # leading keys held
+    num_blocks: int  # leading keys held
     tiers: list[str]  # tier of each held block: device | dram | ssd
 
 
 class NodeInfo(NamedTuple):
     node_id: str
-    address: str             # gRPC address HOST:PORT
-    host: str                # host the node runs on (hostname)
-    shm_path: str            # its dram slab's file ("" = none)
-    dram_bytes: int          # dram tier capacity
-    ssd_bytes: int           # ssd tier capacity
-    model_fingerprint: str   # "" = accepts any
-    started_at: float        # unix time the node started
+    address: str  # gRPC address HOST:PORT
+    host: str  # host the node runs on (hostname)
+    shm_path: str  # its dram slab's file ("" = none)
+    dram_bytes: int  # dram tier capacity
+    ssd_bytes: int  # ssd tier capacity
+    model_fingerprint: str  # "" = accepts any
+    started_at: float  # unix time the node started

@@ -18,10 +18,10 @@ _SERVICE = "halfmoon.KVStore"
 
 
 class Part(NamedTuple):
-    block: int         # index of the block in the request's keys
-    layer: int         # layer the bytes belong to
-    offset: int        # byte offset in the encoded block
-    data: memoryview   # the bytes (a view into the message, or into the sender's buffer)
+    block: int  # index of the block in the request's keys
+    layer: int  # layer the bytes belong to
+    offset: int  # byte offset in the encoded block
+    data: memoryview  # the bytes (a view into the message, or into the sender's buffer)
 
 
 def _varint(n: int) -> bytes:
@@ -50,8 +50,16 @@ def _read_varint(mv: memoryview, pos: int) -> tuple[int, int]:
 
 
 def _part_pieces(p: Part) -> tuple[list, int]:
-    head = b"\x08" + _varint(p.block) + b"\x10" + _varint(p.layer) + b"\x18" + _varint(p.offset) + \
-        b"\x22" + _varint(len(p.data))
+    head = (
+        b"\x08"
+        + _varint(p.block)
+        + b"\x10"
+        + _varint(p.layer)
+        + b"\x18"
+        + _varint(p.offset)
+        + b"\x22"
+        + _varint(len(p.data))
+    )
     return [head, p.data], len(head) + len(p.data)
 
 
@@ -88,11 +96,11 @@ def _fields(mv: memoryview, start: int = 0, end: int | None = None):
             n, pos = _read_varint(mv, pos)
             if pos + n > end:
                 raise ValueError("truncated field")
-            val, pos = mv[pos:pos + n], pos + n
+            val, pos = mv[pos : pos + n], pos + n
         elif wire == 1:
-            val, pos = mv[pos:pos + 8], pos + 8
+            val, pos = mv[pos : pos + 8], pos + 8
         elif wire == 5:
-            val, pos = mv[pos:pos + 4], pos + 4
+            val, pos = mv[pos : pos + 4], pos + 4
         else:
             raise ValueError(f"unsupported wire type {wire}")
         yield tag >> 3, val
@@ -159,12 +167,22 @@ def add_servicer(servicer, server: grpc.Server) -> None:
     """Register the KVStore servicer; Get answers and Put requests may be pre-serialized bytes."""
     u = grpc.unary_unary_rpc_method_handler
     handlers = {
-        "Lookup": u(servicer.Lookup, pb.KVLookupRequest.FromString, pb.KVLookupReply.SerializeToString),
-        "Get": grpc.unary_stream_rpc_method_handler(servicer.Get, pb.KVGetRequest.FromString, _serialize),
-        "Put": grpc.stream_unary_rpc_method_handler(servicer.Put, parse_put_chunk, pb.KVPutReply.SerializeToString),
+        "Lookup": u(
+            servicer.Lookup, pb.KVLookupRequest.FromString, pb.KVLookupReply.SerializeToString
+        ),
+        "Get": grpc.unary_stream_rpc_method_handler(
+            servicer.Get, pb.KVGetRequest.FromString, _serialize
+        ),
+        "Put": grpc.stream_unary_rpc_method_handler(
+            servicer.Put, parse_put_chunk, pb.KVPutReply.SerializeToString
+        ),
         "Lease": u(servicer.Lease, pb.KVLeaseRequest.FromString, pb.KVLeaseReply.SerializeToString),
-        "Release": u(servicer.Release, pb.KVReleaseRequest.FromString, pb.KVReleaseReply.SerializeToString),
-        "Commit": u(servicer.Commit, pb.KVCommitRequest.FromString, pb.KVPutReply.SerializeToString),
+        "Release": u(
+            servicer.Release, pb.KVReleaseRequest.FromString, pb.KVReleaseReply.SerializeToString
+        ),
+        "Commit": u(
+            servicer.Commit, pb.KVCommitRequest.FromString, pb.KVPutReply.SerializeToString
+        ),
         "Stats": u(servicer.Stats, pb.KVStatsRequest.FromString, pb.KVStatsReply.SerializeToString),
         "Info": u(servicer.Info, pb.KVInfoRequest.FromString, pb.KVInfoReply.SerializeToString),
         "Clear": u(servicer.Clear, pb.KVClearRequest.FromString, pb.KVClearReply.SerializeToString),
@@ -174,11 +192,17 @@ def add_servicer(servicer, server: grpc.Server) -> None:
 
 def raw_get(channel: grpc.Channel):
     """Get, answering serialized KVGetChunks (bytes) for parse_parts."""
-    return channel.unary_stream(f"/{_SERVICE}/Get", request_serializer=pb.KVGetRequest.SerializeToString,
-                                response_deserializer=_identity)
+    return channel.unary_stream(
+        f"/{_SERVICE}/Get",
+        request_serializer=pb.KVGetRequest.SerializeToString,
+        response_deserializer=_identity,
+    )
 
 
 def raw_put(channel: grpc.Channel):
     """Put, sending KVPutChunk messages or pre-serialized bytes."""
-    return channel.stream_unary(f"/{_SERVICE}/Put", request_serializer=_serialize,
-                                response_deserializer=pb.KVPutReply.FromString)
+    return channel.stream_unary(
+        f"/{_SERVICE}/Put",
+        request_serializer=_serialize,
+        response_deserializer=pb.KVPutReply.FromString,
+    )

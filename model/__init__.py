@@ -4,7 +4,17 @@ from model.config import ModelConfig
 from model.engine import Engine, Timing
 from model.kv_pool import KVPool, PoolExhausted
 from model.llama import LlamaModel
-from model.loader import DTYPES, MODEL_NAMES, LoadedModel, load_model, save_hf_dir
+from model.loader import (
+    DTYPES,
+    MODEL_NAMES,
+    LoadedModel,
+    ModelInfo,
+    kv_fingerprint,
+    load_model,
+    load_model_info,
+    save_hf_dir,
+)
+from model.rules import finish_reason, prompt_problem
 from model.sampling import SamplingParams, sample
 from model.tokenizer import Tokenizer
 
@@ -16,11 +26,16 @@ __all__ = [
     "LlamaModel",
     "LoadedModel",
     "ModelConfig",
+    "ModelInfo",
     "PoolExhausted",
     "SamplingParams",
     "Timing",
     "Tokenizer",
+    "finish_reason",
+    "kv_fingerprint",
     "load_model",
+    "load_model_info",
+    "prompt_problem",
     "sample",
     "save_hf_dir",
 ]

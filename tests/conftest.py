@@ -18,6 +18,7 @@ def free_port() -> int:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
+
 # One torch thread per test process: with 2 cores shared by servers and test code, a second
 # intra-op thread only waits for a time slice (measured 5-10 ms stalls per op under load).
 torch.set_num_threads(1)

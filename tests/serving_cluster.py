@@ -1,23 +1,20 @@
-"""An in-process cluster for tests and benchmarks: embedded Redis, one store node, workers, a conductor (no Ray)."""
+"""The in-process cluster the serving tests use: deploy.LocalCluster plus request helpers."""
 
 from __future__ import annotations
 
-import dataclasses
-import tempfile
 import time
 
 import grpc
 
-from conductor import Conductor, ConductorConfig
-from decode_node import DecodeConfig, DecodeWorker
-from kvstore import EmbeddedRedis, StoreConfig, StoreNode
-from prefill_node import PrefillConfig, PrefillWorker
+from deploy import LocalCluster, cluster_config_from_dict
 from protos import halfmoon_pb2 as pb
 from protos import halfmoon_pb2_grpc as pb_grpc
 
 
 class Cluster:
-    """`with Cluster(lm) as c: c.generate(...)`; every server on 127.0.0.1, free ports, all stopped on exit."""
+    """`with Cluster(lm) as c: c.generate(...)`: deploy.LocalCluster in this process, sharing `lm`;
+    every server on 127.0.0.1, free ports, all stopped on exit. `hosts` store nodes stand for
+    hosts; workers are spread over them in turn (prefill-i and decode-i on store-(i % hosts))."""
 
     def __init__(
         self,
@@ -28,41 +25,37 @@ class Cluster:
         decode: dict | None = None,
         conductor: dict | None = None,
         store: dict | None = None,
+        hosts: int = 1,
     ):
         self.lm = lm
-        self._stack: list = []
+        self.channel = None
+        cfg = cluster_config_from_dict(
+            {
+                "model": lm.name,
+                "dtype": str(lm.model.dtype).removeprefix("torch."),
+                "prefill_workers": num_prefill,
+                "decode_workers": num_decode,
+                "store": {
+                    "dram_bytes": 128 << 20,
+                    "model_fingerprint": lm.fingerprint,
+                    "heartbeat_s": 0.5,
+                    **(store or {}),
+                },
+                "prefill": dict(prefill or {}),
+                "decode": dict(decode or {}),
+                "conductor": {"load_poll_s": 0.05, **(conductor or {})},
+            }
+        )
+        self.local = LocalCluster(cfg, lm=lm, hosts=hosts)
         try:
-            self.redis = EmbeddedRedis()
-            self._stack.append(self.redis)
-            self._tmp = tempfile.TemporaryDirectory(prefix="halfmoon-test-")
-            store_cfg = dict(node_id="store-0", redis_url=self.redis.url, dram_bytes=128 << 20,
-                             model_fingerprint=lm.fingerprint, heartbeat_s=0.5)
-            store_cfg.update(store or {})
-            self.store = StoreNode(StoreConfig(**store_cfg))
-            self.store_address = self.store.start()
-            self._stack.append(self.store)
-            common = dict(model=lm.name, store_address=self.store_address, store_node="store-0")
-            self.prefills = []
-            for i in range(num_prefill):
-                cfg = PrefillConfig(worker_id=f"prefill-{i}", index_url=self.redis.url, **common, **(prefill or {}))
-                w = PrefillWorker(cfg, lm=lm)
-                w.start()
-                self._stack.append(w)
-                self.prefills.append(w)
-            self.decodes = []
-            for i in range(num_decode):
-                w = DecodeWorker(DecodeConfig(worker_id=f"decode-{i}", **common, **(decode or {})), lm=lm)
-                w.start()
-                self._stack.append(w)
-                self.decodes.append(w)
-            ccfg = ConductorConfig(
-                model=lm.name, prefill_workers=[w.address for w in self.prefills],
-                decode_workers=[w.address for w in self.decodes], store_addresses=[self.store_address],
-                index_url=self.redis.url, load_poll_s=0.05,
-            )
-            self.conductor = Conductor(dataclasses.replace(ccfg, **(conductor or {})), lm=lm)
-            self.address = self.conductor.start()
-            self._stack.append(self.conductor)
+            self.address = self.local.start()
+            self.redis = self.local.redis
+            self.stores = self.local.objects["store"]
+            self.store = self.stores[0]
+            self.store_address = self.store.address
+            self.prefills = self.local.objects["prefill"]
+            self.decodes = self.local.objects["decode"]
+            (self.conductor,) = self.local.objects["conductor"]
             self.channel = grpc.insecure_channel(self.address)
             self.stub = pb_grpc.ConductorStub(self.channel)
         except BaseException:
@@ -76,14 +69,14 @@ class Cluster:
         self.close()
 
     def close(self) -> None:
-        if getattr(self, "channel", None) is not None:
+        if self.channel is not None:
             self.channel.close()
-        while self._stack:
-            self._stack.pop().stop()
-        if getattr(self, "_tmp", None) is not None:
-            self._tmp.cleanup()
+            self.channel = None
+        self.local.stop()
 
-    def generate(self, timeout: float = 120.0, **fields) -> tuple[list[int], str, pb.GenerateResponse]:
+    def generate(
+        self, timeout: float = 120.0, **fields
+    ) -> tuple[list[int], str, pb.GenerateResponse]:
         """(token ids, text, the final message) of one request built from GenerateRequest fields."""
         ids, text, last = [], [], None
         for msg in self.stub.Generate(request(**fields), timeout=timeout):
@@ -97,18 +90,30 @@ class Cluster:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             loads = [d.load() for d in self.decodes]
-            if all(ld.running == 0 and ld.waiting == 0 and ld.free_blocks == ld.total_blocks for ld in loads):
+            if all(
+                ld.running == 0 and ld.waiting == 0 and ld.free_blocks == ld.total_blocks
+                for ld in loads
+            ):
                 return
             time.sleep(0.02)
         raise TimeoutError("decode workers still busy")
 
 
 def request(
-    token_ids=None, text=None, messages=None, max_tokens=16, ignore_eos=True, temperature=0.0, stop=(), **extra
+    token_ids=None,
+    text=None,
+    messages=None,
+    max_tokens=16,
+    ignore_eos=True,
+    temperature=0.0,
+    stop=(),
+    **extra,
 ) -> pb.GenerateRequest:
     """A GenerateRequest from one of token_ids, text, messages (greedy, EOS ignored unless asked)."""
     r = pb.GenerateRequest(
-        sampling=pb.SamplingParams(max_tokens=max_tokens, temperature=temperature, ignore_eos=ignore_eos, stop=list(stop)),
+        sampling=pb.SamplingParams(
+            max_tokens=max_tokens, temperature=temperature, ignore_eos=ignore_eos, stop=list(stop)
+        ),
         **extra,
     )
     if token_ids is not None:

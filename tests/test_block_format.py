@@ -7,7 +7,14 @@ import struct
 import pytest
 import torch
 
-from kvstore import BlockCorrupt, FORMAT_VERSION, check_block, decode_block, encode_block, parse_header
+from kvstore import (
+    BlockCorrupt,
+    FORMAT_VERSION,
+    check_block,
+    decode_block,
+    encode_block,
+    parse_header,
+)
 from kvstore.block_format import ALIGN, layer_ok
 
 
@@ -31,7 +38,7 @@ def test_layers_are_contiguous_and_independently_checked():
     h = parse_header(data)
     for layer in range(3):  # each layer's bytes are exactly that layer's tensor (raw codec)
         off = h.layer_offset(layer)
-        got = torch.frombuffer(bytes(data[off:off + x[layer].numel() * 4]), dtype=torch.float32)
+        got = torch.frombuffer(bytes(data[off : off + x[layer].numel() * 4]), dtype=torch.float32)
         assert torch.equal(got, x[layer].reshape(-1))
     data[h.layer_offset(1) + 5] ^= 0x10
     assert layer_ok(data, h, 0) and not layer_ok(data, h, 1) and layer_ok(data, h, 2)

@@ -34,7 +34,11 @@ def test_one_changed_token_changes_its_block_and_every_later_one(tokens, bs, dat
 
 
 @settings(max_examples=40, deadline=None)
-@given(st.lists(st.integers(0, 1000), min_size=4, max_size=64), st.text(max_size=8), st.text(max_size=8))
+@given(
+    st.lists(st.integers(0, 1000), min_size=4, max_size=64),
+    st.text(max_size=8),
+    st.text(max_size=8),
+)
 def test_salt_and_fingerprint_separate_keys(tokens, s1, s2):
     if s1 == s2:
         return

@@ -21,7 +21,7 @@ def test_int8_error_within_half_a_step(dtype):
     assert y.dtype == dtype and y.shape == x.shape
     step = x.float().abs().amax(dim=-1, keepdim=True) / 127
     # half a step of quantization plus the rounding of the output dtype
-    tol = step / 2 + x.float().abs() * (2 ** -7 if dtype == torch.bfloat16 else 2 ** -20) + 1e-30
+    tol = step / 2 + x.float().abs() * (2**-7 if dtype == torch.bfloat16 else 2**-20) + 1e-30
     assert ((y.float() - x.float()).abs() <= tol).all()
     assert not torch.equal(y, x)  # it is lossy: the check above has teeth
 
@@ -55,12 +55,17 @@ def test_kivi_round_trip(bits):
     x = torch.randn(L, 2, T, H, D) * torch.linspace(0.1, 3, D)
     y = decode_block(encode_block(x, "fp", codec=f"kivi{bits}"))
     assert y.shape == x.shape and y.dtype == x.dtype
-    levels = 2 ** bits - 1
-    # keys: one group per channel over the block's 16 tokens; values: per token, channels in groups of 32
+    levels = 2**bits - 1
+    # keys: one group per channel over the block's 16 tokens;
+    # values: per token, channels in groups of 32
     k, v = x[:, 0], x[:, 1]
     k_step = (k.amax(dim=1, keepdim=True) - k.amin(dim=1, keepdim=True)) / levels
     vg = v.reshape(L, T, H, D // 32, 32)
-    v_step = ((vg.amax(-1, keepdim=True) - vg.amin(-1, keepdim=True)) / levels).expand_as(vg).reshape(L, T, H, D)
+    v_step = (
+        ((vg.amax(-1, keepdim=True) - vg.amin(-1, keepdim=True)) / levels)
+        .expand_as(vg)
+        .reshape(L, T, H, D)
+    )
     tol = 1.01  # scales are rounded up to float16
     assert ((y[:, 0] - k).abs() <= k_step * tol / 2 + 1e-3).all()
     assert ((y[:, 1] - v).abs() <= v_step * tol / 2 + 1e-3).all()

@@ -1,4 +1,5 @@
-"""Cluster config loading (YAML + --set overrides) and worker placement, without starting anything."""
+"""Cluster config loading (YAML + --set overrides) and worker placement, without starting
+anything."""
 
 from pathlib import Path
 
@@ -10,19 +11,35 @@ CONFIGS = Path(__file__).resolve().parents[1] / "deploy" / "configs"
 
 
 def test_parse_overrides_nests_and_reads_yaml_scalars():
-    assert parse_overrides(["prefill_workers=2", "prefill.num_blocks=512", "ray.address=auto",
-                            "store.dram_bytes=1e3", "model=tiny-random", "placement.gpus_per_worker=0.5"]) == {
-        "prefill_workers": 2, "prefill": {"num_blocks": 512}, "ray": {"address": "auto"},
-        "store": {"dram_bytes": "1e3"}, "model": "tiny-random", "placement": {"gpus_per_worker": 0.5}}
+    assert parse_overrides(
+        [
+            "prefill_workers=2",
+            "prefill.num_blocks=512",
+            "ray.address=auto",
+            "store.dram_bytes=1e3",
+            "model=tiny-random",
+            "placement.gpus_per_worker=0.5",
+        ]
+    ) == {
+        "prefill_workers": 2,
+        "prefill": {"num_blocks": 512},
+        "ray": {"address": "auto"},
+        "store": {"dram_bytes": "1e3"},
+        "model": "tiny-random",
+        "placement": {"gpus_per_worker": 0.5},
+    }
     with pytest.raises(ValueError, match="KEY=VALUE"):
         parse_overrides(["prefill_workers"])
 
 
 def test_local_config_loads_with_overrides():
-    cfg = load_cluster_config(None, ["model=tiny-random", "decode_workers=2", "prefill.num_blocks=77"])
+    cfg = load_cluster_config(
+        None, ["model=tiny-random", "decode_workers=2", "prefill.num_blocks=77"]
+    )
     assert isinstance(cfg, ClusterConfig)
     assert cfg.model == "tiny-random" and cfg.decode_workers == 2
-    # cluster-wide values reach every server config that has such a field, unless the section sets its own
+    # cluster-wide values reach every server config that has such a field,
+    # unless the section sets its own
     assert cfg.prefill.model == cfg.decode.model == "tiny-random"
     assert cfg.prefill.num_blocks == 77
     assert cfg.prefill.block_size == cfg.decode.block_size == cfg.block_size
@@ -31,14 +48,17 @@ def test_local_config_loads_with_overrides():
     assert joined.ray.address == "auto"
 
 
-@pytest.mark.parametrize("override, words", [
-    ("prefil.num_blocks=3", "unknown key"),
-    ("prefill.num_blockz=3", "num_blockz"),
-    ("ray.adress=auto", "adress"),
-    ("prefill_workers=0", "prefill_workers"),
-    ("prefill=7", "mapping"),
-    ("decode.dtype=int3", "dtype"),
-])
+@pytest.mark.parametrize(
+    "override, words",
+    [
+        ("prefil.num_blocks=3", "unknown key"),
+        ("prefill.num_blockz=3", "num_blockz"),
+        ("ray.adress=auto", "adress"),
+        ("prefill_workers=0", "prefill_workers"),
+        ("prefill=7", "mapping"),
+        ("decode.dtype=int3", "dtype"),
+    ],
+)
 def test_bad_overrides_name_the_key(override, words):
     with pytest.raises(ValueError, match=words):
         load_cluster_config(None, [override])
@@ -72,6 +92,10 @@ def test_placement_prefers_nodes_with_the_role_resource_and_asks_for_gpus_there(
 def test_placement_without_tagged_nodes_uses_every_node_and_reserves_nothing():
     nodes = [NodeView("a", "1", {"CPU": 2.0}), NodeView("b", "2", {"CPU": 2.0, "GPU": 1.0})]
     got = place_workers(nodes, 3, "prefill", 0.01, 1.0)
-    assert [(p.node_id, p.num_gpus, p.resources) for p in got] == [("a", 0.0, {}), ("b", 1.0, {}), ("a", 0.0, {})]
+    assert [(p.node_id, p.num_gpus, p.resources) for p in got] == [
+        ("a", 0.0, {}),
+        ("b", 1.0, {}),
+        ("a", 0.0, {}),
+    ]
     with pytest.raises(RuntimeError):
         place_workers([], 1, "prefill", 0.01, 1.0)

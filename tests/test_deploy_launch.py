@@ -1,5 +1,6 @@
-"""A real Ray launch on tiny-random: store node, 1 prefill, 1 decode, the conductor; Generate, status,
-a small replay, and shutdowns (in-process and `halfmoon serve` + SIGTERM) that leave no process behind."""
+"""A real Ray launch on tiny-random: store node, 1 prefill, 1 decode, the conductor; Generate,
+status, a small replay, and shutdowns (in-process and `halfmoon serve` + SIGTERM) that leave no
+process behind."""
 
 import asyncio
 import json
@@ -15,7 +16,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from client import AsyncClient, Client, Scaling, replay_trace
+from client import SHIPPED_TRACE, AsyncClient, Client, Scaling, replay_trace
 from client.cli import main as cli_main
 from deploy import Cluster, load_cluster_config
 
@@ -24,9 +25,15 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def _overrides(tmp: Path) -> list[str]:
     return [
-        "model=tiny-random", "conductor.port=0", "ray.num_cpus=2", "health_timeout_s=120",
-        f"store.ssd_dir={tmp}/ssd-{{node_id}}", "store.dram_bytes=67108864", "store.ssd_bytes=268435456",
-        "prefill.num_blocks=128", "decode.num_blocks=128",
+        "model=tiny-random",
+        "conductor.port=0",
+        "ray.num_cpus=2",
+        "health_timeout_s=120",
+        f"store.ssd_dir={tmp}/ssd-{{node_id}}",
+        "store.dram_bytes=67108864",
+        "store.ssd_bytes=268435456",
+        "prefill.num_blocks=128",
+        "decode.num_blocks=128",
     ]
 
 
@@ -81,7 +88,9 @@ def _free_port_run(n: int) -> int:
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     metrics = _free_port_run(4)
-    cfg = load_cluster_config(None, _overrides(tmp_path_factory.mktemp("cluster")) + [f"metrics_base_port={metrics}"])
+    cfg = load_cluster_config(
+        None, _overrides(tmp_path_factory.mktemp("cluster")) + [f"metrics_base_port={metrics}"]
+    )
     c = Cluster(cfg, log=lambda m: print(m, file=sys.stderr))
     c.start()
     started = _descendants(os.getpid())
@@ -120,7 +129,9 @@ def test_generate_through_the_cluster_matches_the_reference(cluster):
     want = Engine(lm).generate(prompt, SamplingParams(max_tokens=12, ignore_eos=True))
     with Client(c.address) as client:
         chunks = list(client.generate_stream(token_ids=prompt, max_tokens=12, ignore_eos=True))
-        again = client.generate(token_ids=prompt, max_tokens=12, ignore_eos=True)  # warm: the prefix is cached
+        again = client.generate(
+            token_ids=prompt, max_tokens=12, ignore_eos=True
+        )  # warm: the prefix is cached
     got = [t for ch in chunks for t in ch.token_ids]
     assert got == want
     assert chunks[-1].finished and chunks[-1].usage.completion_tokens == 12
@@ -138,11 +149,20 @@ def test_generate_command_streams_text_and_json(cluster, capsys):
     assert cli_main(["generate", "hello there", "--address", c.address, "--max-tokens", "6"]) == 0
     captured = capsys.readouterr()
     assert "tokens" in captured.err and "prefill-0 -> decode-0" in captured.err
-    assert cli_main(["generate", "hello there", "--address", c.address, "--max-tokens", "6", "--json"]) == 0
+    assert (
+        cli_main(["generate", "hello there", "--address", c.address, "--max-tokens", "6", "--json"])
+        == 0
+    )
     records = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
-    assert records[-1]["finished"] and records[-1]["usage"]["completion_tokens"] == sum(
-        len(r["token_ids"]) for r in records) <= 6
-    assert "".join(r["text"] for r in records).strip() in captured.out  # --json carries the same text
+    assert (
+        records[-1]["finished"]
+        and records[-1]["usage"]["completion_tokens"]
+        == sum(len(r["token_ids"]) for r in records)
+        <= 6
+    )
+    assert (
+        "".join(r["text"] for r in records).strip() in captured.out
+    )  # --json carries the same text
     # bad input is one error line, and the cluster keeps serving
     assert cli_main(["generate", "hi", "--address", c.address, "--max-tokens", "0"]) == 2
     assert capsys.readouterr().err.startswith("error: INVALID_ARGUMENT")
@@ -172,13 +192,33 @@ def test_status_command_prints_the_cluster(cluster, capsys):
 def test_replay_compares_policies_on_the_cluster(cluster, tmp_path):
     c, _ = cluster
     trace = tmp_path / "t.jsonl"
-    # three requests share a two-block prefix; the fourth shares nothing (512-token trace blocks -> 16 tokens)
+    # three requests share a two-block prefix; the fourth shares nothing
+    # (512-token trace blocks -> 16 tokens)
     rows = [(0, [1, 2, 3]), (400, [1, 2, 4]), (800, [1, 2, 5]), (1200, [9])]
-    trace.write_text("".join(json.dumps({"timestamp": t, "input_length": 512 * len(ids), "output_length": 3,
-                                         "hash_ids": ids}) + "\n" for t, ids in rows))
-    result = replay_trace(c.address, trace, scaling=Scaling(length_scale=16 / 512, time_scale=1.0),
-                          policies=["mooncake", "cache_off"], ttft_slo_ms=60_000, tbt_slo_ms=60_000,
-                          output_dir=tmp_path / "out", progress=False)
+    trace.write_text(
+        "".join(
+            json.dumps(
+                {
+                    "timestamp": t,
+                    "input_length": 512 * len(ids),
+                    "output_length": 3,
+                    "hash_ids": ids,
+                }
+            )
+            + "\n"
+            for t, ids in rows
+        )
+    )
+    result = replay_trace(
+        c.address,
+        trace,
+        scaling=Scaling(length_scale=16 / 512, time_scale=1.0),
+        policies=["mooncake", "cache_off"],
+        ttft_slo_ms=60_000,
+        tbt_slo_ms=60_000,
+        output_dir=tmp_path / "out",
+        progress=False,
+    )
     by = {r.policy: r for r in result.reports}
     assert by["mooncake"].done == by["cache_off"].done == 4
     assert by["mooncake"].slo_attainment == 1.0
@@ -192,15 +232,39 @@ def test_replay_compares_policies_on_the_cluster(cluster, tmp_path):
 
 def test_replay_command_on_the_shipped_trace(cluster, tmp_path, capsys):
     c, _ = cluster
-    shipped = ROOT.parent / "shared" / "traces" / "synthetic_trace.jsonl"
-    if not shipped.is_file():
-        pytest.skip("the shipped trace is not beside this checkout")
+    shipped = SHIPPED_TRACE
     out = tmp_path / "replay"
-    assert cli_main(["replay", str(shipped), "--address", c.address, "--limit", "3", "--length-scale", "0.004",
-                     "--time-scale", "0.2", "--max-output", "2", "--output", str(out)]) == 0
-    last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])  # the run ends with one JSON line
+    assert (
+        cli_main(
+            [
+                "replay",
+                str(shipped),
+                "--address",
+                c.address,
+                "--limit",
+                "3",
+                "--length-scale",
+                "0.004",
+                "--time-scale",
+                "0.2",
+                "--max-output",
+                "2",
+                "--output",
+                str(out),
+            ]
+        )
+        == 0
+    )
+    last = json.loads(
+        capsys.readouterr().out.strip().splitlines()[-1]
+    )  # the run ends with one JSON line
     assert last["reports"][0]["requests"] == 3 and last["reports"][0]["done"] == 3
-    assert {p.name for p in out.iterdir()} == {"records-default.jsonl", "report.json", "report.txt", "cdf.png"}
+    assert {p.name for p in out.iterdir()} == {
+        "records-default.jsonl",
+        "report.json",
+        "report.txt",
+        "cdf.png",
+    }
 
 
 def test_in_process_stop_leaves_no_process(cluster):
@@ -213,8 +277,16 @@ def test_in_process_stop_leaves_no_process(cluster):
 
 def test_serve_command_stops_everything_on_sigterm(tmp_path):
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    cmd = [sys.executable, "-m", "client.cli", "serve", *[x for o in _overrides(tmp_path) for x in ("--set", o)]]
-    log = open(tmp_path / "serve.log", "w")  # a file, not a pipe: nobody drains it while the test runs
+    cmd = [
+        sys.executable,
+        "-m",
+        "client.cli",
+        "serve",
+        *[x for o in _overrides(tmp_path) for x in ("--set", o)],
+    ]
+    log = open(
+        tmp_path / "serve.log", "w"
+    )  # a file, not a pipe: nobody drains it while the test runs
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=log, text=True)
     try:
         address = proc.stdout.readline().strip()  # the first stdout line is the conductor's address

@@ -1,4 +1,5 @@
-"""`halfmoon generate --local` through the real console script: the answer, and one clear error line for bad input."""
+"""`halfmoon generate --local` through the real console script: the answer, and one clear error line
+for bad input."""
 
 from __future__ import annotations
 
@@ -18,7 +19,13 @@ HALFMOON = str(Path(sys.executable).parent / "halfmoon")
 def _run(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "HALFMOON_DEBUG"}
     env["OMP_NUM_THREADS"] = "1"  # see tests/test_model_smollm2.py: a shared 2-core machine
-    return subprocess.run([HALFMOON, "generate", "--local", *args], capture_output=True, text=True, timeout=timeout, env=env)
+    return subprocess.run(
+        [HALFMOON, "generate", "--local", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
 
 
 def _assert_one_error_line(proc: subprocess.CompletedProcess, *words: str) -> None:
@@ -47,7 +54,9 @@ def test_tiny_json_and_chat():
 
 
 def test_unknown_model():
-    _assert_one_error_line(_run("hi", "--model", "no-such-model"), "unknown model", "no-such-model", "tiny-random")
+    _assert_one_error_line(
+        _run("hi", "--model", "no-such-model"), "unknown model", "no-such-model", "tiny-random"
+    )
 
 
 def test_missing_gguf(tmp_path):
@@ -63,7 +72,9 @@ def test_corrupt_gguf(tmp_path):
         truncated = tmp_path / "truncated.gguf"
         with open(smollm2_path(), "rb") as f:
             truncated.write_bytes(f.read(200_000))
-        _assert_one_error_line(_run("hi", "--model", str(truncated)), "corrupt GGUF", str(truncated))
+        _assert_one_error_line(
+            _run("hi", "--model", str(truncated)), "corrupt GGUF", str(truncated)
+        )
 
 
 def test_empty_prompt():
@@ -72,4 +83,6 @@ def test_empty_prompt():
 
 def test_prompt_beyond_context_window():
     # tiny-random: one token per byte, a 2048-token window.
-    _assert_one_error_line(_run("a" * 3000, "--model", "tiny-random"), "3000 tokens", "context window of 2048")
+    _assert_one_error_line(
+        _run("a" * 3000, "--model", "tiny-random"), "3000 tokens", "context window of 2048"
+    )

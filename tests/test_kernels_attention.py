@@ -1,4 +1,5 @@
-"""Paged decode attention: Triton (interpreted on CPU) and the torch twin against dense attention."""
+"""Paged decode attention: Triton (interpreted on CPU) and the torch twin against dense
+attention."""
 
 import math
 
@@ -17,13 +18,18 @@ DTYPES = list(TOL)
 SETTINGS = settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
-def make_case(seed, batch, kv_heads, group, head_dim, block_size, lens, dtype, num_layers=2, layer=1):
-    """A layer-major pool with each sequence's KV scattered into random blocks, plus the dense KV."""
+def make_case(
+    seed, batch, kv_heads, group, head_dim, block_size, lens, dtype, num_layers=2, layer=1
+):
+    """A layer-major pool with each sequence's KV scattered into random blocks, plus the dense
+    KV."""
     g = torch.Generator().manual_seed(seed)
     q_heads = kv_heads * group
     max_blocks = max(-(-n // block_size) for n in lens) + 1  # one spare column past every sequence
     num_blocks = batch * max_blocks + 3
-    pool = torch.randn(num_blocks, num_layers, 2, block_size, kv_heads, head_dim, generator=g).to(dtype)
+    pool = torch.randn(num_blocks, num_layers, 2, block_size, kv_heads, head_dim, generator=g).to(
+        dtype
+    )
     perm = torch.randperm(num_blocks, generator=g)[: batch * max_blocks]
     table = perm.view(batch, max_blocks).to(torch.int32)
     dense = []
@@ -33,7 +39,9 @@ def make_case(seed, batch, kv_heads, group, head_dim, block_size, lens, dtype, n
         # Slots past the sequence's end were never written: poison them.
         flat = pool[table[b].long(), layer].transpose(0, 1).reshape(2, -1, kv_heads, head_dim)
         flat[:, n:] = float("nan")
-        pool[table[b].long(), layer] = flat.reshape(2, max_blocks, block_size, kv_heads, head_dim).transpose(0, 1)
+        pool[table[b].long(), layer] = flat.reshape(
+            2, max_blocks, block_size, kv_heads, head_dim
+        ).transpose(0, 1)
     q = torch.randn(batch, q_heads, head_dim, generator=g).to(dtype)
     seq_lens = torch.tensor(lens, dtype=torch.int32)
     return q, pool[:, layer, 0], pool[:, layer, 1], table, seq_lens, dense
@@ -67,8 +75,13 @@ def cases(draw):
     batch = draw(st.integers(1, 3))
     lens = draw(st.lists(lengths(block_size), min_size=batch, max_size=batch))
     return dict(
-        seed=draw(st.integers(0, 2**16)), batch=batch, kv_heads=kv_heads, group=group,
-        head_dim=draw(st.sampled_from([64, 128])), block_size=block_size, lens=lens,
+        seed=draw(st.integers(0, 2**16)),
+        batch=batch,
+        kv_heads=kv_heads,
+        group=group,
+        head_dim=draw(st.sampled_from([64, 128])),
+        block_size=block_size,
+        lens=lens,
         dtype=draw(st.sampled_from(DTYPES)),
     )
 
@@ -92,8 +105,9 @@ def test_triton_and_torch_match_dense_attention(case):
 @given(st.integers(0, 2**16), st.sampled_from([1, 3, 9]))
 def test_twins_agree_with_each_other_and_with_the_reference(seed, group):
     # The torch fast path splits the KV like the kernel does: force several splits and merges.
-    q, k_cache, v_cache, table, seq_lens, _ = make_case(seed, 3, 3 if group < 9 else 1, group, 64, 16,
-                                                       [1, 50, 96], torch.float32)
+    q, k_cache, v_cache, table, seq_lens, _ = make_case(
+        seed, 3, 3 if group < 9 else 1, group, 64, 16, [1, 50, 96], torch.float32
+    )
     k_clean = torch.nan_to_num(k_cache)
     v_clean = torch.nan_to_num(v_cache)
     ref = kernels.paged_decode_attention_ref(q, k_clean, v_clean, table, seq_lens)
@@ -104,17 +118,23 @@ def test_twins_agree_with_each_other_and_with_the_reference(seed, group):
 
 
 def test_custom_scale_and_pool_dtype_other_than_query():
-    q, k_cache, v_cache, table, seq_lens, dense = make_case(3, 2, 3, 3, 64, 16, [17, 40], torch.bfloat16)
+    q, k_cache, v_cache, table, seq_lens, dense = make_case(
+        3, 2, 3, 3, 64, 16, [17, 40], torch.bfloat16
+    )
     qf = q.float()
     want = dense_attention(qf, [d.float() for d in dense], 0.3)
     for backend in ("torch", "triton"):
-        got = kernels.paged_decode_attention(qf, k_cache, v_cache, table, seq_lens, 0.3, backend=backend)
+        got = kernels.paged_decode_attention(
+            qf, k_cache, v_cache, table, seq_lens, 0.3, backend=backend
+        )
         assert got.dtype == torch.float32
         assert (got.double() - want).abs().max().item() < 2e-5
 
 
 def test_garbage_table_entries_past_the_end_are_never_read():
-    q, k_cache, v_cache, table, seq_lens, dense = make_case(5, 2, 3, 3, 64, 16, [5, 33], torch.float32)
+    q, k_cache, v_cache, table, seq_lens, dense = make_case(
+        5, 2, 3, 3, 64, 16, [5, 33], torch.float32
+    )
     table = table.clone()
     table[0, 1:] = -1  # unused columns: anything, even out of range
     table[1, 3:] = 10**6
@@ -127,16 +147,22 @@ def test_garbage_table_entries_past_the_end_are_never_read():
 def test_dispatch_picks_torch_on_cpu_and_rejects_unknown_backends():
     assert kernels.available_backends("paged_decode_attention") == ["ref", "torch", "triton"]
     q, k_cache, v_cache, table, seq_lens, _ = make_case(1, 1, 1, 1, 64, 16, [3], torch.float32)
-    assert torch.equal(kernels.paged_decode_attention(q, k_cache, v_cache, table, seq_lens),
-                       kernels.paged_decode_attention(q, k_cache, v_cache, table, seq_lens, backend="torch"))
+    assert torch.equal(
+        kernels.paged_decode_attention(q, k_cache, v_cache, table, seq_lens),
+        kernels.paged_decode_attention(q, k_cache, v_cache, table, seq_lens, backend="torch"),
+    )
     with pytest.raises(ValueError, match="unknown backend"):
         kernels.paged_decode_attention(q, k_cache, v_cache, table, seq_lens, backend="cuda-graphs")
 
 
 def test_long_sequence_many_splits_torch_path():
     # 2,000 tokens: the torch path's split-and-merge over many staging buffers.
-    q, k_cache, v_cache, table, seq_lens, dense = make_case(9, 2, 3, 3, 64, 16, [2000, 1234], torch.float32)
+    q, k_cache, v_cache, table, seq_lens, dense = make_case(
+        9, 2, 3, 3, 64, 16, [2000, 1234], torch.float32
+    )
     want = dense_attention(q, dense, 1 / math.sqrt(64))
     for split_bytes in (None, 100_000):
-        got = paged_decode_attention_torch(q, k_cache, v_cache, table, seq_lens, split_bytes=split_bytes)
+        got = paged_decode_attention_torch(
+            q, k_cache, v_cache, table, seq_lens, split_bytes=split_bytes
+        )
         assert (got.double() - want).abs().max().item() < 2e-5

@@ -1,4 +1,5 @@
-"""Block gather/scatter between the paged pool and a staging buffer: Triton (interpreted) and torch."""
+"""Block gather/scatter between the paged pool and a staging buffer: Triton (interpreted) and
+torch."""
 
 import pytest
 import torch
@@ -19,15 +20,22 @@ def random_pool(seed, num_blocks, dtype, num_layers=2, block_size=4, kv_heads=2,
 
 @SETTINGS
 @given(st.integers(0, 2**16), st.integers(1, 12), st.sampled_from(DTYPES), st.booleans(), st.data())
-def test_gather_then_scatter_moves_exactly_the_named_blocks(seed, num_blocks, dtype, one_layer, data):
+def test_gather_then_scatter_moves_exactly_the_named_blocks(
+    seed, num_blocks, dtype, one_layer, data
+):
     pool = random_pool(seed, num_blocks, dtype)
-    ids = data.draw(st.lists(st.integers(0, num_blocks - 1), min_size=0, max_size=num_blocks, unique=True))
+    ids = data.draw(
+        st.lists(st.integers(0, num_blocks - 1), min_size=0, max_size=num_blocks, unique=True)
+    )
     view = pool[:, 1] if one_layer else pool  # a layer's strided view is a pool too
     for backend in ("torch", "triton"):
         staged = kernels.gather_blocks(view, ids, backend=backend)
         assert staged.is_contiguous() and torch.equal(staged, view[ids])
         out = torch.empty_like(staged)
-        assert kernels.gather_blocks(view, torch.tensor(ids, dtype=torch.int32), out, backend=backend) is out
+        assert (
+            kernels.gather_blocks(view, torch.tensor(ids, dtype=torch.int32), out, backend=backend)
+            is out
+        )
         assert torch.equal(out, staged)
 
         target = torch.zeros_like(pool)

@@ -1,4 +1,5 @@
-"""Compiled Triton kernels at real sizes against their torch twins (needs CUDA; skipped otherwise)."""
+"""Compiled Triton kernels at real sizes against their torch twins (needs CUDA; skipped
+otherwise)."""
 
 import pytest
 import torch
@@ -13,12 +14,20 @@ SHAPES = [(9, 3, 64), (32, 8, 128)]
 TOL = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 
 
-def paged_case(batch, seq_len, q_heads, kv_heads, head_dim, dtype, block_size=16, num_layers=4, ragged=True):
+def paged_case(
+    batch, seq_len, q_heads, kv_heads, head_dim, dtype, block_size=16, num_layers=4, ragged=True
+):
     g = torch.Generator(device="cuda").manual_seed(0)
     max_blocks = -(-seq_len // block_size)
     num_blocks = batch * max_blocks + 7
-    pool = torch.randn(num_blocks, num_layers, 2, block_size, kv_heads, head_dim, device="cuda", generator=g).to(dtype)
-    table = torch.randperm(num_blocks, device="cuda", generator=g)[: batch * max_blocks].view(batch, max_blocks).int()
+    pool = torch.randn(
+        num_blocks, num_layers, 2, block_size, kv_heads, head_dim, device="cuda", generator=g
+    ).to(dtype)
+    table = (
+        torch.randperm(num_blocks, device="cuda", generator=g)[: batch * max_blocks]
+        .view(batch, max_blocks)
+        .int()
+    )
     lens = torch.full((batch,), seq_len, dtype=torch.int32, device="cuda")
     if ragged:
         lens = torch.randint(1, seq_len + 1, (batch,), device="cuda", generator=g).int()
@@ -30,9 +39,15 @@ def paged_case(batch, seq_len, q_heads, kv_heads, head_dim, dtype, block_size=16
 @pytest.mark.parametrize("dtype", list(TOL))
 @pytest.mark.parametrize("q_heads,kv_heads,head_dim", SHAPES)
 @pytest.mark.parametrize("batch,seq_len", [(8, 4096), (1, 32768), (64, 1000)])
-def test_paged_attention_matches_twin_at_real_sizes(batch, seq_len, q_heads, kv_heads, head_dim, dtype):
-    q, k_cache, v_cache, table, lens = paged_case(batch, seq_len, q_heads, kv_heads, head_dim, dtype)
-    got = kernels.paged_decode_attention(q, k_cache, v_cache, table, lens)  # dispatch: Triton on CUDA
+def test_paged_attention_matches_twin_at_real_sizes(
+    batch, seq_len, q_heads, kv_heads, head_dim, dtype
+):
+    q, k_cache, v_cache, table, lens = paged_case(
+        batch, seq_len, q_heads, kv_heads, head_dim, dtype
+    )
+    got = kernels.paged_decode_attention(
+        q, k_cache, v_cache, table, lens
+    )  # dispatch: Triton on CUDA
     want = paged_decode_attention_torch(q, k_cache, v_cache, table, lens)
     assert got.dtype == dtype and not got.isnan().any()
     assert (got.float() - want.float()).abs().max().item() <= TOL[dtype]
@@ -50,7 +65,12 @@ def test_kivi_quantize_and_attention_match_twins(bits):
             assert (x != y).float().mean().item() < 1e-3
         else:
             assert torch.allclose(x.float(), y.float(), rtol=2e-3, atol=0)
-    assert torch.allclose(kernels.kivi_dequantize(a), kernels.kivi_dequantize(a, backend="torch"), atol=1e-5, rtol=1e-6)
+    assert torch.allclose(
+        kernels.kivi_dequantize(a),
+        kernels.kivi_dequantize(a, backend="torch"),
+        atol=1e-5,
+        rtol=1e-6,
+    )
     got = kernels.paged_decode_attention_kivi(q, a, table, lens)
     want = kernels.paged_decode_attention_kivi(q, a, table, lens, backend="torch")
     assert (got.float() - want.float()).abs().max().item() <= 2e-3

@@ -1,4 +1,5 @@
-"""KIVI quantization: round-trip bound, Triton twin, byte format, paged attention over KIVI blocks."""
+"""KIVI quantization: round-trip bound, Triton twin, byte format, paged attention over KIVI
+blocks."""
 
 from pathlib import Path
 
@@ -10,9 +11,14 @@ from hypothesis import strategies as st
 import kernels
 from kernels import KiviPacked
 
-# No shrinking: interpreted Triton makes each example slow, and the failing example is printed anyway.
-SETTINGS = settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow],
-                    phases=[Phase.explicit, Phase.reuse, Phase.generate])
+# No shrinking: interpreted Triton makes each example slow,
+# and the failing example is printed anyway.
+SETTINGS = settings(
+    max_examples=10,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+    phases=[Phase.explicit, Phase.reuse, Phase.generate],
+)
 SMOLLM2_GGUF = Path("~/.cache/halfmoon/SmolLM2-135M-Instruct.Q4_1.gguf").expanduser()
 
 
@@ -44,7 +50,9 @@ def test_round_trip_error_within_half_a_group_step(args):
     kv, bits, group = args
     p = kernels.kivi_quantize(kv, bits, group)
     tokens, kv_heads, head_dim = kv.shape[1:]
-    assert [tuple(f.shape) for f in p] == [tuple(s) for s in kernels.kivi_field_shapes(tokens, kv_heads, head_dim, bits, group)]
+    assert [tuple(f.shape) for f in p] == [
+        tuple(s) for s in kernels.kivi_field_shapes(tokens, kv_heads, head_dim, bits, group)
+    ]
     back = kernels.kivi_dequantize(p)
     bound = per_element_scales(p) / 2 * (1 + 1e-5) + 1e-6 * kv.float().abs()
     err = (back - kv.float()).abs()
@@ -56,7 +64,10 @@ def test_round_trip_error_within_half_a_group_step(args):
         k = kv.float()[0]
         levels = (1 << bits) - 1
         mn, span = k.amin(0), k.amax(0) - k.amin(0)
-        assert (p.k_scale.float()[0] * levels <= span * 1.003 + mn.abs() * 0.002 + (levels + 1) * 2.0**-23).all()
+        assert (
+            p.k_scale.float()[0] * levels
+            <= span * 1.003 + mn.abs() * 0.002 + (levels + 1) * 2.0**-23
+        ).all()
 
 
 @SETTINGS
@@ -80,7 +91,11 @@ def test_bytes_round_trip_and_sizes():
     for bits in kernels.KIVI_BITS:
         p = kernels.kivi_quantize(kv, bits)
         buf = kernels.kivi_to_bytes(p)
-        assert len(buf) == kernels.kivi_packed_nbytes(16, 3, 64, bits) == sum(f.numel() * f.element_size() for f in p)
+        assert (
+            len(buf)
+            == kernels.kivi_packed_nbytes(16, 3, 64, bits)
+            == sum(f.numel() * f.element_size() for f in p)
+        )
         q = kernels.kivi_from_bytes(buf, 16, 3, 64, bits)
         assert all(torch.equal(x, y) for x, y in zip(p, q))
         assert torch.equal(kernels.kivi_dequantize(q), kernels.kivi_dequantize(p))
@@ -97,23 +112,32 @@ def test_bad_shapes_are_rejected(bad):
     with pytest.raises(ValueError):
         kernels.kivi_packed_nbytes(**args)
     with pytest.raises(ValueError):
-        kernels.kivi_quantize(torch.zeros(2, args["tokens"], 3, args["head_dim"]), args["bits"], args["group_size"])
+        kernels.kivi_quantize(
+            torch.zeros(2, args["tokens"], 3, args["head_dim"]), args["bits"], args["group_size"]
+        )
 
 
-def kivi_case(seed, bits, batch=3, q_heads=6, kv_heads=2, head_dim=64, block_size=16, lens=(1, 16, 45)):
+def kivi_case(
+    seed, bits, batch=3, q_heads=6, kv_heads=2, head_dim=64, block_size=16, lens=(1, 16, 45)
+):
     g = torch.Generator().manual_seed(seed)
     max_blocks = -(-max(lens) // block_size)
     num_blocks = batch * max_blocks + 2
     kv = torch.randn(num_blocks, 2, block_size, kv_heads, head_dim, generator=g)
     pool = kernels.kivi_quantize(kv, bits)  # every field [num_blocks, ...]
-    table = torch.randperm(num_blocks, generator=g)[: batch * max_blocks].view(batch, max_blocks).int()
+    table = (
+        torch.randperm(num_blocks, generator=g)[: batch * max_blocks].view(batch, max_blocks).int()
+    )
     q = torch.randn(batch, q_heads, head_dim, generator=g)
     return q, kv, pool, table, torch.tensor(lens, dtype=torch.int32)
 
 
 @SETTINGS
-@given(st.integers(0, 2**16), st.sampled_from([2, 4, 8]),
-       st.lists(st.sampled_from([1, 7, 16, 17, 32, 40]), min_size=1, max_size=3))
+@given(
+    st.integers(0, 2**16),
+    st.sampled_from([2, 4, 8]),
+    st.lists(st.sampled_from([1, 7, 16, 17, 32, 40]), min_size=1, max_size=3),
+)
 def test_kivi_paged_attention_equals_attention_over_dequantized_blocks(seed, bits, lens):
     q, _, pool, table, seq_lens = kivi_case(seed, bits, batch=len(lens), lens=tuple(lens))
     deq = kernels.kivi_dequantize(pool)  # [num_blocks, 2, bs, H, D]
@@ -130,22 +154,28 @@ def test_kivi_pool_fields_may_be_strided_views():
     assert not strided.k_codes.is_contiguous()
     want = kernels.paged_decode_attention_kivi(q, pool, table, seq_lens)
     for backend in ("torch", "triton"):
-        assert torch.allclose(kernels.paged_decode_attention_kivi(q, strided, table, seq_lens, backend=backend), want, atol=1e-6)
+        assert torch.allclose(
+            kernels.paged_decode_attention_kivi(q, strided, table, seq_lens, backend=backend),
+            want,
+            atol=1e-6,
+        )
 
 
 @pytest.mark.skipif(not SMOLLM2_GGUF.exists(), reason="SmolLM2 GGUF not fetched (make setup)")
 def test_kivi_attention_on_smollm2_real_kv_stays_close(monkeypatch):
     model_pkg = pytest.importorskip("model")
     loaded = model_pkg.load_model("smollm2-135m")
-    text = ("The KV cache holds the keys and values of every token a transformer has seen. "
-            "Serving systems keep it in paged blocks so that many requests share one pool of memory, "
-            "and they move it between machines when prefill and decode run on different workers. "
-            "Quantizing it to a few bits per value cuts the bytes moved and stored, at a small cost "
-            "in accuracy that must be measured on real activations rather than random numbers. "
-            "Keys tend to have a few channels with very large magnitudes, which is why KIVI groups "
-            "keys per channel; values have no such structure and are grouped per token instead. "
-            "A two-bit cache stores each number in a quarter of a byte, plus a scale and a zero point "
-            "for every group, so the real saving depends on the group size and the block length.")
+    text = (
+        "The KV cache holds the keys and values of every token a transformer has seen. "
+        "Serving systems keep it in paged blocks so that many requests share one pool of memory, "
+        "and they move it between machines when prefill and decode run on different workers. "
+        "Quantizing it to a few bits per value cuts the bytes moved and stored, at a small cost "
+        "in accuracy that must be measured on real activations rather than random numbers. "
+        "Keys tend to have a few channels with very large magnitudes, which is why KIVI groups "
+        "keys per channel; values have no such structure and are grouped per token instead. "
+        "A two-bit cache stores each number in a quarter of a byte, plus a scale and a zero point "
+        "for every group, so the real saving depends on the group size and the block length."
+    )
     ids = loaded.tokenizer.encode(text)[:127]
     assert len(ids) == 127
     cfg = loaded.config
@@ -171,13 +201,19 @@ def test_kivi_attention_on_smollm2_real_kv_stays_close(monkeypatch):
             kq = kernels.kivi_quantize(torch.stack([k_cache, v_cache], dim=1), bits)
             got = kernels.paged_decode_attention_kivi(q, kq, bt, sl, scale)
             rel.append(((got - full).norm() / full.norm()).item())
-            if layer in (0, cfg.num_layers - 1):  # the interpreter is slow: two layers for the kernel
+            if layer in (
+                0,
+                cfg.num_layers - 1,
+            ):  # the interpreter is slow: two layers for the kernel
                 tri = kernels.paged_decode_attention_kivi(q, kq, bt, sl, scale, backend="triton")
                 assert torch.allclose(tri, got, atol=1e-5, rtol=1e-5)
         errors[bits] = (sum(rel) / len(rel), max(rel))
-    print(f"SmolLM2 real KV (128 tokens, all quantized, no full-precision window), attention output "
-          f"relative error, mean / max over {cfg.num_layers} layers: kivi4 {errors[4][0]:.3f} / {errors[4][1]:.3f}, "
-          f"kivi2 {errors[2][0]:.3f} / {errors[2][1]:.3f}")
+    print(
+        f"SmolLM2 real KV (128 tokens, all quantized, no full-precision window), attention output "
+        f"relative error, mean / max over {cfg.num_layers} layers: "
+        f"kivi4 {errors[4][0]:.3f} / {errors[4][1]:.3f}, "
+        f"kivi2 {errors[2][0]:.3f} / {errors[2][1]:.3f}"
+    )
     # Measured 0.08 / 0.13 (kivi4) and 0.48 / 1.35 (kivi2): 2 bits without KIVI's full-precision
     # window of recent tokens is coarse on this small model. The bounds leave room for noise only.
     assert errors[4][0] < 0.12 and errors[4][1] < 0.2

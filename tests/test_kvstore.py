@@ -9,9 +9,17 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvstore import (LookupResult, StoreClient, StoreConfig, StoreFull, StoreNode, block_keys,
-                     decode_block, encode_block, parse_header)
-from kvstore.device import DeviceTier
+from kvstore import (
+    LookupResult,
+    StoreClient,
+    StoreConfig,
+    StoreFull,
+    StoreNode,
+    block_keys,
+    decode_block,
+    encode_block,
+    parse_header,
+)
 from kvstore.slab import SlabAllocator
 from protos import kvstore_pb2 as pb
 from protos import kvstore_pb2_grpc as pb_grpc
@@ -35,9 +43,14 @@ def make_node(tmp_path):
     nodes = []
 
     def make(dram_blocks=8, ssd_blocks=0, **kw):
-        cfg = StoreConfig(node_id=f"n{len(nodes)}", dram_bytes=dram_blocks * BLOCK,
-                          ssd_dir=str(tmp_path / f"ssd{len(nodes)}") if ssd_blocks else "",
-                          ssd_bytes=ssd_blocks * BLOCK, model_fingerprint=FP, **kw)
+        cfg = StoreConfig(
+            node_id=f"n{len(nodes)}",
+            dram_bytes=dram_blocks * BLOCK,
+            ssd_dir=str(tmp_path / f"ssd{len(nodes)}") if ssd_blocks else "",
+            ssd_bytes=ssd_blocks * BLOCK,
+            model_fingerprint=FP,
+            **kw,
+        )
         node = StoreNode(cfg)
         node.start()
         nodes.append(node)
@@ -93,6 +106,7 @@ def test_layerwise_writer_visible_only_after_commit(make_node, transport):
         s = c.stats()
         assert c.lookup(keys2).num_blocks == 0 and s.tiers[0].blocks == 3
     import time
+
     deadline = time.monotonic() + 5
     while node.store.stats().pending_blocks and time.monotonic() < deadline:
         time.sleep(0.02)  # a cancelled gRPC stream is noticed by the server a moment later
@@ -102,14 +116,16 @@ def test_layerwise_writer_visible_only_after_commit(make_node, transport):
 def test_leaf_first_lru_eviction(make_node):
     node = make_node(dram_blocks=4)
     with StoreClient(node.address) as c:
-        a = chain(3)                 # a0 <- a1 <- a2: only a2 is a leaf
+        a = chain(3)  # a0 <- a1 <- a2: only a2 is a leaf
         c.put(a, blocks(3), FP)
-        b = chain(1, start=500)      # an unrelated leaf, newer than a2
+        b = chain(1, start=500)  # an unrelated leaf, newer than a2
         c.put(b, blocks(1), FP)
-        c.put(chain(1, start=900), blocks(1), FP)  # needs one slot: the LRU leaf a2 goes, not the older a0
+        c.put(
+            chain(1, start=900), blocks(1), FP
+        )  # needs one slot: the LRU leaf a2 goes, not the older a0
         assert c.lookup(a).num_blocks == 2 and c.lookup(b).num_blocks == 1
         out = torch.empty(1, *SHAPE)
-        c.get_into(b, out)           # b is now the most recent
+        c.get_into(b, out)  # b is now the most recent
         c.put(chain(1, start=1300), blocks(1), FP)  # a1 is the leaf now, older than b
         assert c.lookup(a).num_blocks == 1 and c.lookup(b).num_blocks == 1
         s = c.stats()
@@ -122,7 +138,7 @@ def test_demotion_and_promotion(make_node):
         k = [chain(1, start=100 * i) for i in range(4)]
         x = blocks(4, seed=5)
         for i in range(4):
-            c.put(k[i], x[i:i + 1], FP)
+            c.put(k[i], x[i : i + 1], FP)
         tiers = [c.lookup(k[i]).tiers for i in range(4)]
         assert tiers == [["ssd"], ["ssd"], ["dram"], ["dram"]]
         out = torch.empty(1, *SHAPE)
@@ -150,7 +166,9 @@ def test_leased_blocks_are_not_evicted_and_full_put_is_refused(make_node, transp
         after = c.stats()
         assert after.tiers == before.tiers and after.pending_blocks == 0
         assert c.lookup(chain(2, start=400)).num_blocks == 0 and c.lookup(keys).num_blocks == 3
-        assert c.put(chain(1, start=400), blocks(1), FP) == 1  # one fits by evicting the unleased leaf
+        assert (
+            c.put(chain(1, start=400), blocks(1), FP) == 1
+        )  # one fits by evicting the unleased leaf
         assert c.lookup(keys).num_blocks == 2
         node.store.release(lease_id)
         assert c.put(chain(3, start=800), blocks(3), FP) == 3
@@ -165,6 +183,7 @@ def test_lease_expires(make_node):
         with pytest.raises(StoreFull):
             c.put(chain(1, start=50), blocks(1), FP)
         import time
+
         deadline = time.monotonic() + 5
         while c.stats().leases and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -178,12 +197,14 @@ def test_corrupt_block_is_a_miss_and_dropped(make_node, transport):
     with StoreClient(node.address, transport=transport) as c:
         keys, x = chain(4), blocks(4)
         c.put(keys, x, FP)
-        (_, off, size), = [(k, o, s) for k, o, s in _slots(node, keys[2:3])]
-        h = parse_header(node.slab.view[off:off + size])
+        ((_, off, size),) = [(k, o, s) for k, o, s in _slots(node, keys[2:3])]
+        h = parse_header(node.slab.view[off : off + size])
         node.slab.view[off + h.layer_offset(1) + 3] ^= 0xFF  # flip bits in layer 1 of block 2
         out = torch.zeros(4, *SHAPE)
         assert c.get_into(keys, out) == 2
-        assert torch.equal(out[:2], x[:2])  # out[2:] is scratch: layers may land there before a later one fails
+        assert torch.equal(
+            out[:2], x[:2]
+        )  # out[2:] is scratch: layers may land there before a later one fails
         c.stats()  # waits for the release that reports the corruption
         assert c.lookup(keys).num_blocks == 2  # dropped: the next put rewrites it
         assert c.put(keys, x, FP) == 4 and c.get_into(keys, out) == 4 and torch.equal(out, x)
@@ -216,24 +237,36 @@ def test_ssd_never_orphans_a_chain(make_node):
     with StoreClient(node.address) as c:
         keys, x = chain(6), blocks(6)
         for i in range(6):  # one put must fit in dram
-            c.put(keys[i:i + 1], x[i:i + 1], FP, parent=keys[i - 1] if i else None)
+            c.put(keys[i : i + 1], x[i : i + 1], FP, parent=keys[i - 1] if i else None)
         # dram keeps the root (it has children) and demotes leaves; when the ssd holds only
         # parents, the demoted leaf (block 4) is dropped rather than a parent
-        assert [c.lookup(keys[i:i + 1]).tiers for i in range(6)] == [["dram"], ["ssd"], ["ssd"], ["ssd"], [], ["dram"]]
+        assert [c.lookup(keys[i : i + 1]).tiers for i in range(6)] == [
+            ["dram"],
+            ["ssd"],
+            ["ssd"],
+            ["ssd"],
+            [],
+            ["dram"],
+        ]
         assert c.lookup(keys).tiers == ["dram", "ssd", "ssd", "ssd"]
         s = c.stats()
         assert s.demotions == 3 and s.tiers[0].evictions == 4 and s.tiers[1].evictions == 0
 
 
 def test_ssd_survives_restart(tmp_path):
-    cfg = StoreConfig(node_id="durable", dram_bytes=2 * BLOCK, ssd_dir=str(tmp_path / "ssd"), ssd_bytes=6 * BLOCK,
-                      model_fingerprint=FP)
+    cfg = StoreConfig(
+        node_id="durable",
+        dram_bytes=2 * BLOCK,
+        ssd_dir=str(tmp_path / "ssd"),
+        ssd_bytes=6 * BLOCK,
+        model_fingerprint=FP,
+    )
     keys, x = chain(6), blocks(6, seed=9)
     node = StoreNode(cfg)
     try:
         with StoreClient(node.start()) as c:
             for i in range(6):
-                c.put(keys[i:i + 1], x[i:i + 1], FP, parent=keys[i - 1] if i else None)
+                c.put(keys[i : i + 1], x[i : i + 1], FP, parent=keys[i - 1] if i else None)
             assert c.lookup(keys).tiers == ["dram"] + ["ssd"] * 4 + ["dram"]
     finally:
         node.stop()  # a graceful stop copies dram blocks into free ssd space
@@ -243,20 +276,27 @@ def test_ssd_survives_restart(tmp_path):
             assert c.lookup(keys).tiers == ["ssd"] * 6
             out = torch.empty(6, *SHAPE)
             assert c.get_into(keys, out) == 6 and torch.equal(out, x)
-            assert c.lookup(keys).tiers == ["dram"] * 2 + ["ssd"] * 4  # promoted while dram had room
+            assert (
+                c.lookup(keys).tiers == ["dram"] * 2 + ["ssd"] * 4
+            )  # promoted while dram had room
             assert c.stats().promotions == 2
     finally:
         node.stop()
 
 
 def test_ssd_blocks_found_after_a_crash(tmp_path):
-    cfg = StoreConfig(node_id="crashy", dram_bytes=BLOCK, ssd_dir=str(tmp_path / "ssd"), ssd_bytes=4 * BLOCK,
-                      model_fingerprint=FP)
+    cfg = StoreConfig(
+        node_id="crashy",
+        dram_bytes=BLOCK,
+        ssd_dir=str(tmp_path / "ssd"),
+        ssd_bytes=4 * BLOCK,
+        model_fingerprint=FP,
+    )
     keys, x = chain(3), blocks(3, seed=2)
     node = StoreNode(cfg)
     with StoreClient(node.start()) as c:
         for i in range(3):
-            c.put(keys[i:i + 1], x[i:i + 1], FP, parent=keys[i - 1] if i else None)
+            c.put(keys[i : i + 1], x[i : i + 1], FP, parent=keys[i - 1] if i else None)
     node.server.stop(0)  # no graceful stop: nothing persisted beyond what was demoted
     node.ssd.env.close()
     node.ssd = None
@@ -271,40 +311,18 @@ def test_ssd_blocks_found_after_a_crash(tmp_path):
         node.stop()
 
 
-class _Pool(DeviceTier):
-    def __init__(self, keys, data):
-        self.keys, self.data = keys, data
-
-    def lookup(self, keys):
-        n = 0
-        while n < len(keys) and n < len(self.keys) and keys[n] == self.keys[n]:
-            n += 1
-        return n
-
-    def get_into(self, keys, out):
-        n = self.lookup(keys)
-        out[:n] = self.data[:n]
-        return n
-
-
-def test_device_tier_first(make_node):
-    node = make_node()
-    keys, x = chain(4), blocks(4)
-    with StoreClient(node.address) as plain:
-        plain.put(keys, x, FP)
-    with StoreClient(node.address, device=_Pool(keys[:2], x[:2] + 1)) as c:
-        assert c.lookup(keys) == LookupResult(4, ["device", "device", "dram", "dram"])
-        out = torch.empty(4, *SHAPE)
-        assert c.get_into(keys, out) == 4
-        assert torch.equal(out[:2], x[:2] + 1) and torch.equal(out[2:], x[2:])
-        assert c.stats().hits == 2
-
-
 def test_large_blocks_are_chunked():
     shape = (3, 2, 16, 4, 256)  # 3 layers of 128 KiB: each split over messages of 64 KiB
     big = len(encode_block(torch.zeros(shape), FP))
-    node = StoreNode(StoreConfig(node_id="big", dram_bytes=4 * big, chunk_bytes=64 << 10,
-                                 max_message_bytes=256 << 10, model_fingerprint=FP))
+    node = StoreNode(
+        StoreConfig(
+            node_id="big",
+            dram_bytes=4 * big,
+            chunk_bytes=64 << 10,
+            max_message_bytes=256 << 10,
+            model_fingerprint=FP,
+        )
+    )
     try:
         with StoreClient(node.start(), transport="grpc") as c:
             keys = chain(2)
@@ -342,11 +360,20 @@ def test_unknown_keys_are_misses(make_node, transport):
 
 def _raw_put(stub, keys, payloads, fingerprint=FP, headers=None, commit=True):
     def stream():
-        yield pb.KVPutChunk(open=pb.KVPutOpen(keys=keys, sizes=[len(p) for p in payloads], model_fingerprint=fingerprint))
+        yield pb.KVPutChunk(
+            open=pb.KVPutOpen(
+                keys=keys, sizes=[len(p) for p in payloads], model_fingerprint=fingerprint
+            )
+        )
         for i, p in enumerate(payloads):
-            yield pb.KVPutChunk(data=pb.KVPutData(parts=[pb.KVBlockPart(block=i, offset=0, data=p)]))
+            yield pb.KVPutChunk(
+                data=pb.KVPutData(parts=[pb.KVBlockPart(block=i, offset=0, data=p)])
+            )
         if commit:
-            yield pb.KVPutChunk(commit=pb.KVPutCommit(headers=headers if headers is not None else [b""] * len(keys)))
+            yield pb.KVPutChunk(
+                commit=pb.KVPutCommit(headers=headers if headers is not None else [b""] * len(keys))
+            )
+
     return stub.Put(stream(), timeout=10)
 
 
@@ -376,15 +403,32 @@ def test_malformed_block_refused(make_node):
         _raw_put(stub, [b"k" * 3], [good])
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "key" in e.value.details()
     with pytest.raises(grpc.RpcError) as e:  # data outside the block
-        stub.Put(iter([pb.KVPutChunk(open=pb.KVPutOpen(keys=keys[:1], sizes=[len(good)], model_fingerprint=FP)),
-                       pb.KVPutChunk(data=pb.KVPutData(parts=[pb.KVBlockPart(block=0, offset=len(good), data=b"x")]))]))
+        stub.Put(
+            iter(
+                [
+                    pb.KVPutChunk(
+                        open=pb.KVPutOpen(keys=keys[:1], sizes=[len(good)], model_fingerprint=FP)
+                    ),
+                    pb.KVPutChunk(
+                        data=pb.KVPutData(
+                            parts=[pb.KVBlockPart(block=0, offset=len(good), data=b"x")]
+                        )
+                    ),
+                ]
+            )
+        )
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     _assert_nothing_stored(node, keys)
     # the server keeps serving
     health = health_pb2_grpc.HealthStub(grpc.insecure_channel(node.address))
-    assert health.Check(health_pb2.HealthCheckRequest(service="halfmoon.KVStore")).status == \
-        health_pb2.HealthCheckResponse.SERVING
-    assert _raw_put(stub, keys, [good, good], headers=[good[:parse_header(good).header_len]] * 2).held == 2
+    assert (
+        health.Check(health_pb2.HealthCheckRequest(service="halfmoon.KVStore")).status
+        == health_pb2.HealthCheckResponse.SERVING
+    )
+    assert (
+        _raw_put(stub, keys, [good, good], headers=[good[: parse_header(good).header_len]] * 2).held
+        == 2
+    )
 
 
 def test_corrupted_shm_write_refused(make_node):
@@ -395,7 +439,9 @@ def test_corrupted_shm_write_refused(make_node):
         for layer in range(SHAPE[0]):
             w.write_layer(layer, blocks(2)[:, layer])
         off = w.slots[1][1]
-        c.slab.view[off + parse_header(encode_block(torch.zeros(SHAPE), FP)).header_len] ^= 1  # after its checksum
+        c.slab.view[off + parse_header(encode_block(torch.zeros(SHAPE), FP)).header_len] ^= (
+            1  # after its checksum
+        )
         with pytest.raises(ValueError, match="checksum"):
             w.commit()
         _assert_nothing_stored(node, keys)
@@ -436,11 +482,14 @@ def test_writer_checks_its_input(make_node):
 
 def test_metrics_exported(make_node, free_port):
     import urllib.request
+
     node = make_node(metrics_port=free_port)
     with StoreClient(node.address) as c:
         c.put(chain(2), blocks(2), FP)
         c.get_into(chain(2), torch.empty(2, *SHAPE))
-    text = urllib.request.urlopen(f"http://127.0.0.1:{free_port}/metrics", timeout=5).read().decode()
+    text = (
+        urllib.request.urlopen(f"http://127.0.0.1:{free_port}/metrics", timeout=5).read().decode()
+    )
     assert 'halfmoon_store_blocks{node="n0",tier="dram"} 2.0' in text
     assert 'halfmoon_store_hits_total{node="n0",tier="dram"} 2.0' in text
     assert 'halfmoon_store_transfer_bytes_total{node="n0",op="put",path="shm"}' in text
@@ -460,6 +509,7 @@ def test_slab_allocator_coalesces():
 
 def test_stale_slabs_of_killed_nodes_are_removed(tmp_path):
     from kvstore.slab import ShmSlab, remove_stale
+
     live = ShmSlab(str(tmp_path / "halfmoon-live-1"), 4096, create=True)
     dead = tmp_path / "halfmoon-dead-1"
     dead.write_bytes(b"\0" * 4096)  # a file nobody maps, as a killed node leaves it
@@ -494,14 +544,19 @@ def test_client_follows_a_restarted_node(free_port):
 
 def test_garbage_put_messages_refused(make_node):
     from kvstore.wire import raw_put
+
     node = make_node()
     put = raw_put(grpc.insecure_channel(node.address))
     good = encode_block(blocks(1)[0], FP)
-    opening = pb.KVPutChunk(open=pb.KVPutOpen(keys=chain(1), sizes=[len(good)], model_fingerprint=FP))
+    opening = pb.KVPutChunk(
+        open=pb.KVPutOpen(keys=chain(1), sizes=[len(good)], model_fingerprint=FP)
+    )
     for junk in (b"\x12\xff\xff\xff", b"\x12\x03\x0a\x01\x08", b"\xff" * 9):
         with pytest.raises(grpc.RpcError) as e:
             put(iter([opening, junk]), timeout=10)
-        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "malformed" in e.value.details()
+        assert (
+            e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "malformed" in e.value.details()
+        )
         _assert_nothing_stored(node, chain(1))
     with StoreClient(node.address, transport="grpc") as c:  # and it keeps serving
         assert c.put(chain(1), blocks(1), FP) == 1
@@ -514,8 +569,10 @@ def test_standard_protobuf_clients_read_the_get_stream(make_node):
         c.put(keys, x, FP)
     stub = pb_grpc.KVStoreStub(grpc.insecure_channel(node.address))
     msgs = list(stub.Get(pb.KVGetRequest(keys=keys), timeout=10))
-    encoded = [bytearray(h) + bytearray(parse_header(h).total_len - len(h)) for h in msgs[0].headers]
+    encoded = [
+        bytearray(h) + bytearray(parse_header(h).total_len - len(h)) for h in msgs[0].headers
+    ]
     for m in msgs[1:]:
         for p in m.parts:
-            encoded[p.block][p.offset:p.offset + len(p.data)] = p.data
+            encoded[p.block][p.offset : p.offset + len(p.data)] = p.data
     assert torch.equal(torch.stack([decode_block(bytes(b)) for b in encoded]), x)

@@ -9,7 +9,17 @@ import pytest
 import redis
 import torch
 
-from kvstore import EmbeddedRedis, Index, LookupResult, NodeInfo, StoreClient, StoreConfig, StoreNode, block_keys, encode_block
+from kvstore import (
+    EmbeddedRedis,
+    Index,
+    LookupResult,
+    NodeInfo,
+    StoreClient,
+    StoreConfig,
+    StoreNode,
+    block_keys,
+    encode_block,
+)
 
 FP = "idx-model"
 SHAPE = (2, 2, 4, 1, 8)
@@ -51,7 +61,7 @@ def test_longest_prefix_for_every_node(index):
         index.register(info(n), ttl_s=30)
     index.publish("a", [(k, "dram") for k in keys[:3]])
     index.publish("b", [(keys[0], "ssd"), (keys[1], "dram"), (keys[3], "dram")])  # a hole at 2
-    index.publish("c", [(k, "ssd") for k in keys[1:]])                           # no first block
+    index.publish("c", [(k, "ssd") for k in keys[1:]])  # no first block
     got = index.longest_prefix(keys)
     assert got == {"a": LookupResult(3, ["dram"] * 3), "b": LookupResult(2, ["ssd", "dram"])}
     assert index.longest_prefix(keys[1:])["c"] == LookupResult(4, ["ssd"] * 4)
@@ -85,8 +95,13 @@ def test_lapsed_heartbeat_hides_and_sweeps_a_node(index):
     index.register(info("dying"), ttl_s=0.3)
     for n in ("live", "dying"):
         index.publish(n, [(k, "dram") for k in keys])
-    assert set(index.longest_prefix(keys)) == {"live", "dying"} and set(index.nodes()) == {"live", "dying"}
-    assert index.nodes()["dying"] == info("dying")._replace(started_at=index.nodes()["dying"].started_at)
+    assert set(index.longest_prefix(keys)) == {"live", "dying"} and set(index.nodes()) == {
+        "live",
+        "dying",
+    }
+    assert index.nodes()["dying"] == info("dying")._replace(
+        started_at=index.nodes()["dying"].started_at
+    )
     time.sleep(0.5)
     assert set(index.longest_prefix(keys)) == {"live"} and set(index.nodes()) == {"live"}
     assert index.heartbeat("live", 30) and not index.heartbeat("dying", 30)
@@ -95,8 +110,18 @@ def test_lapsed_heartbeat_hides_and_sweeps_a_node(index):
 
 
 def test_store_nodes_publish_to_the_index(index, redis_server, tmp_path):
-    cfgs = [StoreConfig(node_id=f"s{i}", dram_bytes=2 * BLOCK, ssd_dir=str(tmp_path / f"s{i}"), ssd_bytes=4 * BLOCK,
-                        redis_url=redis_server.url, model_fingerprint=FP, heartbeat_s=0.2) for i in range(2)]
+    cfgs = [
+        StoreConfig(
+            node_id=f"s{i}",
+            dram_bytes=2 * BLOCK,
+            ssd_dir=str(tmp_path / f"s{i}"),
+            ssd_bytes=4 * BLOCK,
+            redis_url=redis_server.url,
+            model_fingerprint=FP,
+            heartbeat_s=0.2,
+        )
+        for i in range(2)
+    ]
     nodes = [StoreNode(c) for c in cfgs]
     try:
         for n in nodes:
@@ -108,16 +133,21 @@ def test_store_nodes_publish_to_the_index(index, redis_server, tmp_path):
         with StoreClient(nodes[0].address) as c0, StoreClient(nodes[1].address) as c1:
             c0.put(keys[:2], x[:2], FP)
             c1.put(keys[:1], x[:1], FP)
-            assert index.longest_prefix(keys) == {"s0": LookupResult(2, ["dram", "dram"]),
-                                                  "s1": LookupResult(1, ["dram"])}
+            assert index.longest_prefix(keys) == {
+                "s0": LookupResult(2, ["dram", "dram"]),
+                "s1": LookupResult(1, ["dram"]),
+            }
             c0.put(keys[2:], x[2:], FP, parent=keys[1])  # demotes block 1 at s0
             assert index.longest_prefix(keys)["s0"] == LookupResult(3, ["dram", "ssd", "dram"])
         time.sleep(1.0)  # several heartbeats: the nodes stay live
         assert set(index.longest_prefix(keys)) == {"s0", "s1"}
         nodes[1].stop()
-        assert set(index.longest_prefix(keys)) == {"s0"} and index.holders(keys[0]) == {"s0": "dram"}
+        assert set(index.longest_prefix(keys)) == {"s0"} and index.holders(keys[0]) == {
+            "s0": "dram"
+        }
         nodes[0].stop()
-        # restarted, s0 finds its ssd blocks (and what the graceful stop copied there) and publishes them
+        # restarted, s0 finds its ssd blocks (and what the graceful stop copied there)
+        # and publishes them
         nodes[0] = StoreNode(cfgs[0])
         nodes[0].start()
         assert index.longest_prefix(keys)["s0"] == LookupResult(3, ["ssd"] * 3)
@@ -151,8 +181,15 @@ def test_index_from_env(redis_server, monkeypatch):
 
 
 def test_clear_drops_every_tier_and_the_index_entries(index, redis_server, tmp_path):
-    cfg = StoreConfig(node_id="c0", dram_bytes=2 * BLOCK, ssd_dir=str(tmp_path / "c0"), ssd_bytes=4 * BLOCK,
-                      redis_url=redis_server.url, model_fingerprint=FP, heartbeat_s=0.2)
+    cfg = StoreConfig(
+        node_id="c0",
+        dram_bytes=2 * BLOCK,
+        ssd_dir=str(tmp_path / "c0"),
+        ssd_bytes=4 * BLOCK,
+        redis_url=redis_server.url,
+        model_fingerprint=FP,
+        heartbeat_s=0.2,
+    )
     node = StoreNode(cfg)
     node.start()
     try:
@@ -160,11 +197,18 @@ def test_clear_drops_every_tier_and_the_index_entries(index, redis_server, tmp_p
         x = torch.randn(4, *SHAPE)
         with StoreClient(node.address) as c:
             c.put(keys[:2], x[:2], FP)
-            c.put(keys[2:], x[2:], FP, parent=keys[1])  # the dram tier holds 2: the rest is demoted to ssd
-            assert sorted(set(c.lookup(keys).tiers)) == ["dram", "ssd"] and c.lookup(keys).num_blocks == 4
+            c.put(
+                keys[2:], x[2:], FP, parent=keys[1]
+            )  # the dram tier holds 2: the rest is demoted to ssd
+            assert (
+                sorted(set(c.lookup(keys).tiers)) == ["dram", "ssd"]
+                and c.lookup(keys).num_blocks == 4
+            )
             lease_id, _ = node.store.acquire(keys[:1], ttl=60)  # a reader holds block 0
             assert c.clear() == 3
-            assert index.longest_prefix(keys)["c0"].num_blocks == 1  # the leased block stays while read
+            assert (
+                index.longest_prefix(keys)["c0"].num_blocks == 1
+            )  # the leased block stays while read
             assert all(t.blocks == 0 for t in c.stats().tiers if t.tier == "ssd")
             node.store.release(lease_id)
             node.flush()

@@ -56,8 +56,10 @@ def _start(target, *args):
 def test_two_nodes_in_processes_exchange_blocks():
     procs = []
     try:
-        (pa, ca), (pb_, cb) = [_start(_serve, dict(node_id=n, dram_bytes=16 * BLOCK, model_fingerprint=FP))
-                               for n in ("a", "b")]
+        (pa, ca), (pb_, cb) = [
+            _start(_serve, dict(node_id=n, dram_bytes=16 * BLOCK, model_fingerprint=FP))
+            for n in ("a", "b")
+        ]
         procs = [pa, pb_]
         (addr_a, shm_a), (addr_b, shm_b) = ca.recv(), cb.recv()
         assert shm_a != shm_b and os.path.exists(shm_a) and os.path.exists(shm_b)
@@ -76,7 +78,9 @@ def test_two_nodes_in_processes_exchange_blocks():
         for conn in (ca, cb):
             conn.send(("stop",))
             assert conn.recv() == "stopped"
-        assert not os.path.exists(shm_a) and not os.path.exists(shm_b)  # the owners unlinked their slabs
+        assert not os.path.exists(shm_a) and not os.path.exists(
+            shm_b
+        )  # the owners unlinked their slabs
     finally:
         for p in procs:
             p.join(timeout=10)
@@ -85,7 +89,9 @@ def test_two_nodes_in_processes_exchange_blocks():
 
 
 def test_killed_readers_lease_expires():
-    node = StoreNode(StoreConfig(node_id="l", dram_bytes=2 * BLOCK, model_fingerprint=FP, lease_s=1.0))
+    node = StoreNode(
+        StoreConfig(node_id="l", dram_bytes=2 * BLOCK, model_fingerprint=FP, lease_s=1.0)
+    )
     reader = None
     try:
         address = node.start()

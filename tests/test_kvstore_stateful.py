@@ -107,7 +107,10 @@ class Model:
             if k not in self.tier:
                 break
             self.leases[k] = self.leases.get(k, 0) + 1
-            if self.tier[k] == "ssd" and DRAM_BLOCKS - len(self.order["dram"]) + self.evictable_dram() >= 1:
+            if (
+                self.tier[k] == "ssd"
+                and DRAM_BLOCKS - len(self.order["dram"]) + self.evictable_dram() >= 1
+            ):
                 self.order["ssd"].remove(k)
                 del self.tier[k]
                 assert self.room_dram()
@@ -138,8 +141,11 @@ class StoreMachine(RuleBasedStateMachine):
     def __init__(self):
         super().__init__()
         self.dir = tempfile.TemporaryDirectory()
-        self.slab = ShmSlab(os.path.join("/dev/shm", f"halfmoon-test-{os.getpid()}-{id(self)}"),
-                            DRAM_BLOCKS * BLOCK_SIZE, create=True)
+        self.slab = ShmSlab(
+            os.path.join("/dev/shm", f"halfmoon-test-{os.getpid()}-{id(self)}"),
+            DRAM_BLOCKS * BLOCK_SIZE,
+            create=True,
+        )
         self.ssd = SsdTier(self.dir.name, SSD_BLOCKS * BLOCK_SIZE)
         self.store = BlockStore("t", self.slab, self.ssd)
         self.model = Model()
@@ -150,7 +156,9 @@ class StoreMachine(RuleBasedStateMachine):
         self.slab.close()
         self.dir.cleanup()
 
-    @rule(chain=st.integers(0, CHAINS - 1), start=st.integers(0, LENGTH - 1), n=st.integers(1, LENGTH))
+    @rule(
+        chain=st.integers(0, CHAINS - 1), start=st.integers(0, LENGTH - 1), n=st.integers(1, LENGTH)
+    )
     def put(self, chain, start, n):
         keys = [key_of(chain, p) for p in range(start, min(LENGTH, start + n))]
         parents = [key_of(chain, p - 1) if p else None for p in range(start, start + len(keys))]
@@ -216,6 +224,10 @@ class StoreMachine(RuleBasedStateMachine):
                 assert k in self.store.holds()
 
 
-StoreMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=40, deadline=None,
-                                          suppress_health_check=[HealthCheck.too_slow])
+StoreMachine.TestCase.settings = settings(
+    max_examples=60,
+    stateful_step_count=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
 TestStoreAgainstModel = StoreMachine.TestCase

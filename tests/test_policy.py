@@ -9,13 +9,12 @@ import pytest
 from conductor import (
     ClusterState,
     DecodeCandidate,
-    DecodeTimeModel,
     PrefillCandidate,
-    PrefillTimeModel,
     Rejected,
     RequestInfo,
     make_policy,
 )
+from servekit import DecodeTimeModel, PrefillTimeModel
 
 BS = 16
 BLOCK_BYTES = 1_000_000  # 1 MB a block: 1 ms a block at the default 1 GB/s
@@ -30,8 +29,8 @@ def decode(wid, running=0, free=100, total=100, context=0, coef=(10.0, 1.0, 0.0)
     return DecodeCandidate(wid, running, free, total, context, coef, healthy)
 
 
-def state(prefills, decodes, matches):
-    return ClusterState(prefills, decodes, matches, BS, BLOCK_BYTES)
+def state(prefills, decodes, matches, device_nodes=()):
+    return ClusterState(prefills, decodes, matches, BS, BLOCK_BYTES, frozenset(device_nodes))
 
 
 def req(tokens=160, max_tokens=16, ttft=0.0, tbt=0.0):
@@ -48,22 +47,57 @@ def test_mooncake_prefers_the_worker_holding_the_prefix():
 
 def test_mooncake_weighs_queueing_against_cache():
     # b holds 8 blocks but is busy: computing 144 tokens on a (144 ms) beats 500 + 32 ms on b.
-    s = state([prefill("a"), prefill("b", queue_ms=500.0)], [decode("d")], {"a-node": 1, "b-node": 8})
-    pol = make_policy("mooncake", kvcache_balancing_threshold=100.0)  # fetching b's prefix never worth it
+    s = state(
+        [prefill("a"), prefill("b", queue_ms=500.0)], [decode("d")], {"a-node": 1, "b-node": 8}
+    )
+    # Fetching b's prefix is never worth it.
+    pol = make_policy("mooncake", kvcache_balancing_threshold=100.0)
     d = pol.choose(req(), s)
-    assert (d.prefill, d.fetch_from, d.reuse_blocks) == ("a", "", 1) and d.predicted_ttft_ms == pytest.approx(144.0)
+    assert (d.prefill, d.fetch_from, d.reuse_blocks) == ("a", "", 1)
+    assert d.predicted_ttft_ms == pytest.approx(144.0)
 
 
 def test_transfer_decision_around_the_threshold():
     # a holds 4 blocks itself, node x holds 7 elsewhere; b (busy) holds nothing.
     s = state([prefill("a"), prefill("b", queue_ms=10_000)], [decode("d")], {"a-node": 4, "x": 7})
-    below = make_policy("mooncake", kvcache_balancing_threshold=2.0).choose(req(), s)  # 7 <= 2*4: compute
-    assert (below.prefill, below.fetch_from, below.reuse_blocks) == ("a", "", 4)
+    fetch = lambda t: make_policy("mooncake", kvcache_balancing_threshold=t)  # noqa: E731
+    below = fetch(2.0).choose(req(), s)  # 7 <= 2*4: compute what its own tiers lack
+    assert (below.prefill, below.fetch_from, below.fetch_blocks) == ("a", "", 0)
+    assert below.reuse_blocks == 4
     assert below.predicted_ttft_ms == pytest.approx(160 - 64)
-    above = make_policy("mooncake", kvcache_balancing_threshold=1.5).choose(req(), s)  # 7 > 1.5*4: fetch
-    assert (above.prefill, above.fetch_from, above.fetch_blocks, above.reuse_blocks) == ("a", "x", 7, 7)
+    at = fetch(7 / 4).choose(req(), s)  # 7 == 1.75*4: not beyond the threshold, no fetch
+    assert (at.fetch_from, at.fetch_blocks) == ("", 0)
+    above = fetch(1.5).choose(req(), s)  # 7 > 1.5*4: fetch from the remote store node
+    assert (above.prefill, above.fetch_from, above.fetch_blocks) == ("a", "x", 7)
+    assert above.reuse_blocks == 7
     # 160 - 112 tokens computed + 3 blocks moved at 1 ms each.
     assert above.predicted_ttft_ms == pytest.approx(48 + 3)
+
+
+def test_a_device_pool_is_never_a_fetch_source():
+    # Each worker lists its own device pool among its nodes; a's holds the longest prefix.
+    a = PrefillCandidate("a", ("a-node", "a-dev"), 10_000.0, (0.0, 1.0, 0.0))
+    b = PrefillCandidate("b", ("b-node", "b-dev"), 0.0, (0.0, 1.0, 0.0))
+    devs = {"a-dev", "b-dev"}
+    pol = make_policy("mooncake")
+    # b (idle) cannot read a's device memory: it fetches the shorter prefix a store node holds.
+    d = pol.choose(req(), state([a, b], [decode("d")], {"a-dev": 9, "x": 3}, devs))
+    assert (d.prefill, d.fetch_from, d.fetch_blocks, d.reuse_blocks) == ("b", "x", 3, 3)
+    # With no store node holding it, b computes everything and fetches nothing.
+    d = pol.choose(req(), state([a, b], [decode("d")], {"a-dev": 9}, devs))
+    assert (d.prefill, d.fetch_from, d.fetch_blocks, d.reuse_blocks) == ("b", "", 0, 0)
+    # a's own device pool counts toward a's own match: no fetch, 9 blocks reused.
+    idle_a = a._replace(queue_ms=0.0)
+    d = pol.choose(req(), state([idle_a, b], [decode("d")], {"a-dev": 9, "x": 3}, devs))
+    assert (d.prefill, d.fetch_from, d.fetch_blocks, d.reuse_blocks) == ("a", "", 0, 9)
+    # Every other fetch candidate: never a device node, whatever the threshold.
+    for threshold in (0.0, 1.0, 1.5, 100.0):
+        for matches in ({"a-dev": 9, "b-dev": 5}, {"a-dev": 9, "x": 2}, {"b-dev": 9, "x": 1}):
+            d = make_policy("mooncake", kvcache_balancing_threshold=threshold).choose(
+                req(), state([a, b], [decode("d")], matches, devs)
+            )
+            assert d.fetch_from not in devs
+            assert (d.fetch_from == "") == (d.fetch_blocks == 0)
 
 
 def test_reuse_leaves_one_token_to_compute():
@@ -96,13 +130,20 @@ def test_rejections():
 
 
 def test_baselines():
-    s = state([prefill("a", queue_ms=5.0), prefill("b", queue_ms=1.0)], [decode("d1", running=3), decode("d2")], {"a-node": 9})
+    s = state(
+        [prefill("a", queue_ms=5.0), prefill("b", queue_ms=1.0)],
+        [decode("d1", running=3), decode("d2")],
+        {"a-node": 9},
+    )
     lb = make_policy("load_balance").choose(req(), s)
     assert (lb.prefill, lb.decode, lb.use_cache) == ("b", "d2", True)
     off = make_policy("cache_off").choose(req(), s)
     assert (off.prefill, off.use_cache, off.reuse_blocks) == ("b", False, 0)
-    picks = {make_policy("random", seed=i).choose(req(), s).prefill for i in range(20)}
-    assert picks == {"a", "b"}
+    randoms = [make_policy("random", seed=i).choose(req(), s) for i in range(20)]
+    assert {d.prefill for d in randoms} == {"a", "b"}
+    # The baselines never fetch remotely: their workers use their own tiers only.
+    for d in [lb, off, *randoms]:
+        assert (d.fetch_from, d.fetch_blocks) == ("", 0)
     with pytest.raises(ValueError, match="unknown policy"):
         make_policy("nope")
 
@@ -123,12 +164,14 @@ def test_timing_models_fit_measurements():
 
 
 def test_timing_model_does_not_extrapolate_from_a_few_noisy_points():
-    # The failure this guards against: a handful of warm-up steps at short contexts and one slow step
-    # at a longer one made a plain fit predict seconds per token at 1k context (and reject requests).
+    # The failure this guards against: a handful of warm-up steps at short contexts and one slow
+    # step at a longer one made a plain fit predict seconds per token at 1k context (and reject
+    # requests).
     d = DecodeTimeModel(prior=(20.0, 2.0, 0.0))
     for ctx in (25, 26, 27, 31, 32, 33, 34):
         d.observe(60.0, 1, ctx)
     d.observe(500.0, 1, 257)
     assert d.samples == 8
     assert 40.0 < d.predict(1, 1024) < 120.0
-    assert d.coef[1] == pytest.approx(2.0, rel=0.05)  # batch never varied: its coefficient stays near the prior
+    # The batch never varied: its coefficient stays near the prior.
+    assert d.coef[1] == pytest.approx(2.0, rel=0.05)

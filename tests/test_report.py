@@ -4,20 +4,47 @@ import math
 
 import pytest
 
-from client import ReplayRecord, compute_report, format_reports, plot_cdfs, read_records, request_tbt, write_records
+from client import (
+    ReplayRecord,
+    compute_report,
+    format_reports,
+    plot_cdfs,
+    read_records,
+    request_tbt,
+    write_records,
+)
 
 
-def rec(index, status="ok", ttft=100.0, gaps=(), prompt=64, out=None, cached=None, computed=None, sent=0.0,
-        e2e=1000.0, policy="p"):
+def rec(
+    index,
+    status="ok",
+    ttft=100.0,
+    gaps=(),
+    prompt=64,
+    out=None,
+    cached=None,
+    computed=None,
+    sent=0.0,
+    e2e=1000.0,
+    policy="p",
+):
     cached = cached or {}
     return ReplayRecord(
-        index=index, policy=policy, arrival_s=sent, sent_s=sent, status=status,
-        error="" if status == "ok" else "RESOURCE_EXHAUSTED: busy", prompt_tokens=prompt,
+        index=index,
+        policy=policy,
+        arrival_s=sent,
+        sent_s=sent,
+        status=status,
+        error="" if status == "ok" else "RESOURCE_EXHAUSTED: busy",
+        prompt_tokens=prompt,
         output_tokens=(len(gaps) + 1 if status == "ok" else 0) if out is None else out,
-        ttft_ms=ttft if status == "ok" else math.nan, gaps_ms=list(gaps), e2e_ms=e2e,
+        ttft_ms=ttft if status == "ok" else math.nan,
+        gaps_ms=list(gaps),
+        e2e_ms=e2e,
         cached_tokens={t: cached.get(t, 0) for t in ("device", "dram", "ssd", "remote")},
         computed_tokens=prompt - sum(cached.values()) if computed is None else computed,
-        prefill_worker="prefill-0", decode_worker="decode-0",
+        prefill_worker="prefill-0",
+        decode_worker="decode-0",
     )
 
 
@@ -52,7 +79,9 @@ def test_report_on_known_records():
     assert r.tbt_ms.p90 == pytest.approx(40.0 + 0.8 * 60.0)
     assert r.prompt_tokens == 200
     assert r.hit_rate == pytest.approx(80 / 200)
-    assert r.hit_rate_by_tier == pytest.approx({"device": 0.16, "dram": 0.08, "ssd": 0.08, "remote": 0.08})
+    assert r.hit_rate_by_tier == pytest.approx(
+        {"device": 0.16, "dram": 0.08, "ssd": 0.08, "remote": 0.08}
+    )
     assert (r.prefill_tokens_saved, r.prefill_tokens_computed) == (80, 120)
     assert r.output_tokens == 10 + 3 + 11
     assert r.duration_s == pytest.approx(3.5)  # first send at 0, last end at 1.0 + 2.5

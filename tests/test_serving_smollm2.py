@@ -8,7 +8,9 @@ from model import Engine, SamplingParams, load_model
 from model.fetch import smollm2_path
 from tests.serving_cluster import Cluster
 
-pytestmark = pytest.mark.skipif(not smollm2_path().exists(), reason="SmolLM2 not fetched (make model)")
+pytestmark = pytest.mark.skipif(
+    not smollm2_path().exists(), reason="SmolLM2 not fetched (make model)"
+)
 
 PROMPTS = [
     "The capital of France is",
@@ -36,7 +38,11 @@ def test_ten_prompts_equal_local_generate(lm):
             chat = i % 2 == 1  # half through the chat template, as `halfmoon generate --chat` does
             fields = {"messages": [{"role": "user", "content": p}]} if chat else {"text": p}
             ids, text, last = c.generate(max_tokens=8, ignore_eos=False, **fields)
-            prompt_ids = lm.tokenizer.apply_chat_template([{"role": "user", "content": p}]) if chat else lm.tokenizer.encode(p)
+            prompt_ids = (
+                lm.tokenizer.apply_chat_template([{"role": "user", "content": p}])
+                if chat
+                else lm.tokenizer.encode(p)
+            )
             want = engine.generate(prompt_ids, SamplingParams(max_tokens=8))
             assert ids == want, p
             assert text == lm.tokenizer.decode(want)

@@ -1,14 +1,23 @@
-"""Small pieces of the serving packages without servers: incremental text, the device tier, configs."""
+"""Small pieces of the serving packages without a cluster: incremental text, the device tier,
+configs, the conductor's identity and what it logs."""
 
 from __future__ import annotations
 
-import pytest
-import torch
+import logging
+from concurrent import futures
 
-from conductor import ConductorConfig, IncrementalText, config_from_dict, config_from_yaml
+import grpc
+import pytest
+
+from conductor import Conductor, ConductorConfig, IncrementalText
+from conductor.stream import RequestStream
 from decode_node import DecodeConfig
+from kvstore import DeviceTier
 from model import load_model
-from prefill_node import DevicePrefixCache, PrefillConfig
+from prefill_node import PrefillConfig
+from protos import halfmoon_pb2 as pb
+from protos import halfmoon_pb2_grpc as pb_grpc
+from servekit import config_from_dict, config_from_yaml
 
 
 @pytest.fixture(scope="module")
@@ -37,24 +46,22 @@ def test_incremental_text_cuts_stop_strings(tok):
     assert inc.stopped and out == "one two "
 
 
-def test_device_cache_pins_and_evicts_children_first():
-    kv = torch.arange(8.0).reshape(8, 1)
-    dc = DevicePrefixCache(kv)
+def test_device_tier_pins_and_evicts_children_first():
+    dt = DeviceTier()
     keys = [b"a", b"b", b"c"]
-    assert dc.insert(keys, [5, 6, 7]) == []
-    assert dc.insert([b"a"], [1]) == [1]  # already held: the caller keeps its block
-    assert dc.match([b"a", b"b", b"x"]) == [5, 6]
-    assert dc.evict(3) == [7]  # a and b are pinned
-    dc.release([b"a", b"b"])
-    assert dc.evict(1) == [6]  # the child before its parent
-    out = torch.zeros(2, 1)
-    assert dc.lookup([b"a", b"b"]) == 1 and dc.get_into([b"a"], out) == 1 and out[0, 0] == 5.0
+    assert dt.insert(keys, [5, 6, 7]) == []
+    assert dt.insert([b"a"], [1]) == [1]  # already held: the caller keeps its block
+    assert dt.match([b"a", b"b", b"x"]) == [5, 6]
+    assert dt.evict(3) == [7]  # a and b are pinned
+    dt.release([b"a", b"b"])
+    assert dt.evict(1) == [6]  # the child before its parent
+    assert dt.lookup([b"a", b"b"]) == 1
 
 
 def test_configs_from_dicts_and_yaml(tmp_path):
     cfg = config_from_dict(PrefillConfig, {"worker_id": "p9", "chunk_size": 64})
     assert cfg.worker_id == "p9" and cfg.chunk_size == 64
-    with pytest.raises(ValueError, match="unknown field"):
+    with pytest.raises(ValueError, match="unknown key"):
         config_from_dict(DecodeConfig, {"num_blokcs": 4})
     with pytest.raises(ValueError, match="chunk_size"):
         PrefillConfig(chunk_size=20)
@@ -62,3 +69,95 @@ def test_configs_from_dicts_and_yaml(tmp_path):
     path.write_text("conductor:\n  policy: load_balance\n  prefill_workers: [127.0.0.1:1]\n")
     c = config_from_yaml(ConductorConfig, path, "conductor")
     assert c.policy == "load_balance" and c.prefill_workers == ["127.0.0.1:1"]
+
+
+def test_conductor_loads_no_weights_and_reports_its_identity():
+    # Built from config alone: tokenizer and fingerprint, never the weights.
+    f32 = Conductor(ConductorConfig(model="tiny-random"))
+    bf16 = Conductor(ConductorConfig(model="tiny-random", dtype="bfloat16"))
+    st = f32.Status(pb.StatusRequest(), None)
+    assert st.model == "tiny-random" and st.kv_dtype == "float32"
+    assert st.model_fingerprint == f32.fingerprint and st.conductor_rss_bytes > 0
+    assert bf16.Status(pb.StatusRequest(), None).kv_dtype == "bfloat16"
+    # The KV dtype is part of the block keys' model part: a bf16 block is not a float32 block.
+    assert f32.fingerprint != bf16.fingerprint
+    # And it is what a float32 worker of the same model (16-token blocks) reports.
+    assert f32.fingerprint == load_model("tiny-random").fingerprint
+    with pytest.raises(ValueError, match="dtype"):
+        ConductorConfig(dtype="float64")
+
+
+class _ForeignPrefill(pb_grpc.PrefillWorkerServicer):
+    """A prefill worker that answers Load with another model's fingerprint."""
+
+    def Load(self, request, context):
+        return pb.WorkerLoad(worker_id="p-foreign", kind="prefill", model_fingerprint="f" * 32)
+
+
+def test_a_worker_of_another_model_stays_out_of_routing(caplog):
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    pb_grpc.add_PrefillWorkerServicer_to_server(_ForeignPrefill(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    c = Conductor(ConductorConfig(model="tiny-random", prefill_workers=[f"127.0.0.1:{port}"]))
+    try:
+        with caplog.at_level(logging.WARNING, logger="conductor.server"):
+            for _ in range(3):
+                c.refresh_loads()
+        warnings = [r.getMessage() for r in caplog.records if "fingerprint" in r.getMessage()]
+        assert len(warnings) == 1  # once per worker, not once per report
+        assert "f" * 32 in warnings[0] and c.fingerprint in warnings[0]
+        assert (
+            c.registry.get_sample_value("halfmoon_worker_mismatch_total", {"worker": "p-foreign"})
+            == 3
+        )
+        ws = c.Status(pb.StatusRequest(), None).workers[0]
+        assert not ws.healthy
+    finally:
+        c._on_stop()
+        server.stop(0)
+
+
+def test_unreachable_store_and_index_are_logged_and_counted(caplog):
+    dead = "127.0.0.1:1"  # nothing listens there
+    c = Conductor(
+        ConductorConfig(
+            model="tiny-random",
+            store_addresses=[dead],
+            load_timeout_s=0.5,
+            index_url="redis://127.0.0.1:1/0",
+        )
+    )
+    try:
+        with caplog.at_level(logging.WARNING, logger="conductor.server"):
+            st = c.Status(pb.StatusRequest(), None)
+            assert st.stores[0].address == dead and not st.stores[0].tiers
+            assert c._matches([b"k" * 16]) == {} and c._matches([b"k" * 16]) == {}
+        errors = "halfmoon_conductor_errors_total"
+        assert c.registry.get_sample_value(errors, {"what": "store_status"}) == 1
+        assert c.registry.get_sample_value(errors, {"what": "index_lookup"}) == 2
+        logged = " ".join(r.getMessage() for r in caplog.records)
+        assert dead in logged and logged.count("index lookup failed") == 1  # once an outage
+    finally:
+        c._on_stop()
+
+
+def test_request_stream_resumes_without_repeating_a_token(tok):
+    sp = pb.SamplingParams(max_tokens=5)
+    s = RequestStream("r", [10, 11, 12], "mooncake", sp, "", IncrementalText(tok.decode))
+    assert s.prompt() == [10, 11, 12] and s.tokens_left() == 5
+    first = s.start(pb.PrefillReply(first_token=40))
+    assert list(first.token_ids) == [40] and s.times == [s.ttft_ms]
+    # Worker times are rebased to end now and never run before the previous token.
+    s.arrived -= 1.0  # a second later
+    msg, gaps = s.add(pb.DecodeResponse(token_ids=[41, 42], token_times_ms=[5.0, 9.0]))
+    assert list(msg.token_ids) == [41, 42] and len(gaps) == 2 and min(gaps) >= 0.0
+    assert msg.token_times_ms[1] - msg.token_times_ms[0] == pytest.approx(4.0)
+    s.add(
+        pb.DecodeResponse(token_ids=[43], token_times_ms=[-1e9])
+    )  # its clock's origin is not ours
+    assert s.times == sorted(s.times) and s.out == [40, 41, 42, 43]
+    # The decode worker is lost: prefill all but the last token sent, decode on from it.
+    assert s.prompt() == [10, 11, 12, 40, 41, 42]
+    assert s.tokens_left() == 2 and s.decode_sampling().max_tokens == 2
+    assert sp.max_tokens == 5  # the client's parameters stay as sent

@@ -19,7 +19,13 @@ class LinearTimeModel:
     measurement while there are few, every 8th after. Coefficients are clipped at zero.
     """
 
-    def __init__(self, prior: Sequence[float], window: int = 256, min_samples: int = 8, prior_weight: float = 0.1):
+    def __init__(
+        self,
+        prior: Sequence[float],
+        window: int = 256,
+        min_samples: int = 8,
+        prior_weight: float = 0.1,
+    ):
         self.prior = [float(c) for c in prior]
         self._coef = list(self.prior)
         self._rows: deque[tuple[list[float], float]] = deque(maxlen=window)
@@ -64,7 +70,9 @@ class LinearTimeModel:
         xa = np.vstack([x, np.diag(scale)])
         ya = np.concatenate([y, scale * prior[free]])
         w = np.ones(len(ya))
-        for _ in range(8):  # iteratively reweighted least squares with Huber weights on the measurements
+        for _ in range(
+            8
+        ):  # iteratively reweighted least squares with Huber weights on the measurements
             sw = np.sqrt(w)
             sol, *_ = np.linalg.lstsq(xa * sw[:, None], ya * sw, rcond=None)
             r = np.abs(y - x @ sol)
@@ -86,7 +94,9 @@ def predict(coef: Sequence[float], row: Sequence[float]) -> float:
 class PrefillTimeModel(LinearTimeModel):
     """prefill ms = c0 + c1*tokens + c2*tokens*context, context = the positions attended (prefix + tokens)."""
 
-    def __init__(self, prior: Sequence[float] = (5.0, 1.0, 0.0), window: int = 256, min_samples: int = 8):
+    def __init__(
+        self, prior: Sequence[float] = (5.0, 1.0, 0.0), window: int = 256, min_samples: int = 8
+    ):
         super().__init__(prior, window, min_samples)
 
     def features(self, tokens: float, context: float = 0.0) -> list[float]:  # type: ignore[override]
@@ -96,7 +106,9 @@ class PrefillTimeModel(LinearTimeModel):
 class DecodeTimeModel(LinearTimeModel):
     """decode step ms = c0 + c1*batch + c2*total_context_tokens."""
 
-    def __init__(self, prior: Sequence[float] = (20.0, 2.0, 0.0), window: int = 256, min_samples: int = 8):
+    def __init__(
+        self, prior: Sequence[float] = (20.0, 2.0, 0.0), window: int = 256, min_samples: int = 8
+    ):
         super().__init__(prior, window, min_samples)
 
     def features(self, batch: float, context_tokens: float = 0.0) -> list[float]:  # type: ignore[override]

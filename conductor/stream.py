@@ -1,0 +1,123 @@
+"""One Generate call's progress, kept across a failover: the tokens sent, their times, the text."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from conductor.detok import IncrementalText
+from protos import halfmoon_pb2 as pb
+
+if TYPE_CHECKING:
+    from conductor.server import Routed
+
+
+@dataclass
+class RequestStream:
+    """What the conductor keeps of one request while it runs. The tokens already sent survive a
+    lost decode worker, so the request resumes elsewhere without a repeated or missing token."""
+
+    rid: str  # request id: the client's, or a fresh one
+    ids: list[int]  # the prompt's token ids
+    policy: str  # the routing policy's registry name
+    sampling: pb.SamplingParams  # the client's sampling parameters
+    salt: str  # the cache salt (keeps tenants' blocks apart)
+    text: IncrementalText  # the answer's text so far, stop strings cut out
+    arrived: float = field(default_factory=time.perf_counter)  # perf_counter() at arrival
+    out: list[int] = field(default_factory=list)  # tokens sent to the client
+    times: list[float] = field(default_factory=list)  # per token sent: ms since arrival
+    first: pb.PrefillReply | None = None  # the first prefill's reply (its hits are the usage)
+    routed: Routed | None = None  # the pair serving it now
+    reason: str = ""  # finish reason; "" while it goes on
+    ttft_ms: float = 0.0  # time to the first token, at the conductor
+    decode_transfer_ms: float = 0.0  # KV pull time the decode workers reported
+    max_batch: int = 0  # the largest decode batch its tokens came from
+    failures: int = 0  # workers lost under it so far
+
+    def elapsed_ms(self) -> float:
+        return (time.perf_counter() - self.arrived) * 1000.0
+
+    def prompt(self) -> list[int]:
+        """What to prefill: the prompt, and after a lost decode worker every token sent but the
+        last (mostly from cache), so decoding goes on from the last one."""
+        return self.ids + self.out[:-1]
+
+    def tokens_left(self) -> int:
+        """New tokens the pair routed now may produce, the already sent first one included."""
+        return self.sampling.max_tokens - max(0, len(self.out) - 1)
+
+    def decode_sampling(self) -> pb.SamplingParams:
+        """The client's sampling parameters, max_tokens cut to what is left (the decode worker
+        counts its first token, already sent, too)."""
+        sp = pb.SamplingParams()
+        sp.CopyFrom(self.sampling)
+        sp.max_tokens = self.sampling.max_tokens - len(self.out) + 1
+        return sp
+
+    def start(self, reply: pb.PrefillReply) -> pb.GenerateResponse:
+        """The first prefill's token: the first message to the client."""
+        self.first, self.ttft_ms = reply, self.elapsed_ms()
+        self.out, self.times = [reply.first_token], [self.ttft_ms]
+        return pb.GenerateResponse(
+            request_id=self.rid,
+            token_ids=self.out,
+            text=self.text.add(self.out),
+            token_times_ms=self.times,
+        )
+
+    def add(self, msg: pb.DecodeResponse) -> tuple[pb.GenerateResponse, list[float]]:
+        """Tokens from the decode worker: the message to the client (times on the conductor's
+        clock, never before the previous token) and the gaps between tokens in ms."""
+        now = self.elapsed_ms()
+        new_times = [max(t, self.times[-1]) for t in rebase(list(msg.token_times_ms), now)]
+        gaps = [max(0.0, b - a) for a, b in zip([self.times[-1], *new_times], new_times)]
+        ids = list(msg.token_ids)
+        self.out.extend(ids)
+        self.times.extend(new_times)
+        self.max_batch = max([self.max_batch, *msg.batch_sizes])
+        reply = pb.GenerateResponse(
+            request_id=self.rid, token_ids=ids, text=self.text.add(ids), token_times_ms=new_times
+        )
+        return reply, gaps
+
+    def usage(self) -> pb.Usage:
+        """The final message's usage: cache hits of the first prefill, timings of every token."""
+        r, routed = self.first, self.routed
+        gaps = sorted(b - a for a, b in zip(self.times, self.times[1:]))
+        return pb.Usage(
+            prompt_tokens=len(self.ids),
+            completion_tokens=len(self.out),
+            cached_tokens=cached_tokens(r),
+            cached_device_tokens=r.cached_device_tokens,
+            cached_dram_tokens=r.cached_dram_tokens,
+            cached_ssd_tokens=r.cached_ssd_tokens,
+            cached_remote_tokens=r.cached_remote_tokens,
+            computed_prompt_tokens=r.computed_tokens,
+            ttft_ms=self.ttft_ms,
+            tbt_mean_ms=sum(gaps) / len(gaps) if gaps else 0.0,
+            tbt_p90_ms=gaps[min(len(gaps) - 1, int(0.9 * len(gaps)))] if gaps else 0.0,
+            prefill_worker=routed.prefill.worker_id,
+            decode_worker=routed.decode.worker_id,
+            queue_ms=r.queue_ms,
+            transfer_ms=r.transfer_ms + self.decode_transfer_ms,
+            max_decode_batch=self.max_batch,
+            predicted_ttft_ms=routed.predicted_ttft_ms,
+            policy=routed.decision_policy,
+        )
+
+
+def cached_tokens(r: pb.PrefillReply) -> int:
+    """Prompt tokens whose KV came from any cache tier."""
+    return (
+        r.cached_device_tokens + r.cached_dram_tokens + r.cached_ssd_tokens + r.cached_remote_tokens
+    )
+
+
+def rebase(worker_times: list[float], now: float) -> list[float]:
+    """A decode worker's times (ms since it got the request) on the conductor's clock: the last
+    one at `now`, as the worker's and the conductor's clocks do not share an origin."""
+    if not worker_times:
+        return []
+    shift = now - worker_times[-1]
+    return [t + shift for t in worker_times]

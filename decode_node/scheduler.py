@@ -1,0 +1,191 @@
+"""The decode scheduler: admission (a sequence waits until the pool holds its whole answer),
+background KV pulls, the continuous-batching step loop, and each stream's end."""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from decode_node.config import DecodeConfig
+from decode_node.metrics import DecodeMetrics
+from decode_node.runner import DecodeRunner
+from decode_node.seq import Seq
+from servekit import DecodeTimeModel
+
+log = logging.getLogger(__name__)
+
+
+class DecodeScheduler:
+    """waiting -> pulling (KV arrives on io threads) -> running (one step for all) -> ended."""
+
+    def __init__(self, config: DecodeConfig, runner: DecodeRunner, metrics: DecodeMetrics):
+        self.config, self.runner, self.metrics = config, runner, metrics
+        self.timing = DecodeTimeModel()
+        self._wake = threading.Condition()
+        self._waiting: collections.deque[Seq] = collections.deque()
+        self._pulling: list[Seq] = []
+        self._running: list[Seq] = []
+        self._io = ThreadPoolExecutor(
+            max_workers=config.pull_threads, thread_name_prefix=f"{config.worker_id}-io"
+        )
+        self._thread: threading.Thread | None = None
+        self._quit = False
+        self.max_batch_seen = 0
+        self.requests_done = 0
+
+    # ---- intake and reports ----
+
+    def submit(self, seq: Seq) -> bool:
+        """Queue a sequence for admission; False when the admission queue is full."""
+        with self._wake:
+            if len(self._waiting) >= self.config.max_waiting:
+                return False
+            self._waiting.append(seq)
+            self._wake.notify_all()
+        return True
+
+    def counts(self) -> tuple[int, int, int]:
+        """(running + pulling, waiting, KV tokens the running and pulling sequences hold)."""
+        with self._wake:
+            running = list(self._running) + list(self._pulling)
+            waiting = len(self._waiting)
+        return len(running), waiting, sum(s.position for s in running)
+
+    def poke(self) -> None:
+        with self._wake:
+            self._wake.notify_all()
+
+    # ---- the loop ----
+
+    def start(self) -> None:
+        self._thread = threading.Thread(
+            target=self._loop, daemon=True, name=f"{self.config.worker_id}-step"
+        )
+        self._thread.start()
+
+    def stop(self) -> None:
+        with self._wake:
+            self._quit = True
+            self._wake.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+        self._io.shutdown(wait=True)
+
+    def _loop(self) -> None:
+        while True:
+            with self._wake:
+                self._tidy()
+                while not self._running and not self._quit:
+                    busy = self._pulling or self._waiting
+                    self._wake.wait(timeout=0.05 if busy else 0.5)
+                    self._tidy()
+                if self._quit:
+                    return
+                batch = list(self._running)
+            try:
+                self._step(batch)
+            except Exception as exc:  # noqa: BLE001 - these streams end with an error; serving goes on
+                log.exception("%s: decode step failed", self.config.worker_id)
+                for s in batch:
+                    self.finish(s, "error", publish=False, note=str(exc))
+
+    def _tidy(self) -> None:
+        self._admit()
+        self._collect_pulled()
+        self._drop_cancelled()
+
+    def _admit(self) -> None:
+        """Waiting -> pulling while the batch has room and the pool holds a whole answer."""
+        while self._waiting and len(self._running) + len(self._pulling) < self.config.max_batch:
+            seq = self._waiting[0]
+            if seq.cancelled:
+                self._waiting.popleft()
+                self._end_stream(seq, "cancelled")
+                continue
+            table = self.runner.try_allocate(seq.need_blocks)
+            if table is None:
+                return  # first come, first served: later ones wait too
+            seq.table = table
+            self._waiting.popleft()
+            self._pulling.append(seq)
+            seq.pull = self._io.submit(self._fill, seq)
+
+    def _fill(self, seq: Seq) -> None:
+        try:
+            self.runner.fill(seq)
+        finally:
+            self.poke()
+
+    def _collect_pulled(self) -> None:
+        for seq in [s for s in self._pulling if s.pull.done()]:
+            self._pulling.remove(seq)
+            exc = seq.pull.exception()
+            if exc is not None:
+                log.warning("%s: KV fill failed: %s", self.config.worker_id, exc)
+                self._release(seq)
+                self._end_stream(seq, "error", note=f"KV pull failed: {exc}")
+            else:
+                self._running.append(seq)
+        self.metrics.running.set(len(self._running))
+
+    def _drop_cancelled(self) -> None:
+        for seq in [s for s in self._running if s.cancelled]:
+            self._running.remove(seq)
+            self._release(seq)
+            self._end_stream(seq, "cancelled")
+
+    def _step(self, batch: list[Seq]) -> None:
+        t0 = time.perf_counter()
+        b = len(batch)
+        context = sum(s.position for s in batch) + b
+        new = self.runner.step(batch)
+        step_ms = (time.perf_counter() - t0) * 1000.0
+        self.timing.observe(step_ms, b, context)
+        self.metrics.step.observe(step_ms / 1000.0)
+        self.metrics.batch.observe(b)
+        self.metrics.tokens.inc(b)
+        self.max_batch_seen = max(self.max_batch_seen, b)
+        for s, tok in zip(batch, new):
+            s.out.append(tok)
+            s.events.put(("tok", tok, s.ms(), b))
+            reason = self.runner.finish_reason(s)
+            if reason:
+                self.finish(s, reason, publish=True)
+
+    # ---- endings ----
+
+    def finish(self, s: Seq, reason: str, publish: bool, note: str = "") -> None:
+        with self._wake:
+            if s in self._running:
+                self._running.remove(s)
+            self.metrics.running.set(len(self._running))
+        if publish and self.config.publish and not s.cancelled:
+            self._io.submit(self._publish_and_release, s)
+        else:
+            self._release(s)
+        self._end_stream(s, reason, note)
+
+    def end_early(self, s: Seq, reason: str) -> None:
+        """A stream that ends before admission (its first token ended it)."""
+        self.requests_done += 1
+        self.metrics.requests.labels(self.config.worker_id, reason).inc()
+
+    def _end_stream(self, s: Seq, reason: str, note: str = "") -> None:
+        self.requests_done += 1
+        self.metrics.requests.labels(self.config.worker_id, reason).inc()
+        s.events.put(("end", reason, note))
+
+    def _release(self, s: Seq) -> None:
+        self.runner.release(s)
+        self.poke()
+
+    def _publish_and_release(self, s: Seq) -> None:
+        """Publish the blocks the answer added (the connector counts and logs a failure: the
+        answer was streamed already), then free the sequence's blocks."""
+        try:
+            self.runner.publish(s)
+        finally:
+            self._release(s)

@@ -1,0 +1,38 @@
+"""One decoding sequence from arrival to the end of its stream."""
+
+from __future__ import annotations
+
+import queue
+import time
+from concurrent.futures import Future
+
+from protos import halfmoon_pb2 as pb
+from servekit import sampling_params
+
+
+class Seq:
+    """A sequence's prompt, its tokens so far, its pool blocks and its stream's events."""
+
+    def __init__(self, request: pb.DecodeRequest, budget: int, need_blocks: int):
+        self.request = request
+        self.prompt = list(request.prompt_ids)
+        self.params = sampling_params(request.sampling)
+        self.generator = self.params.generator()
+        self.budget = budget  # new tokens allowed (max_tokens, capped by the context window)
+        self.need_blocks = need_blocks  # pool blocks reserved at admission: the whole answer
+        self.out = [request.first_token]  # generated tokens; the last one's KV is not computed
+        self.table: list[int] = []
+        self.events: queue.Queue = queue.Queue()  # ("tok", id, ms, batch) | ("end", reason, note)
+        self.arrived = time.perf_counter()
+        self.cancelled = False
+        self.pull: Future | None = None
+        self.transfer_ms = 0.0
+        self.recomputed = 0
+
+    @property
+    def position(self) -> int:
+        """Where the next fed token (the last generated one) goes."""
+        return len(self.prompt) + len(self.out) - 1
+
+    def ms(self) -> float:
+        return (time.perf_counter() - self.arrived) * 1000.0

@@ -1,0 +1,179 @@
+"""The decode worker's gRPC face: validation, the token stream, load reports, lifecycle."""
+
+from __future__ import annotations
+
+import queue
+
+import grpc
+
+from decode_node.config import DecodeConfig
+from decode_node.metrics import DecodeMetrics
+from decode_node.runner import DecodeRunner
+from decode_node.scheduler import DecodeScheduler
+from decode_node.seq import Seq
+from protos import halfmoon_pb2 as pb
+from protos import halfmoon_pb2_grpc as pb_grpc
+from servekit import GrpcServer, prompt_ids_problem, sampling_params
+
+
+class DecodeWorker(GrpcServer, pb_grpc.DecodeWorkerServicer):
+    """gRPC `DecodeWorker`: a step-loop thread (DecodeScheduler) runs one decode forward per step
+    for all running sequences; the runner owns the model, the pool and the KV connector."""
+
+    def __init__(self, config: DecodeConfig, lm=None):
+        GrpcServer.__init__(
+            self, config.host, config.port, config.metrics_port, config.grpc_workers
+        )
+        if not config.store_address:
+            raise ValueError(
+                "DecodeConfig.store_address is required: prompts' KV arrives through the store"
+            )
+        self.config = config
+        if config.torch_threads:
+            import torch
+
+            torch.set_num_threads(config.torch_threads)
+        self.metrics = DecodeMetrics(self.registry, config.worker_id)
+        self.runner = DecodeRunner(config, self.metrics, self.registry, lm)
+        self.scheduler = DecodeScheduler(config, self.runner, self.metrics)
+        self.lm, self.pool, self.fingerprint = (
+            self.runner.lm,
+            self.runner.pool,
+            self.runner.fingerprint,
+        )
+        self.metrics.free.set(self.pool.num_free)
+
+    @property
+    def max_batch_seen(self) -> int:
+        return self.scheduler.max_batch_seen
+
+    # ---- lifecycle ----
+
+    def _add_services(self, server: grpc.Server) -> list[str]:
+        pb_grpc.add_DecodeWorkerServicer_to_server(self, server)
+        return ["halfmoon.DecodeWorker"]
+
+    def _on_start(self) -> None:
+        self.scheduler.start()
+
+    def _on_stop(self) -> None:
+        self.scheduler.stop()
+        self.runner.close()
+
+    # ---- RPCs ----
+
+    def Decode(self, request: pb.DecodeRequest, context: grpc.ServicerContext):
+        """Stream the tokens after `first_token` (which the caller already has), then a final
+        message."""
+        wid = self.config.worker_id
+        problem = self._validate(request)
+        if problem:
+            self.metrics.rejected.labels(wid, "invalid").inc()
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
+        window = self.lm.config.max_position_embeddings
+        budget = min(request.sampling.max_tokens, window - len(request.prompt_ids))
+        need = -(-(len(request.prompt_ids) + budget) // self.config.block_size)
+        if need > self.pool.num_blocks:
+            self.metrics.rejected.labels(wid, "too_long").inc()
+            context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"sequence needs {need} KV blocks, the decode pool holds {self.pool.num_blocks}",
+            )
+        seq = Seq(request, budget, need)
+        context.add_callback(lambda: setattr(seq, "cancelled", True))
+        reason = self.runner.finish_reason(seq)
+        if reason:  # the first token (the caller has it already) ends it: no KV needed
+            self.scheduler.end_early(seq, reason)
+            yield pb.DecodeResponse(finished=True, finish_reason=reason)
+            return
+        if not self.scheduler.submit(seq):
+            self.metrics.rejected.labels(wid, "queue_full").inc()
+            context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"decode admission queue full ({self.config.max_waiting})",
+            )
+        yield from self._stream(seq, context)
+
+    def _stream(self, seq: Seq, context: grpc.ServicerContext):
+        """The sequence's events as messages, coalescing what is already there into one."""
+        while True:
+            try:
+                ev = seq.events.get(timeout=0.1)
+            except queue.Empty:
+                if not context.is_active():
+                    seq.cancelled = True
+                    self.scheduler.poke()
+                    return
+                continue
+            evs = [ev]
+            while not seq.events.empty():
+                evs.append(seq.events.get_nowait())
+            msg = pb.DecodeResponse()
+            for kind, *payload in evs:
+                if kind == "tok":
+                    tok, t_ms, batch = payload
+                    msg.token_ids.append(tok)
+                    msg.token_times_ms.append(t_ms)
+                    msg.batch_sizes.append(batch)
+                else:
+                    msg.finished, msg.finish_reason = True, payload[0]
+                    msg.transfer_ms, msg.recomputed_tokens = seq.transfer_ms, seq.recomputed
+            yield msg
+            if msg.finished:
+                return
+
+    def Load(self, request: pb.LoadRequest, context: grpc.ServicerContext) -> pb.WorkerLoad:
+        return self.load()
+
+    def load(self) -> pb.WorkerLoad:
+        running, waiting, context_tokens = self.scheduler.counts()
+        cfg, pool = self.config, self.pool
+        return pb.WorkerLoad(
+            worker_id=cfg.worker_id,
+            kind="decode",
+            queued_requests=waiting,
+            running=running,
+            waiting=waiting,
+            free_blocks=pool.num_free,
+            total_blocks=pool.num_blocks,
+            decode_coef=self.scheduler.timing.coef,
+            total_context_tokens=context_tokens,
+            nodes=[n for n in (cfg.store_node,) if n],
+            block_bytes=pool.block_bytes,
+            block_size=pool.block_size,
+            model_fingerprint=self.fingerprint,
+            max_batch_seen=self.scheduler.max_batch_seen,
+            requests_done=self.scheduler.requests_done,
+            device=str(self.runner.device),
+        )
+
+    def _validate(self, r: pb.DecodeRequest) -> str:
+        c = self.lm.config
+        problem = prompt_ids_problem(
+            "prompt_ids", r.prompt_ids, c.vocab_size, c.max_position_embeddings
+        )
+        if problem:
+            return problem
+        if not 0 <= r.first_token < c.vocab_size:
+            return f"first_token: id {r.first_token} is outside the vocabulary [0, {c.vocab_size})"
+        if r.sampling.max_tokens < 1:
+            return f"sampling.max_tokens: must be >= 1, got {r.sampling.max_tokens}"
+        if r.handle.num_tokens != len(r.prompt_ids):
+            return (
+                f"handle.num_tokens: {r.handle.num_tokens} but the prompt has "
+                f"{len(r.prompt_ids)} tokens"
+            )
+        bs = self.config.block_size
+        if (
+            len(r.handle.block_keys) != len(r.prompt_ids) // bs
+            or r.handle.tail_tokens != len(r.prompt_ids) % bs
+        ):
+            return (
+                f"handle: {len(r.handle.block_keys)} blocks + {r.handle.tail_tokens} tail "
+                f"tokens do not cover {len(r.prompt_ids)} prompt tokens"
+            )
+        try:
+            sampling_params(r.sampling)
+        except ValueError as exc:
+            return f"sampling: {exc}"
+        return ""

@@ -1,0 +1,136 @@
+"""A cluster without Ray, for tests, benchmarks and notebooks: the same wiring as the Ray launcher
+(deploy.wiring), every server either in this process (threads; a loaded model may be shared) or in
+a process of its own (one interpreter each, as a deployment runs them)."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+from typing import Any
+
+from deploy.config import ClusterConfig
+from deploy.wiring import ServerInfo, Wiring
+from servekit import role_classes
+
+
+def _serve(role: str, cfg, conn) -> None:
+    """Child process: build one server from its config, send its address, serve until told to
+    stop."""
+    _, server_cls = role_classes(role)
+    server = server_cls(cfg)
+    conn.send(server.start())
+    conn.recv()
+    server.stop()
+
+
+class _Child:
+    """A server in a process of its own (spawned, so no state is inherited)."""
+
+    def __init__(self, role: str, cfg, start_timeout_s: float):
+        ctx = mp.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self.proc = ctx.Process(
+            target=_serve, args=(role, cfg, child), daemon=True, name=f"halfmoon-{role}"
+        )
+        self.proc.start()
+        if not self._conn.poll(start_timeout_s):
+            self.stop()
+            raise TimeoutError(f"{role} did not start in {start_timeout_s:.0f} s")
+        self.address = self._conn.recv()
+
+    def stop(self) -> None:
+        try:
+            self._conn.send("stop")
+        except OSError:
+            pass
+        self.proc.join(timeout=30)
+        if self.proc.is_alive():
+            self.proc.terminate()
+
+
+class LocalCluster:
+    """`with LocalCluster(cfg) as c: c.address`. `hosts` store nodes stand for hosts (workers are
+    spread over them in turn); `lm` (a LoadedModel) is shared by in-process workers and the
+    conductor instead of each loading it; `processes=True` runs every server in its own
+    process. Everything it starts, it stops."""
+
+    def __init__(self, cfg: ClusterConfig, lm=None, hosts: int = 1, processes: bool = False):
+        if hosts < 1:
+            raise ValueError(f"hosts must be >= 1, got {hosts}")
+        if processes and lm is not None:
+            raise ValueError("a loaded model cannot be shared with server processes")
+        self.cfg, self.lm, self.hosts, self.processes = cfg, lm, hosts, processes
+        self.redis = None  # the EmbeddedRedis this cluster owns, if any
+        self.redis_url = ""
+        self.address = ""
+        self.servers: list[ServerInfo] = []
+        self.objects: dict[str, list[Any]] = {
+            "store": [],
+            "prefill": [],
+            "decode": [],
+            "conductor": [],
+        }  # in-process servers by role
+        self._stack: list[Any] = []  # what to stop, in start order
+
+    def start(self) -> str:
+        try:
+            return self._start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start(self) -> str:
+        cfg = self.cfg
+        self.redis_url = cfg.redis_url or os.environ.get("REDIS_URL", "")
+        if not self.redis_url:
+            from kvstore import EmbeddedRedis
+
+            self.redis = EmbeddedRedis()
+            self._stack.append(self.redis)
+            self.redis_url = self.redis.url
+        wiring = Wiring(cfg, self.redis_url)
+        host = "127.0.0.1" if cfg.host == "auto" else cfg.host
+        stores = [
+            self._run("store", f"store-{h}", wiring.store(f"store-{h}", host))
+            for h in range(self.hosts)
+        ]
+        workers = []
+        for role, count in (("prefill", cfg.prefill_workers), ("decode", cfg.decode_workers)):
+            for i in range(count):
+                name = f"{role}-{i}"
+                wcfg = wiring.worker(role, name, stores[i % self.hosts], host)
+                workers.append(self._run(role, name, wcfg))
+        conductor = self._run("conductor", "conductor", wiring.conductor(workers, stores, host))
+        self.address = conductor.address
+        return self.address
+
+    def _run(self, role: str, name: str, config) -> ServerInfo:
+        if self.processes:
+            server = _Child(role, config, self.cfg.health_timeout_s)
+            address, pid = server.address, server.proc.pid
+        else:
+            _, server_cls = role_classes(role)
+            shares_model = role != "store" and self.lm is not None
+            server = server_cls(config, lm=self.lm) if shares_model else server_cls(config)
+            self._stack.append(server)
+            address, pid = server.start(), os.getpid()
+            self.objects[role].append(server)
+        if self.processes:
+            self._stack.append(server)
+        info = ServerInfo(role, name, address, "local", pid)
+        self.servers.append(info)
+        return info
+
+    def stop(self) -> None:
+        """Stop servers in reverse start order, then the embedded Redis."""
+        while self._stack:
+            self._stack.pop().stop()
+        self.redis = None
+        self.address = ""
+
+    def __enter__(self) -> "LocalCluster":
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,468 @@
+"""The KV connector: the one path between a worker's paged KV pool and the store.
+
+It looks up and loads the longest cached prefix walking device -> host DRAM -> host SSD -> a
+remote node, publishes new blocks layer by layer while later layers compute, stages transfers in
+host memory (the pool may live on a GPU), keeps one client per store address, and accounts for
+every miss, timeout and error in metrics and logs. A failure is never an error for the request:
+what could not be loaded is recomputed by the caller, slower and never wrong.
+
+The pool is seen only through its tensor `kv[num_blocks, *layout.block_shape]` and its layout;
+allocation stays with the worker, which passes `allocate`/`free` where blocks are needed.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Callable, NamedTuple, Sequence
+
+import torch
+from prometheus_client import CollectorRegistry, Counter
+
+from kvstore.block_format import BlockCorrupt, decode_block, encode_block
+from kvstore.client import BlockWriter, StoreClient, StoreUnavailable
+from kvstore.device import DeviceTier
+from kvstore.index import Index
+from kvstore.store import StoreFull
+from kvstore.types import NodeInfo
+
+log = logging.getLogger(__name__)
+
+TIERS = ("device", "dram", "ssd", "remote")
+
+
+class PrefixLoad(NamedTuple):
+    """What `load_prefix` put in the pool."""
+
+    table: list[int]  # pool block ids holding the prefix, in order (device-tier ones first)
+    pinned: list[bytes]  # device-tier keys pinned for the request: give them to `keep`/`drop`
+    counts: dict[str, int]  # blocks by tier they came from: device, dram, ssd, remote
+    transfer_ms: float  # time spent moving blocks into the pool
+
+
+def _failure_kind(exc: BaseException) -> str:
+    """A metric label for why a transfer failed."""
+    if isinstance(exc, StoreFull):
+        return "full"
+    if isinstance(exc, BlockCorrupt):
+        return "corrupt"
+    if isinstance(exc, StoreUnavailable):
+        return "timeout" if "DEADLINE" in str(exc) else "unavailable"
+    return "error"
+
+
+class LayerPublisher:
+    """Streams the layers of a run of new full blocks to the store as prefill computes them."""
+
+    def __init__(self, connector: "KVConnector", writer: BlockWriter, ids: torch.Tensor):
+        self._c, self._writer, self._ids = connector, writer, ids
+        self._futures: list[Future] = []
+
+    def layer_done(self, layer: int) -> None:
+        """Called after `layer` is computed: gather it now (a copy), send it in the background."""
+        data = self._c.kv[self._ids, layer]
+        self._futures.append(self._c._publisher.submit(self._write, layer, data))
+
+    def _write(self, layer: int, data: torch.Tensor) -> None:
+        self._writer.write_layer(layer, data.to("cpu"))
+
+    def finish(self, ok: bool) -> bool:
+        """Commit when every layer went (and the forward succeeded), else abort; whether the
+        blocks are stored. A failure is counted and logged; `ensure_stored` tries again."""
+        try:
+            for f in self._futures:
+                f.result()
+            if not ok:
+                raise RuntimeError("the forward failed")
+            self._c._publisher.submit(self._writer.commit).result()
+            return True
+        except Exception as exc:  # noqa: BLE001 - counted and logged; the blocks are put again later
+            if ok:
+                self._c._error("publish_layerwise", exc)
+            try:
+                self._c._publisher.submit(self._writer.abort).result()
+            except Exception as abort_exc:  # noqa: BLE001
+                self._c._error("abort", abort_exc)
+            return False
+
+
+class KVConnector:
+    """Moves blocks between one worker's pool and the store (see the module docstring).
+
+    kv: the pool tensor; layout: what a block holds (kernels.KVLayout); fingerprint: the block
+    format's model fingerprint (weights + layout). store_address/store_node: this host's store
+    node. index_url: the global index (to reach other hosts' nodes and to publish the device
+    tier). device_node: the index node id of this worker's device tier ("" = no device tier).
+    """
+
+    def __init__(
+        self,
+        kv: torch.Tensor,
+        layout,
+        fingerprint: str,
+        store_address: str,
+        *,
+        store_node: str = "",
+        index_url: str = "",
+        device_node: str = "",
+        worker: str = "",
+        registry: CollectorRegistry | None = None,
+        timeout_s: float = 30.0,
+        index_period_s: float = 0.2,
+        index_ttl_s: float = 5.0,
+    ):
+        self.kv, self.layout, self.fingerprint = kv, layout, fingerprint
+        self.store_address, self.store_node, self.device_node = (
+            store_address,
+            store_node,
+            device_node,
+        )
+        self.worker, self.timeout_s = worker or device_node or store_node, timeout_s
+        self.device = DeviceTier() if device_node else None
+        self._clients: dict[str, StoreClient] = {}
+        self._clients_lock = threading.Lock()
+        self._index = Index(index_url) if index_url else None
+        self._publisher = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{self.worker}-kv")
+        self._init_metrics(registry or CollectorRegistry())
+        self._local = self.client(store_address)  # fails fast when the host's store is away
+        self._quit = threading.Event()
+        self._index_thread: threading.Thread | None = None
+        self._index_period_s, self._index_ttl_s = index_period_s, index_ttl_s
+        if self.device is not None and self._index is not None:
+            self._index_thread = threading.Thread(
+                target=self._index_loop, name=f"{self.worker}-index", daemon=True
+            )
+            self._index_thread.start()
+
+    def _init_metrics(self, r: CollectorRegistry) -> None:
+        self.m_blocks = Counter(
+            "halfmoon_kv_loaded_blocks",
+            "Blocks moved into the pool, by source tier",
+            ["worker", "tier"],
+            registry=r,
+        )
+        self.m_misses = Counter(
+            "halfmoon_kv_missed_blocks",
+            "Blocks asked for and not loaded (recomputed instead), by operation",
+            ["worker", "op"],
+            registry=r,
+        )
+        self.m_errors = Counter(
+            "halfmoon_kv_errors",
+            "Connector failures by operation and kind",
+            ["worker", "op", "kind"],
+            registry=r,
+        )
+        self.m_published = Counter(
+            "halfmoon_kv_published_blocks",
+            "Blocks written to the store",
+            ["worker", "how"],
+            registry=r,
+        )
+
+    def _error(self, op: str, exc: BaseException) -> None:
+        kind = _failure_kind(exc)
+        self.m_errors.labels(self.worker, op, kind).inc()
+        log.warning("%s: kv %s failed (%s): %s: %s", self.worker, op, kind, type(exc).__name__, exc)
+
+    def _miss(self, op: str, n: int) -> None:
+        if n > 0:
+            self.m_misses.labels(self.worker, op).inc(n)
+
+    # ---- clients ----
+
+    def client(self, address: str) -> StoreClient:
+        """The client of the store node at `address` (one per address, made on first use)."""
+        with self._clients_lock:
+            c = self._clients.get(address)
+            if c is None:
+                # Outside inference mode: the client maps its shm slab as a tensor later writes
+                # update, which inference tensors would forbid.
+                with torch.inference_mode(False):
+                    c = self._clients[address] = StoreClient(address, timeout_s=self.timeout_s)
+            return c
+
+    def _node_client(self, node: str) -> StoreClient | None:
+        """The client of the store node an index id names; None (counted) when unknown."""
+        if node == self.store_node:
+            return self._local
+        try:
+            info = self._index.nodes().get(node) if self._index is not None else None
+            if info is None or not info.address:
+                raise KeyError(f"store node {node!r} is not in the index")
+            return self.client(info.address)
+        except Exception as exc:  # noqa: BLE001 - the prefix is recomputed instead
+            self._error("resolve_node", exc)
+            return None
+
+    # ---- loading (prefill) ----
+
+    def load_prefix(
+        self,
+        keys: Sequence[bytes],
+        cap: int,
+        fetch_from: str,
+        fetch_blocks: int,
+        allocate: Callable[[int], list[int]],
+        free: Callable[[list[int]], None],
+    ) -> PrefixLoad:
+        """The longest cached run of keys[:cap] into pool blocks: the device tier, then this
+        host's store node, then `fetch_from` (another node) up to `fetch_blocks` blocks, and
+        nothing from anywhere else. `allocate` may raise (pool short): what was taken is given
+        back before the exception goes on."""
+        table: list[int] = []
+        pinned: list[bytes] = []
+        counts = dict.fromkeys(TIERS, 0)
+        t0 = time.perf_counter()
+        try:
+            if self.device is not None and cap:
+                table.extend(self.device.match(keys[:cap]))
+                pinned = list(keys[: len(table)])
+                counts["device"] = len(table)
+                self.m_blocks.labels(self.worker, "device").inc(len(table))
+            if len(table) < cap:
+                for tier in self._load_run(
+                    self._local, keys[len(table) : cap], table, allocate, free, "load_local"
+                ):
+                    counts["ssd" if tier == "ssd" else "dram"] += 1
+            want = min(cap, fetch_blocks)
+            if (
+                fetch_from
+                and fetch_from not in (self.store_node, self.device_node)
+                and len(table) < want
+            ):
+                remote = self._node_client(fetch_from)
+                if remote is None:
+                    self._miss("load_remote", want - len(table))
+                else:
+                    got = self._load_run(
+                        remote, keys[len(table) : want], table, allocate, free, "load_remote"
+                    )
+                    counts["remote"] += len(got)
+        except BaseException:
+            self.drop(table, pinned, free)
+            raise
+        for tier in ("dram", "ssd", "remote"):
+            if counts[tier]:
+                self.m_blocks.labels(self.worker, tier).inc(counts[tier])
+        return PrefixLoad(table, pinned, counts, (time.perf_counter() - t0) * 1000.0)
+
+    def _load_run(self, client, keys, table, allocate, free, op) -> list[str]:
+        """Append to `table` pool blocks holding the longest held run of `keys` at `client`;
+        the tiers they came from."""
+        if not keys:
+            return []
+        try:
+            found = client.lookup(list(keys))
+        except Exception as exc:  # noqa: BLE001 - a lookup that fails is a miss
+            self._error(op, exc)
+            return []
+        n = found.num_blocks
+        if n == 0:
+            return []
+        ids = allocate(n)
+        got = self._get_into(client, list(keys[:n]), ids, op)
+        free(ids[got:])
+        table.extend(ids[:got])
+        return list(found.tiers[:got])
+
+    def _get_into(self, client: StoreClient, keys: list[bytes], ids: list[int], op: str) -> int:
+        """Copy the leading held blocks of `keys` into pool blocks `ids`; how many."""
+        staging = torch.empty(
+            (len(keys), *self.layout.block_shape),
+            dtype=self.layout.dtype,
+            pin_memory=self.kv.is_cuda,
+        )
+        try:
+            got = client.get_into(keys, staging)
+        except Exception as exc:  # noqa: BLE001 - a failed transfer is a miss
+            self._error(op, exc)
+            got = 0
+        self._miss(op, len(keys) - got)
+        if got:
+            idx = torch.tensor(ids[:got], dtype=torch.long, device=self.kv.device)
+            self.kv[idx] = staging[:got].to(self.kv.device, non_blocking=True)
+        return got
+
+    def pull(self, address: str, keys: Sequence[bytes], ids: Sequence[int]) -> int:
+        """Decode side: the leading blocks of `keys` held at the store node at `address` into
+        pool blocks `ids`; how many (the rest is the caller's to recompute)."""
+        if not keys:
+            return 0
+        try:
+            client = self.client(address or self.store_address)
+        except Exception as exc:  # noqa: BLE001 - unreachable store: everything is a miss
+            self._error("pull", exc)
+            self._miss("pull", len(keys))
+            return 0
+        got = self._get_into(client, list(keys), list(ids), "pull")
+        self.m_blocks.labels(self.worker, "pull").inc(got)
+        return got
+
+    # ---- the partial tail block, carried inline ----
+
+    def encode_tail(self, block_id: int, tokens: int) -> bytes:
+        """The first `tokens` slots of a pool block in the block format (checksummed)."""
+        block = self.kv[block_id][:, :, :tokens].contiguous().to("cpu")
+        return encode_block(block, self.fingerprint, self.layout.store_codec)
+
+    def load_tail(self, data: bytes, tokens: int, block_id: int) -> bool:
+        """Write an inline tail block into the first `tokens` slots of a pool block; False
+        (counted) when it is corrupt, of another model or of the wrong shape."""
+        shape = self.layout.block_shape
+        try:
+            tail = decode_block(data, model_fingerprint=self.fingerprint)
+            if tuple(tail.shape) != (*shape[:2], tokens, *shape[3:]):
+                raise BlockCorrupt(f"tail block is {list(tail.shape)}, expected {tokens} tokens")
+        except Exception as exc:  # noqa: BLE001 - recomputed by the caller
+            self._error("tail", exc)
+            return False
+        self.kv[block_id, :, :, :tokens] = tail.to(self.kv.device, self.kv.dtype)
+        return True
+
+    # ---- publishing ----
+
+    def open_layerwise(
+        self, keys: Sequence[bytes], ids: Sequence[int], parent: bytes | None
+    ) -> LayerPublisher | None:
+        """A publisher for new full blocks `keys` held in pool blocks `ids`, written layer by
+        layer as they are computed; None (counted) when the store cannot take them now."""
+        if not keys:
+            return None
+        try:
+            writer = self._local.open_put(
+                list(keys),
+                self.layout.block_shape,
+                self.layout.dtype,
+                self.fingerprint,
+                self.layout.store_codec,
+                parent=parent,
+            )
+        except Exception as exc:  # noqa: BLE001 - compute anyway; ensure_stored tries again
+            self._error("open_layerwise", exc)
+            return None
+        self.m_published.labels(self.worker, "layerwise").inc(len(keys))
+        idx = torch.tensor(list(ids), dtype=torch.long, device=self.kv.device)
+        return LayerPublisher(self, writer, idx)
+
+    def ensure_stored(self, keys: Sequence[bytes], ids: Sequence[int]) -> int:
+        """Every block of `keys` (in pool blocks `ids`) in this host's store, so that a decode
+        worker can pull them all; how many the store holds afterwards."""
+        if not keys:
+            return 0
+        try:
+            held = self._local.lookup(list(keys)).num_blocks
+        except Exception as exc:  # noqa: BLE001
+            self._error("ensure_stored", exc)
+            return 0
+        if held == len(keys):
+            return held
+        parent = keys[held - 1] if held else None
+        return held + self.put(keys[held:], ids[held : len(keys)], parent, "ensure_stored")
+
+    def put(
+        self, keys: Sequence[bytes], ids: Sequence[int], parent: bytes | None, op: str = "put"
+    ) -> int:
+        """Write pool blocks `ids` under `keys` to this host's store; how many it took."""
+        if not keys:
+            return 0
+        idx = torch.tensor(list(ids), dtype=torch.long, device=self.kv.device)
+        try:
+            n = self._local.put(
+                list(keys),
+                self.kv[idx].to("cpu"),
+                self.fingerprint,
+                self.layout.store_codec,
+                parent=parent,
+            )
+        except Exception as exc:  # noqa: BLE001 - a decode worker recomputes what it cannot pull
+            self._error(op, exc)
+            return 0
+        self.m_published.labels(self.worker, op).inc(len(keys))
+        return n
+
+    # ---- the device tier ----
+
+    def keep(
+        self,
+        keys: Sequence[bytes],
+        table: list[int],
+        pinned: Sequence[bytes],
+        free: Callable[[list[int]], None],
+    ) -> None:
+        """After a request: its full blocks (`keys`, the first len(keys) of `table`) stay
+        resident as the device tier; its pins are released; the rest of `table` is freed."""
+        n = len(keys)
+        rest = list(table[n:])
+        fresh_keys, fresh_ids = list(keys[len(pinned) : n]), list(table[len(pinned) : n])
+        if self.device is not None:
+            self.device.release(pinned)
+            rest += self.device.insert(fresh_keys, fresh_ids)
+        else:
+            rest += fresh_ids
+        free(rest)
+
+    def drop(
+        self, table: list[int], pinned: Sequence[bytes], free: Callable[[list[int]], None]
+    ) -> None:
+        """Give back what a request held without keeping anything: pins released, the blocks
+        it owns (after the pinned ones) freed."""
+        if self.device is not None:
+            self.device.release(pinned)
+        free(list(table[len(pinned) :]))
+
+    def evict_device(self, n: int) -> list[int]:
+        """Up to n unpinned device-tier blocks, least recently used first (now the caller's)."""
+        return self.device.evict(n) if self.device is not None else []
+
+    def device_blocks(self) -> int:
+        return len(self.device) if self.device is not None else 0
+
+    def _index_loop(self) -> None:
+        """Publish the device tier to the index (its node registered, heartbeats, changes)."""
+        info = NodeInfo(
+            self.device_node, "", socket.gethostname(), "", 0, 0, self.fingerprint, time.time()
+        )
+        registered, last_beat = False, 0.0
+        while not self._quit.wait(self._index_period_s):
+            try:
+                now = time.monotonic()
+                if not registered or now - last_beat > self._index_ttl_s / 3:
+                    if not registered or not self._index.heartbeat(
+                        self.device_node, self._index_ttl_s
+                    ):
+                        self._index.register(info, self._index_ttl_s)
+                    registered, last_beat = True, now
+                events = self.device.drain_events()
+                try:
+                    self._index.publish(self.device_node, events)
+                except Exception:
+                    dropped = self.device.requeue_events(events)
+                    if dropped:
+                        self.m_errors.labels(self.worker, "index_publish", "dropped").inc(dropped)
+                    raise
+            except Exception as exc:  # noqa: BLE001 - the index is advisory: routing is blinder
+                registered = False
+                self._error("index_publish", exc)
+
+    # ---- lifecycle ----
+
+    def close(self) -> None:
+        self._quit.set()
+        if self._index_thread is not None:
+            self._index_thread.join(timeout=5)
+        self._publisher.shutdown(wait=True)
+        if self._index is not None:
+            if self.device is not None:
+                try:
+                    self._index.unregister(self.device_node)
+                except Exception as exc:  # noqa: BLE001
+                    self._error("index_unregister", exc)
+            self._index.close()
+        with self._clients_lock:
+            for c in self._clients.values():
+                c.close()
+            self._clients.clear()

@@ -1,0 +1,186 @@
+"""The prefill runner: the model, the paged pool and the KV connector; prepares a job's prefix,
+runs batched forwards, and builds a job's answer."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Sequence
+
+import grpc
+import torch
+
+from kvstore import KVConnector, block_keys
+from model import KVPool, kv_fingerprint, load_model, sample
+from prefill_node.config import PrefillConfig
+from prefill_node.job import Failure, PrefillJob
+from prefill_node.metrics import PrefillMetrics
+from protos import halfmoon_pb2 as pb
+from servekit import resolve_device, reusable_blocks, sampling_params, torch_dtype
+
+
+class PrefillRunner:
+    """Owns the model and the pool; the scheduler calls prepare -> compute_step* -> finish."""
+
+    def __init__(self, config: PrefillConfig, metrics: PrefillMetrics, registry, lm=None):
+        self.config = config
+        self.metrics = metrics
+        self.device = resolve_device(config.device)
+        self.dtype = torch_dtype(config.dtype)
+        if lm is None:
+            lm = load_model(config.model, dtype=self.dtype, device=str(self.device))
+        self.lm = lm
+        self.pool = KVPool(
+            lm.config, config.num_blocks, config.block_size, self.dtype, device=self.device
+        )
+        self.fingerprint = kv_fingerprint(lm.weights_id, self.pool.layout)
+        self._pool_lock = threading.Lock()
+        self.kv = KVConnector(
+            self.pool.kv,
+            self.pool.layout,
+            self.fingerprint,
+            config.store_address,
+            store_node=config.store_node,
+            index_url=config.index_url,
+            device_node=config.worker_id if config.device_cache else "",
+            worker=config.worker_id,
+            registry=registry,
+        )
+
+    def close(self) -> None:
+        self.kv.close()
+
+    # ---- the pool ----
+
+    def allocate(self, n: int) -> list[int]:
+        """n pool blocks, evicting device-tier blocks when the pool is short."""
+        with self._pool_lock:
+            short = n - self.pool.num_free
+            if short > 0:
+                self.pool.free(self.kv.evict_device(short))
+            if n > self.pool.num_free:
+                raise Failure(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"prefill worker {self.config.worker_id}: {n} KV blocks needed, "
+                    f"{self.pool.num_free} free",
+                )
+            return self.pool.allocate(n)
+
+    def free(self, ids: Sequence[int]) -> None:
+        if ids:
+            with self._pool_lock:
+                self.pool.free(list(ids))
+        self.metrics.free.set(self.pool.num_free)
+
+    def clear_device(self) -> int:
+        """Drop the device tier's blocks (those a running request holds stay); how many."""
+        ids = self.kv.evict_device(self.kv.device_blocks())
+        self.free(ids)
+        return len(ids)
+
+    def release(self, job: PrefillJob) -> None:
+        """Give back everything a job holds (it failed or was put off)."""
+        self.kv.drop(job.table, job.pinned, self.free)
+        job.pinned, job.table = [], []
+
+    # ---- one request ----
+
+    def keys_of(self, job: PrefillJob) -> list[bytes]:
+        r = job.request
+        return block_keys(job.ids, self.config.block_size, self.fingerprint, r.cache_salt)
+
+    def reusable(self, job: PrefillJob, keys: list[bytes]) -> int:
+        """Blocks of the prompt this request may reuse (none under cache_off)."""
+        if job.request.no_cache:
+            return 0
+        return reusable_blocks(len(keys), len(job.ids), self.config.block_size)
+
+    def prepare(self, job: PrefillJob) -> None:
+        """The prefix the decision names into the pool (own tiers; `fetch_from` for
+        `fetch_blocks`, nothing else remote), and pool blocks for the rest."""
+        bs, r = self.config.block_size, job.request
+        keys = job.keys = self.keys_of(job)
+        loaded = self.kv.load_prefix(
+            keys, self.reusable(job, keys), r.fetch_from, r.fetch_blocks, self.allocate, self.free
+        )
+        job.table, job.pinned = loaded.table, loaded.pinned
+        job.counts, job.transfer_ms = loaded.counts, loaded.transfer_ms
+        job.pos = len(job.table) * bs
+        job.table.extend(self.allocate(-(-len(job.ids) // bs) - len(job.table)))
+
+    @torch.inference_mode()
+    def compute_step(self, step: list[PrefillJob], spans: list[tuple[int, int]]) -> list:
+        """One forward over each job's positions [s, e); the full blocks it completes go to the
+        store layer by layer while later layers compute. Last-position logits per job (CPU)."""
+        publishers = [p for p in (self._publisher(j, s, e) for j, (s, e) in zip(step, spans)) if p]
+
+        def on_layer(layer: int) -> None:
+            for p in publishers:
+                p.layer_done(layer)
+
+        seqs = [
+            (torch.tensor(j.ids[s:e], dtype=torch.long), j.table, s)
+            for j, (s, e) in zip(step, spans)
+        ]
+        ok = False
+        try:
+            logits = self.lm.model.prefill_batch(
+                seqs, self.pool, on_layer_done=on_layer if publishers else None
+            )
+            ok = True
+        finally:
+            for p in publishers:
+                p.finish(ok)
+        return [lg.float().cpu() for lg in logits]
+
+    def _publisher(self, job: PrefillJob, s: int, e: int):
+        """A layer-wise publisher for the full blocks [s, e) completes; None if none or off."""
+        if not self.config.layerwise:
+            return None
+        bs = self.config.block_size
+        first, end = s // bs, e // bs
+        parent = job.keys[first - 1] if first else None
+        return self.kv.open_layerwise(job.keys[first:end], job.table[first:end], parent)
+
+    def finish(self, job: PrefillJob) -> pb.PrefillReply:
+        """Every full block in the store, the first token, the tail block inline; the full
+        blocks stay as the device tier."""
+        cfg, bs, r = self.config, self.config.block_size, job.request
+        t = len(job.ids)
+        self.metrics.prefill.observe(job.prefill_ms / 1000.0)
+        t1 = time.perf_counter()
+        self.kv.ensure_stored(job.keys, job.table)
+        job.transfer_ms += (time.perf_counter() - t1) * 1000.0
+        sp = sampling_params(r.sampling)
+        first = int(sample(job.logits, [sp], [sp.generator()])[0])
+        tail_tokens = t % bs
+        tail = self.kv.encode_tail(job.table[-1], tail_tokens) if tail_tokens else b""
+        table, pinned = job.table, job.pinned
+        job.table, job.pinned = [], []  # the device tier owns them now
+        self.kv.keep(job.keys, table, pinned, self.free)
+        counts = job.counts
+        for tier, n in counts.items():
+            if n:
+                self.metrics.cached.labels(cfg.worker_id, tier).inc(n * bs)
+        computed = t - sum(counts.values()) * bs
+        self.metrics.computed.inc(computed)
+        handle = pb.KVHandle(
+            block_keys=job.keys,
+            store_node=cfg.store_node,
+            store_address=cfg.store_address,
+            num_tokens=t,
+            tail=tail,
+            tail_tokens=tail_tokens,
+        )
+        return pb.PrefillReply(
+            first_token=first,
+            handle=handle,
+            cached_device_tokens=counts["device"] * bs,
+            cached_dram_tokens=counts["dram"] * bs,
+            cached_ssd_tokens=counts["ssd"] * bs,
+            cached_remote_tokens=counts["remote"] * bs,
+            computed_tokens=computed,
+            queue_ms=job.queue_ms,
+            prefill_ms=job.prefill_ms,
+            transfer_ms=job.transfer_ms,
+        )

@@ -1,0 +1,202 @@
+"""The prefill scheduler: the queue, rounds of batched work, and each job's answer."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+
+import grpc
+
+from prefill_node.config import PrefillConfig
+from prefill_node.job import Failure, PrefillJob
+from prefill_node.metrics import PrefillMetrics
+from prefill_node.runner import PrefillRunner
+from protos import halfmoon_pb2 as pb
+from servekit import PrefillTimeModel
+
+log = logging.getLogger(__name__)
+
+
+class PrefillScheduler:
+    """One thread takes waiting jobs in rounds (up to max_batch_tokens), prepares each, and runs
+    batched forwards of up to chunk_size tokens a job until every job of the round is answered."""
+
+    def __init__(self, config: PrefillConfig, runner: PrefillRunner, metrics: PrefillMetrics):
+        self.config, self.runner, self.metrics = config, runner, metrics
+        self.timing = PrefillTimeModel()
+        self._queue: queue.Queue[PrefillJob | None] = queue.Queue()
+        self._queued: list[PrefillJob] = []  # the jobs in _queue, for load reports
+        self._queued_lock = threading.Lock()
+        self._current: tuple[float, float] | None = None  # (start, predicted ms) of this round
+        self.max_batch_seen = 0  # the most requests one batched forward has carried
+        self.requests_done = 0
+        self._thread: threading.Thread | None = None
+
+    # ---- intake ----
+
+    def submit(self, job: PrefillJob) -> None:
+        """Queue a job; Failure(RESOURCE_EXHAUSTED) when the queue is full."""
+        with self._queued_lock:
+            if len(self._queued) >= self.config.max_queue:
+                self.metrics.rejected.labels(self.config.worker_id, "queue_full").inc()
+                raise Failure(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"prefill queue full ({self.config.max_queue} requests)",
+                )
+            self._queued.append(job)
+            self.metrics.queued.set(len(self._queued))
+        self._queue.put(job)
+
+    def waiting(self) -> tuple[list[int], float]:
+        """(prompt lengths queued, predicted ms of the work ahead of a new request)."""
+        with self._queued_lock:
+            lengths = [len(j.ids) for j in self._queued]
+        predicted = sum(self.timing.predict(t, t) for t in lengths)
+        current = self._current
+        if current is not None:
+            predicted += max(0.0, current[1] - (time.perf_counter() - current[0]) * 1000.0)
+        return lengths, predicted
+
+    # ---- the loop ----
+
+    def start(self) -> None:
+        self._thread = threading.Thread(
+            target=self._loop, daemon=True, name=f"{self.config.worker_id}-prefill"
+        )
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._queue.put(None)
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+
+    def _loop(self) -> None:
+        waiting: list[PrefillJob] = []  # jobs put off to the next round
+        while True:
+            if not waiting:
+                job = self._queue.get()
+                if job is None:
+                    return
+                waiting = [job]
+            # A round takes waiting requests up to max_batch_tokens, in arrival order.
+            batch, tokens = waiting, sum(len(j.ids) for j in waiting)
+            while tokens < self.config.max_batch_tokens:
+                try:
+                    nxt = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if nxt is None:
+                    self._queue.put(None)
+                    break
+                batch.append(nxt)
+                tokens += len(nxt.ids)
+            waiting = self._round(batch)
+
+    def _round(self, batch: list[PrefillJob]) -> list[PrefillJob]:
+        """Prepare each job, compute them all together, answer each; the jobs put off."""
+        with self._queued_lock:
+            for job in batch:
+                if job in self._queued:
+                    self._queued.remove(job)
+            self.metrics.queued.set(len(self._queued))
+        jobs: list[PrefillJob] = []
+        later: list[PrefillJob] = []
+        computing: set[bytes] = set()  # keys of the blocks this round computes
+        for job in batch:
+            if job.cancelled:
+                job.done.set()
+                continue
+            if jobs and self._shares_new_blocks(job, computing):
+                later.append(job)  # next round it reuses them instead of computing them again
+                continue
+            job.started = time.perf_counter()
+            try:
+                self.runner.prepare(job)
+            except Failure as exc:
+                self.runner.release(job)
+                if exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED and jobs:
+                    later.append(job)  # this round's jobs hold the pool: room comes back after it
+                else:
+                    self._fail(job, exc)
+                continue
+            except Exception as exc:  # noqa: BLE001 - the RPC answers INTERNAL; serving goes on
+                self._fail(job, exc)
+                continue
+            self.metrics.queue.observe(job.queue_ms / 1000.0)
+            computing.update(job.keys[job.pos // self.config.block_size :])
+            jobs.append(job)
+        predicted = sum(self.timing.predict(len(j.ids) - j.pos, len(j.ids)) for j in jobs)
+        self._current = (time.perf_counter(), predicted)
+        try:
+            self._compute(jobs)
+        finally:
+            self._current = None
+        return later
+
+    def _shares_new_blocks(self, job: PrefillJob, computing: set[bytes]) -> bool:
+        """Whether a reusable block of the job is one this round computes for an earlier job."""
+        if job.request.no_cache or not computing:
+            return False
+        keys = self.runner.keys_of(job)
+        return any(k in computing for k in keys[: self.runner.reusable(job, keys)])
+
+    def _compute(self, jobs: list[PrefillJob]) -> None:
+        """Batched forwards of up to chunk_size tokens a job; a job is answered once its last
+        position is computed."""
+        start = time.perf_counter()
+        while True:
+            step = [j for j in jobs if j.error is None and j.pos < len(j.ids)]
+            if not step:
+                return
+            spans = [(j.pos, min(len(j.ids), j.pos + self.config.chunk_size)) for j in step]
+            c0 = time.perf_counter()
+            try:
+                logits = self.runner.compute_step(step, spans)
+            except Exception as exc:  # noqa: BLE001 - this forward's jobs fail; serving goes on
+                for j in step:
+                    self._fail(j, exc)
+                continue
+            now = time.perf_counter()
+            tokens = sum(e - s for s, e in spans)
+            # One observation per forward: tokens*context summed over its sequences.
+            self.timing.observe(
+                (now - c0) * 1000.0, tokens, sum((e - s) * e for s, e in spans) / tokens
+            )
+            self.max_batch_seen = max(self.max_batch_seen, len(step))
+            for j, (_, e), lg in zip(step, spans, logits):
+                j.pos, j.logits, j.prefill_ms = e, lg, (now - start) * 1000.0
+                if e == len(j.ids):
+                    self._answer(j)
+
+    # ---- endings ----
+
+    def _answer(self, job: PrefillJob) -> None:
+        try:
+            job.reply = self.runner.finish(job)
+        except Exception as exc:  # noqa: BLE001 - the RPC answers INTERNAL; serving goes on
+            self._fail(job, exc)
+            return
+        self._complete(job, "ok")
+
+    def _fail(self, job: PrefillJob, exc: Exception) -> None:
+        """Answer the job with exc's status (INTERNAL unless a Failure); its blocks go back."""
+        if not isinstance(exc, Failure):
+            log.exception("%s: prefill failed", self.config.worker_id, exc_info=exc)
+            exc = Failure(grpc.StatusCode.INTERNAL, f"prefill failed: {type(exc).__name__}: {exc}")
+        job.error = exc
+        self.runner.release(job)
+        self._complete(job, "error")
+
+    def _complete(self, job: PrefillJob, outcome: str) -> None:
+        self.metrics.requests.labels(self.config.worker_id, outcome).inc()
+        self.requests_done += 1
+        job.done.set()
+
+
+def reply_or_raise(job: PrefillJob) -> pb.PrefillReply:
+    """The job's answer once done; its Failure otherwise."""
+    if job.error is not None:
+        raise job.error
+    return job.reply

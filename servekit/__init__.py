@@ -1,0 +1,51 @@
+"""What every halfmoon server shares: the gRPC scaffold, config loading, sampling/dtype/device
+conversions, request validation, the fitted time models and the role registry.
+
+The neutral ground of the server packages: `conductor`, `prefill_node`, `decode_node` and `kvstore`
+import it and never one another."""
+
+from servekit.blocks import blocks_needed, reusable_blocks
+from servekit.config import config_from_dict, config_from_yaml, field_names
+from servekit.grpc_server import GrpcServer
+from servekit.roles import ROLES, Role, role_classes
+from servekit.sampling import (
+    DTYPE_NAMES,
+    check_device,
+    resolve_device,
+    sampling_params,
+    torch_dtype,
+)
+from servekit.timing import (
+    DecodeTimeModel,
+    LinearTimeModel,
+    PrefillTimeModel,
+    decode_features,
+    predict,
+    prefill_features,
+)
+from servekit.validation import prompt_ids_problem, sampling_problem
+
+__all__ = [
+    "DTYPE_NAMES",
+    "ROLES",
+    "DecodeTimeModel",
+    "GrpcServer",
+    "LinearTimeModel",
+    "PrefillTimeModel",
+    "Role",
+    "blocks_needed",
+    "check_device",
+    "config_from_dict",
+    "config_from_yaml",
+    "decode_features",
+    "field_names",
+    "predict",
+    "prefill_features",
+    "prompt_ids_problem",
+    "resolve_device",
+    "reusable_blocks",
+    "role_classes",
+    "sampling_params",
+    "sampling_problem",
+    "torch_dtype",
+]

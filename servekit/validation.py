@@ -1,0 +1,33 @@
+"""Request validation every server shares: each check returns '' or a message that names the field,
+for an INVALID_ARGUMENT answer."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from model import prompt_problem
+from protos import halfmoon_pb2 as pb
+
+
+def prompt_ids_problem(field: str, ids: Sequence[int], vocab_size: int, context_window: int) -> str:
+    """The model's prompt rules (model.prompt_problem), naming the request field."""
+    problem = prompt_problem(ids, vocab_size, context_window)
+    return f"{field}: {problem}" if problem else ""
+
+
+def sampling_problem(
+    sp: pb.SamplingParams, max_tokens_limit: int = 0, field: str = "sampling"
+) -> str:
+    """max_tokens at least 1 (and at most the limit when one is given), temperature >= 0,
+    top_p in [0, 1] (0 = off), top_k >= 0."""
+    if sp.max_tokens < 1:
+        return f"{field}.max_tokens: must be at least 1, got {sp.max_tokens}"
+    if max_tokens_limit and sp.max_tokens > max_tokens_limit:
+        return f"{field}.max_tokens: {sp.max_tokens} is above the limit of {max_tokens_limit}"
+    if sp.temperature < 0:
+        return f"{field}.temperature: must be >= 0, got {sp.temperature}"
+    if not 0 <= sp.top_p <= 1:
+        return f"{field}.top_p: must be in [0, 1], got {sp.top_p}"
+    if sp.top_k < 0:
+        return f"{field}.top_k: must be >= 0, got {sp.top_k}"
+    return ""

@@ -1,0 +1,182 @@
+"""The KV connector between a worker's pool and the store, and the workers' device choice."""
+
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+import torch
+from prometheus_client import CollectorRegistry
+
+from decode_node import DecodeConfig
+from kvstore import EmbeddedRedis, Index, KVConnector, StoreConfig, StoreNode, block_keys
+from model import KVPool, kv_fingerprint, load_model
+from prefill_node import PrefillConfig
+from protos import halfmoon_pb2 as pb
+from servekit import resolve_device
+from serving_cluster import Cluster
+
+BS = 16
+
+
+@pytest.fixture(scope="module")
+def lm():
+    return load_model("tiny-random")
+
+
+@pytest.fixture(scope="module")
+def redis():
+    server = EmbeddedRedis()
+    yield server
+    server.stop()
+
+
+def metric(registry: CollectorRegistry, name: str, **labels) -> float:
+    return registry.get_sample_value(name, labels) or 0.0
+
+
+def _pool(lm, n=16):
+    pool = KVPool(lm.config, n, BS, torch.float32)
+    pool.kv.copy_(torch.randn_like(pool.kv))
+    return pool
+
+
+def test_device_choice_is_checked_and_auto_is_cpu_here():
+    for cls in (PrefillConfig, DecodeConfig):
+        with pytest.raises(ValueError, match="device"):
+            cls(device="gpu")
+        assert cls(device="cuda:1").device == "cuda:1"  # a config check needs no GPU
+    if not torch.cuda.is_available():
+        assert resolve_device("auto") == torch.device("cpu")
+        with pytest.raises(ValueError, match="no CUDA device"):
+            resolve_device("cuda")
+
+
+def test_workers_report_their_device(lm):
+    with Cluster(lm, prefill={"device": "cpu"}, decode={"device": "auto"}) as c:
+        want = "cuda:0" if torch.cuda.is_available() else "cpu"
+        assert c.prefills[0].load().device == "cpu"
+        assert c.decodes[0].load().device == want
+
+
+def test_put_pull_round_trip_and_every_miss_counted(lm, redis, tmp_path):
+    node = StoreNode(StoreConfig(node_id="s0", redis_url=redis.url, dram_bytes=8 << 20))
+    address = node.start()
+    src, dst = _pool(lm), KVPool(lm.config, 16, BS, torch.float32)
+    fp = kv_fingerprint(lm.weights_id, src.layout)
+    reg = CollectorRegistry()
+    a = KVConnector(src.kv, src.layout, fp, address, store_node="s0", worker="a")
+    b = KVConnector(dst.kv, dst.layout, fp, address, store_node="s0", worker="b", registry=reg)
+    try:
+        keys = block_keys(list(range(3, 3 + 4 * BS)), BS, fp)
+        assert a.put(keys[:3], [5, 6, 7], None) == 3
+        # three held, the fourth never stored: a miss, counted, and the first three arrive intact
+        assert b.pull(address, keys, [0, 1, 2, 3]) == 3
+        assert torch.equal(dst.kv[:3], src.kv[5:8])
+        assert metric(reg, "halfmoon_kv_missed_blocks_total", worker="b", op="pull") == 1
+        # an unreachable store: nothing pulled, counted as an error and a miss, no exception
+        assert b.pull("127.0.0.1:1", keys[:2], [8, 9]) == 0
+        assert metric(reg, "halfmoon_kv_missed_blocks_total", worker="b", op="pull") == 3
+        errors = sum(
+            metric(reg, "halfmoon_kv_errors_total", worker="b", op="pull", kind=k)
+            for k in ("unavailable", "timeout", "error")
+        )
+        assert errors == 1
+        # a corrupt inline tail is refused (counted), never written into the pool
+        tail = a.encode_tail(5, 7)
+        before = dst.kv[10].clone()
+        bad = tail[:-1] + bytes([tail[-1] ^ 0xFF])
+        assert not b.load_tail(bad, 7, 10)
+        assert torch.equal(dst.kv[10], before)
+        assert metric(reg, "halfmoon_kv_errors_total", worker="b", op="tail", kind="corrupt") == 1
+        assert b.load_tail(tail, 7, 10) and torch.equal(dst.kv[10, :, :, :7], src.kv[5, :, :, :7])
+    finally:
+        a.close()
+        b.close()
+        node.stop()
+
+
+def test_a_remote_node_unknown_to_the_index_is_a_counted_miss(lm, redis):
+    node = StoreNode(StoreConfig(node_id="s1", redis_url=redis.url, dram_bytes=8 << 20))
+    address = node.start()
+    pool = _pool(lm)
+    fp = kv_fingerprint(lm.weights_id, pool.layout)
+    reg = CollectorRegistry()
+    c = KVConnector(
+        pool.kv,
+        pool.layout,
+        fp,
+        address,
+        store_node="s1",
+        index_url=redis.url,
+        worker="w",
+        registry=reg,
+    )
+    try:
+        keys = block_keys(list(range(3, 3 + 3 * BS)), BS, fp)
+        got = c.load_prefix(keys, 3, "no-such-node", 3, pool.allocate, pool.free)
+        assert got.table == [] and sum(got.counts.values()) == 0
+        assert pool.num_free == pool.num_blocks  # nothing taken, nothing leaked
+        assert metric(reg, "halfmoon_kv_missed_blocks_total", worker="w", op="load_remote") == 3
+        assert (
+            metric(reg, "halfmoon_kv_errors_total", worker="w", op="resolve_node", kind="error")
+            == 1
+        )
+    finally:
+        c.close()
+        node.stop()
+
+
+def test_device_tier_is_visible_to_routing(lm):
+    rng = random.Random(3)
+    prompt = [rng.randrange(3, 259) for _ in range(4 * BS + 5)]
+    with Cluster(lm) as c:
+        w = c.prefills[0]
+        c.generate(token_ids=prompt, max_tokens=2)
+        keys = block_keys(prompt, BS, w.fingerprint)
+        index = Index(c.redis.url)
+        try:
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:
+                found = index.longest_prefix(keys)
+                if found.get("prefill-0") and found["prefill-0"].num_blocks == 4:
+                    break
+                time.sleep(0.05)
+            assert found["prefill-0"].num_blocks == 4 and set(found["prefill-0"].tiers) == {
+                "device"
+            }
+            assert w.load().device_node == "prefill-0"
+            # ClearCache empties the pool's tier, and the index hears of it.
+            c.stub.ClearCache(pb.ClearCacheRequest(), timeout=10)
+            deadline = time.monotonic() + 10
+            while "prefill-0" in index.longest_prefix(keys) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert "prefill-0" not in index.longest_prefix(keys)
+        finally:
+            index.close()
+
+
+def test_load_walks_device_then_the_hosts_store(lm, redis):
+    node = StoreNode(StoreConfig(node_id="s2", redis_url=redis.url, dram_bytes=8 << 20))
+    address = node.start()
+    pool = _pool(lm)
+    fp = kv_fingerprint(lm.weights_id, pool.layout)
+    c = KVConnector(pool.kv, pool.layout, fp, address, store_node="s2", device_node="w2")
+    try:
+        keys = block_keys(list(range(3, 3 + 4 * BS)), BS, fp)
+        src = pool.allocate(4)
+        assert c.put(keys, src, None) == 4
+        c.keep(keys[:2], src, [], pool.free)  # the first two stay resident in the pool
+        assert pool.num_free == pool.num_blocks - 2
+        got = c.load_prefix(keys, 4, "", 0, pool.allocate, pool.free)
+        assert got.counts == {"device": 2, "dram": 2, "ssd": 0, "remote": 0}
+        assert got.table[:2] == src[:2] and got.pinned == keys[:2]
+        held = torch.stack([pool.kv[i] for i in got.table])
+        c.drop(got.table, got.pinned, pool.free)
+        assert pool.num_free == pool.num_blocks - 2  # pins released, pulled blocks freed
+        # the same bytes as the source blocks, whichever tier they came from
+        assert torch.equal(held[:2], pool.kv[src[:2]])
+    finally:
+        c.close()
+        node.stop()

@@ -1,0 +1,33 @@
+"""The cluster on CUDA: model, pool and kernels on the GPU (the decode step runs the Triton
+paged-attention kernel), checked against the single-process Engine. Skips without CUDA."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from model import Engine, SamplingParams, load_model
+from serving_cluster import Cluster
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+BS = 16
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cluster_on_cuda_matches_engine(dtype):
+    lm = load_model("tiny-random", dtype=dtype, device="cuda")
+    engine = Engine(lm)
+    rng = random.Random(0)
+    prefix = [rng.randrange(3, 259) for _ in range(5 * BS)]
+    prompts = [prefix + [rng.randrange(3, 259) for _ in range(n)] for n in (3, 11, 17)]
+    workers = {"device": "cuda", "dtype": dtype}
+    with Cluster(lm, prefill=workers, decode=workers) as c:
+        for w in (c.prefills[0], c.decodes[0]):
+            assert w.load().device == "cuda:0" and w.pool.kv.is_cuda
+        for i, p in enumerate(prompts):
+            ids, _, last = c.generate(token_ids=p, max_tokens=12)
+            assert ids == engine.generate(p, SamplingParams(max_tokens=12, ignore_eos=True))
+            if i:  # the shared prefix came from a cache, not recomputed
+                assert last.usage.cached_tokens == 5 * BS
