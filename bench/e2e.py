@@ -1,4 +1,5 @@
-"""End-to-end benchmark on SmolLM2 through a local cluster (1 prefill + 1 decode worker, store, conductor).
+"""End-to-end benchmark on SmolLM2 through a local cluster (1 prefill + 1 decode worker, store,
+conductor).
 
 Two workloads, each beside vLLM's CPU build on the same workload and dtype when it is installed:
 - TTFT of a 1024-token prompt cold, and with its first 960 tokens already cached;
@@ -107,7 +108,8 @@ def run_halfmoon(lm, prompts: dict, dtype: str, threads: int, device_cache: bool
             ttft, *_, u = one(stub, ids, 1)
             cold.append(ttft)
             say(
-                f"halfmoon: TTFT cold  {ttft:8.1f} ms  (computed {u.computed_prompt_tokens}, cached {u.cached_tokens})"
+                f"halfmoon: TTFT cold  {ttft:8.1f} ms  "
+                f"(computed {u.computed_prompt_tokens}, cached {u.cached_tokens})"
             )
         one(stub, prompts["seed"], 1)
         warm = []
@@ -115,7 +117,8 @@ def run_halfmoon(lm, prompts: dict, dtype: str, threads: int, device_cache: bool
             ttft, *_, u = one(stub, ids, 1)
             warm.append(ttft)
             say(
-                f"halfmoon: TTFT warm  {ttft:8.1f} ms  (computed {u.computed_prompt_tokens}, cached {u.cached_tokens}: "
+                f"halfmoon: TTFT warm  {ttft:8.1f} ms  "
+                f"(computed {u.computed_prompt_tokens}, cached {u.cached_tokens}: "
                 f"device {u.cached_device_tokens}, dram {u.cached_dram_tokens})"
             )
         out["ttft_cold_ms"] = statistics.median(cold)
@@ -154,9 +157,9 @@ def run_halfmoon(lm, prompts: dict, dtype: str, threads: int, device_cache: bool
     return out
 
 
-# ---------------------------------------------------------------- vLLM (its own venv, its own process)
+# ------------------------------------------------ vLLM (its own venv, its own process)
 
-VLLM_SCRIPT = r"""
+VLLM_SCRIPT = """
 import json, sys, time
 def main():
     from vllm import LLM, SamplingParams
@@ -179,8 +182,10 @@ def main():
     w1, n1 = timed([p["decode"][0]], gen)
     w16, n16 = timed(p["decode"][1:], gen)
     cold.sort(); warm.sort()
-    print("VLLM_RESULT " + json.dumps({"ttft_cold_ms": cold[len(cold) // 2], "ttft_warm_ms": warm[len(warm) // 2],
-                                        "decode_1_tok_s": n1 / w1, "decode_16_tok_s": n16 / w16}), flush=True)
+    print("VLLM_RESULT " + json.dumps({"ttft_cold_ms": cold[len(cold) // 2], \
+"ttft_warm_ms": warm[len(warm) // 2],
+                                        "decode_1_tok_s": n1 / w1, \
+"decode_16_tok_s": n16 / w16}), flush=True)
 if __name__ == "__main__":
     main()
 """
@@ -290,7 +295,8 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--no-device-cache",
         action="store_true",
-        help="prefill worker keeps no blocks in its own pool: warm prefixes come from the store's DRAM tier",
+        help="prefill worker keeps no blocks in its own pool: "
+        "warm prefixes come from the store's DRAM tier",
     )
     ap.add_argument("--plot", default="runs/bench/e2e.png")
     args = ap.parse_args(argv)
@@ -300,7 +306,8 @@ def main(argv=None) -> int:
     from model import load_model
 
     say(
-        f"loading {args.model} ({args.dtype}); {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}"
+        f"loading {args.model} ({args.dtype}); {os.cpu_count()} CPUs, "
+        f"load average {os.getloadavg()[0]:.1f}"
     )
     lm = load_model(args.model, dtype=args.dtype)
     prompts = token_prompts(lm.config.vocab_size, seed=0)
@@ -314,7 +321,8 @@ def main(argv=None) -> int:
     result["ttft_warm_vs_cold"] = ours["ttft_warm_ms"] / ours["ttft_cold_ms"]
     result["decode_16_vs_1"] = ours["decode_16_tok_s"] / ours["decode_1_tok_s"]
     say(
-        f"halfmoon: TTFT warm/cold = {result['ttft_warm_vs_cold']:.3f}   decode 16/1 = {result['decode_16_vs_1']:.2f}"
+        f"halfmoon: TTFT warm/cold = {result['ttft_warm_vs_cold']:.3f}   "
+        f"decode 16/1 = {result['decode_16_vs_1']:.2f}"
     )
 
     vllm, why = (
@@ -333,7 +341,8 @@ def main(argv=None) -> int:
             f"decode 1: {vllm['decode_1_tok_s']:.1f} tok/s, 16: {vllm['decode_16_tok_s']:.1f} tok/s"
         )
         say(
-            f"ratios: TTFT warm vs vLLM {result['ttft_warm_vs_vllm']:.2f}, decode 16 vs vLLM {result['decode_16_vs_vllm']:.2f}"
+            f"ratios: TTFT warm vs vLLM {result['ttft_warm_vs_vllm']:.2f}, "
+            f"decode 16 vs vLLM {result['decode_16_vs_vllm']:.2f}"
         )
     else:
         result["vllm"] = why

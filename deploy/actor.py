@@ -14,7 +14,8 @@ from servekit import role_classes
 
 
 class ServerActor:
-    """Hosts one server of a role; created early (imports happen then), started once its config is known."""
+    """Hosts one server of a role; created early (imports happen then), started once its config is
+    known."""
 
     def __init__(self, role: str):
         self.role = role

@@ -1,4 +1,5 @@
-"""ClusterConfig: the servers' own config dataclasses composed with Ray and placement settings, from YAML."""
+"""ClusterConfig: the servers' own config dataclasses composed with Ray and placement settings,
+from YAML."""
 
 from __future__ import annotations
 
@@ -60,7 +61,8 @@ class ClusterConfig:
     )
     ray: RayConfig = field(default_factory=RayConfig)
     placement: PlacementConfig = field(default_factory=PlacementConfig)
-    # templates of the servers' own configs; per-instance fields (ids, ports, addresses) are filled at launch
+    # templates of the servers' own configs; per-instance fields (ids, ports, addresses) are filled
+    # at launch
     store: Any = None
     prefill: Any = None
     decode: Any = None
@@ -71,7 +73,8 @@ class ClusterConfig:
 
 
 def parse_overrides(items: list[str]) -> dict:
-    """`--set a.b=value` items as a nested mapping; values are read as YAML scalars (1, 0.5, true, text)."""
+    """`--set a.b=value` items as a nested mapping; values are read as YAML scalars (1, 0.5, true,
+    text)."""
     out: dict = {}
     for item in items:
         key, sep, raw = item.partition("=")

@@ -1,4 +1,5 @@
-"""Starts and stops a halfmoon cluster on Ray: the index, a store node per Ray node, workers, the conductor."""
+"""Starts and stops a halfmoon cluster on Ray: the index, a store node per Ray node, workers, the
+conductor."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ from deploy.wiring import ServerInfo, Wiring
 
 
 class Cluster:
-    """`with Cluster(cfg) as c: c.address` — everything it starts, it stops (Ray too, when it started Ray)."""
+    """`with Cluster(cfg) as c: c.address` — everything it starts, it stops (Ray too, when it
+    started Ray)."""
 
     def __init__(
         self,
@@ -67,11 +69,13 @@ class Cluster:
         else:
             self.log(f"index: Redis at {self.redis_url}")
         self.log(
-            f"ray: {len(nodes)} node(s); starting {len(nodes)} store node(s), {cfg.prefill_workers} prefill, "
+            f"ray: {len(nodes)} node(s); starting {len(nodes)} store node(s), "
+            f"{cfg.prefill_workers} prefill, "
             f"{cfg.decode_workers} decode worker(s) and the conductor ({cfg.model})"
         )
 
-        # every actor process is created first, so that their imports overlap; each starts once its config is known
+        # every actor process is created first, so that their imports overlap; each starts once its
+        # config is known
         p = cfg.placement
         here = ray.get_runtime_context().get_node_id()
         head = next((n for n in nodes if n.node_id == here), nodes[0])
@@ -144,7 +148,8 @@ class Cluster:
         return node_ip if self.cfg.host == "auto" else self.cfg.host
 
     def _create(self, role: str, name: str, pl: Placement):
-        """Create the actor (its process starts and imports its server's package); start comes later."""
+        """Create the actor (its process starts and imports its server's package); start comes
+        later."""
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -179,7 +184,8 @@ class Cluster:
     # ------------------------------------------------------------------ stop
 
     def stop(self) -> None:
-        """Stop servers in reverse start order, then the embedded Redis, then Ray if this started it."""
+        """Stop servers in reverse start order, then the embedded Redis, then Ray if this started
+        it."""
         import ray
 
         if ray.is_initialized():

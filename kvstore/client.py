@@ -100,7 +100,8 @@ class StoreClient:
         self.chunk_bytes = self.info.chunk_bytes or (1 << 20)
 
     def _check_slab(self, shm_path: str) -> None:
-        """Map the slab a lease's offsets refer to, if the node was restarted since we mapped one."""
+        """Map the slab a lease's offsets refer to, if the node was restarted since we mapped
+        one."""
         if shm_path == self.slab.path:
             return
         try:
@@ -212,8 +213,8 @@ class StoreClient:
                         break
             else:
                 ok = all(
-                    checksum(view[o : o + lb]) == sums[l]
-                    for l, o in enumerate(range(h.header_len, h.total_len, lb))
+                    checksum(view[o : o + lb]) == sums[layer]
+                    for layer, o in enumerate(range(h.header_len, h.total_len, lb))
                 )
                 if ok:
                     decode_layers(u8view(view), h, out[got], range(h.num_layers))
@@ -341,7 +342,8 @@ class StoreClient:
         codec: str = "raw",
         parent: bytes | None = None,
     ) -> "BlockWriter":
-        """A layer-wise writer: write_layer(l, [n, ...]) for every layer, then commit() or abort()."""
+        """A layer-wise writer: write_layer(l, [n, ...]) for every layer, then commit() or
+        abort()."""
         header = make_header(codec, dtype, tuple(block_shape), model_fingerprint)
         if not keys:
             return _NoWriter(self, [], header, parent)
@@ -534,7 +536,8 @@ class _ShmWriter(BlockWriter):
             )
         except grpc.RpcError as e:
             _raise(e)
-        # the node answers for the blocks it reserved; the others were held when the lease was granted
+        # the node answers for the blocks it reserved; the others were held when the lease was
+        # granted
         return PutResult(reply.stored, reply.held + len(self.keys) - len(self.slots))
 
     def abort(self):

@@ -1,4 +1,5 @@
-"""The single-process engine: chunked prefill then batched decode over one paged KV pool (the reference)."""
+"""The single-process engine: chunked prefill then batched decode over one paged KV pool (the
+reference)."""
 
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ class Timing(NamedTuple):
 
 
 class Engine:
-    """Generates for one prompt or a batch of prompts in this process; the cluster is checked against it."""
+    """Generates for one prompt or a batch of prompts in this process; the cluster is checked
+    against it."""
 
     def __init__(
         self,
@@ -55,7 +57,8 @@ class Engine:
         return self.pool
 
     def check_prompt(self, prompt_ids: list[int]) -> None:
-        """ValueError naming what is wrong with a prompt (empty, out-of-vocabulary ids, too long)."""
+        """ValueError naming what is wrong with a prompt (empty, out-of-vocabulary ids, too
+        long)."""
         c = self.lm.config
         problem = prompt_problem(prompt_ids, c.vocab_size, c.max_position_embeddings)
         if problem:
@@ -81,7 +84,8 @@ class Engine:
     def generate_batch(
         self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None
     ) -> list[list[int]]:
-        """New token ids for each prompt: one prefill each, then decode steps over all unfinished sequences at once."""
+        """New token ids for each prompt: one prefill each, then decode steps over all unfinished
+        sequences at once."""
         params = params or SamplingParams()
         plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(plist) != len(prompts):

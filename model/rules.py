@@ -9,7 +9,8 @@ from model.sampling import SamplingParams
 
 
 def prompt_problem(ids: Sequence[int], vocab_size: int, context_window: int) -> str:
-    """'' for a usable prompt; else what is wrong with it (empty, out-of-vocabulary id, too long)."""
+    """'' for a usable prompt; else what is wrong with it (empty, out-of-vocabulary id, too
+    long)."""
     if len(ids) == 0:
         return "empty prompt: nothing to generate from"
     if len(ids) >= context_window:

@@ -18,7 +18,8 @@ class PrefillConfig:
     metrics_port: int = 0  # Prometheus exporter on this port; 0 = off
     num_blocks: int = 1024  # KV pool size in blocks (the device tier lives in it too)
     block_size: int = 16  # tokens per block; must match the store's and the decode workers'
-    chunk_size: int = 512  # most tokens of one request per prefill forward (chunked prefill); a multiple of block_size
+    # most tokens of one request per prefill forward (chunked prefill); a multiple of block_size
+    chunk_size: int = 512
     max_batch_tokens: int = 8192  # tokens one scheduling round takes from the queue
     store_address: str = ""  # this host's store node (gRPC "HOST:PORT"); required
     store_node: str = ""  # that node's id in the index (the conductor matches prefixes by it)
@@ -36,7 +37,8 @@ class PrefillConfig:
             raise ValueError("PrefillConfig: block_size and num_blocks must be positive")
         if self.chunk_size <= 0 or self.chunk_size % self.block_size:
             raise ValueError(
-                f"PrefillConfig: chunk_size ({self.chunk_size}) must be a positive multiple of block_size ({self.block_size})"
+                f"PrefillConfig: chunk_size ({self.chunk_size}) must be a positive multiple of "
+                f"block_size ({self.block_size})"
             )
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(

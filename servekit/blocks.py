@@ -9,5 +9,6 @@ def blocks_needed(num_tokens: int, max_tokens: int, block_size: int) -> int:
 
 
 def reusable_blocks(blocks: int, num_tokens: int, block_size: int) -> int:
-    """Cached blocks a prefill may reuse: at least one prompt token must be computed for the logits."""
+    """Cached blocks a prefill may reuse: at least one prompt token must be computed for the
+    logits."""
     return max(0, min(blocks, (num_tokens - 1) // block_size))

@@ -1,4 +1,5 @@
-"""The gRPC server scaffold every halfmoon server stands on: start/stop, health, a Prometheus endpoint."""
+"""The gRPC server scaffold every halfmoon server stands on: start/stop, health, a Prometheus
+endpoint."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from prometheus_client import CollectorRegistry, start_http_server
 
 
 class GrpcServer(abc.ABC):
-    """A gRPC server with the health service and an optional Prometheus endpoint (its own registry)."""
+    """A gRPC server with the health service and an optional Prometheus endpoint (its own
+    registry)."""
 
     def __init__(self, host: str, port: int, metrics_port: int = 0, max_workers: int = 32):
         self._host, self._port, self._metrics_port, self._max_workers = (

@@ -1,4 +1,5 @@
-"""Timing models fitted from measured timings: prefill time and decode-step time (small least squares)."""
+"""Timing models fitted from measured timings: prefill time and decode-step time (small least
+squares)."""
 
 from __future__ import annotations
 
@@ -12,11 +13,12 @@ import numpy as np
 class LinearTimeModel:
     """ms = coef . features, refitted over the latest `window` measurements.
 
-    The fit is robust and anchored: Huber-weighted least squares (a step slowed by a neighbour's burst
-    does not drag the line), with a ridge pull toward the prior worth `prior_weight` of a measurement at
-    each column's largest value (so a lone slow point with leverage is seen as an outlier rather than
-    fitted). Until `min_samples` measurements arrive the prior stands; then the fit is redone at every
-    measurement while there are few, every 8th after. Coefficients are clipped at zero.
+    The fit is robust and anchored: Huber-weighted least squares (a step slowed by a neighbour's
+    burst does not drag the line), with a ridge pull toward the prior worth `prior_weight` of a
+    measurement at each column's largest value (so a lone slow point with leverage is seen as an
+    outlier rather than fitted). Until `min_samples` measurements arrive the prior stands; then the
+    fit is redone at every measurement while there are few, every 8th after. Coefficients are
+    clipped at zero.
     """
 
     def __init__(
@@ -59,13 +61,14 @@ class LinearTimeModel:
         x = np.array([r for r, _ in self._rows], dtype=np.float64)
         y = np.array([t for _, t in self._rows], dtype=np.float64)
         prior = np.array(self.prior)
-        # A column with no spread (batch always 1) cannot be told from the intercept: it keeps its prior.
+        # A column with no spread (batch always 1) cannot be told from the intercept: it keeps its
+        # prior.
         free = [j for j in range(x.shape[1]) if j == 0 or np.ptp(x[:, j]) > 0]
         fixed = [j for j in range(x.shape[1]) if j not in free]
         y = y - (x[:, fixed] @ prior[fixed] if fixed else 0.0)
         x = x[:, free]
-        # Ridge rows: each coefficient pulled toward its prior with the weight of `prior_weight` rows at
-        # the column's largest value, where a lone slow measurement has the most leverage.
+        # Ridge rows: each coefficient pulled toward its prior with the weight of `prior_weight`
+        # rows at the column's largest value, where a lone slow measurement has the most leverage.
         scale = np.maximum(np.abs(x).max(axis=0), 1e-9) * np.sqrt(self._prior_weight)
         xa = np.vstack([x, np.diag(scale)])
         ya = np.concatenate([y, scale * prior[free]])
@@ -92,7 +95,8 @@ def predict(coef: Sequence[float], row: Sequence[float]) -> float:
 
 
 class PrefillTimeModel(LinearTimeModel):
-    """prefill ms = c0 + c1*tokens + c2*tokens*context, context = the positions attended (prefix + tokens)."""
+    """prefill ms = c0 + c1*tokens + c2*tokens*context, context = the positions attended (prefix +
+    tokens)."""
 
     def __init__(
         self, prior: Sequence[float] = (5.0, 1.0, 0.0), window: int = 256, min_samples: int = 8
@@ -121,5 +125,6 @@ def prefill_features(tokens: float, context: float = 0.0) -> list[float]:
 
 
 def decode_features(batch: float, context_tokens: float = 0.0) -> list[float]:
-    """Feature row of the decode-step model for a batch holding `context_tokens` KV tokens in all."""
+    """Feature row of the decode-step model for a batch holding `context_tokens` KV tokens in
+    all."""
     return [1.0, float(batch), float(context_tokens)]

@@ -109,7 +109,8 @@ def request(
     stop=(),
     **extra,
 ) -> pb.GenerateRequest:
-    """A GenerateRequest from one of token_ids, text, messages (greedy, EOS ignored unless asked)."""
+    """A GenerateRequest from one of token_ids, text, messages (greedy, EOS ignored unless
+    asked)."""
     r = pb.GenerateRequest(
         sampling=pb.SamplingParams(
             max_tokens=max_tokens, temperature=temperature, ignore_eos=ignore_eos, stop=list(stop)

@@ -1,4 +1,5 @@
-"""Disaggregated generation end to end on tiny-random: conductor -> prefill worker -> store -> decode worker."""
+"""Disaggregated generation end to end on tiny-random: conductor -> prefill worker -> store ->
+decode worker."""
 
 from __future__ import annotations
 
@@ -102,7 +103,8 @@ def test_second_turn_hits_blocks_the_decode_published(lm, engine):
         turn2 = turn1 + ans + rand_ids(rng, 6)
         ids, _, last = c.generate(token_ids=turn2, max_tokens=8)
         u = last.usage
-        # Everything the decode worker had KV for (the prompt and all but the last answer token), in full blocks.
+        # Everything the decode worker had KV for (the prompt and all but the last answer token),
+        # in full blocks.
         published = (len(turn1) + len(ans) - 1) // BS * BS
         assert published > len(turn1) // BS * BS
         assert u.cached_tokens == published
@@ -309,7 +311,8 @@ def test_blocks_demoted_to_ssd_are_hits(lm, engine, tmp_path):
         "ssd_dir": str(tmp_path / "ssd"),
         "ssd_bytes": 64 << 20,
     }
-    # Chunks of 2 blocks: each layer-wise put fits the small DRAM tier, which demotes older blocks to SSD.
+    # Chunks of 2 blocks: each layer-wise put fits the small DRAM tier, which demotes older blocks
+    # to SSD.
     with Cluster(
         lm,
         prefill={"device_cache": False, "chunk_size": 2 * BS},
@@ -394,7 +397,8 @@ def test_waiting_prefills_run_as_one_batched_forward(lm, engine):
             )
             for i in range(len(prompts))
         ]
-        # Holding the pool lock stalls the first request's round, so the other five queue up behind it.
+        # Holding the pool lock stalls the first request's round, so the other five queue up behind
+        # it.
         with w.runner._pool_lock:
             for t in threads:
                 t.start()
@@ -433,8 +437,9 @@ def test_a_job_the_pool_cannot_hold_fails_alone(lm, engine):
         threads = [
             threading.Thread(target=run, args=(i, p)) for i, p in enumerate((stall, a, b, huge))
         ]
-        # With the pool lock held, the first request's round stalls and the others queue in order behind it:
-        # one round then holds a, b (no room beside a: it waits a round) and huge (never fits: fails).
+        # With the pool lock held, the first request's round stalls and the others queue in order
+        # behind it: one round then holds a, b (no room beside a: it waits a round) and huge (never
+        # fits: fails).
         with w.runner._pool_lock:
             for i, t in enumerate(threads):
                 t.start()
@@ -493,7 +498,8 @@ def test_a_prefix_computed_this_round_is_reused_next_round(lm, engine):
             t.join(timeout=120)
         for i, p in enumerate(prompts):
             assert results[i][0] == solo(engine, p, 4), i
-        # Instead of computing the shared blocks twice in one forward, the second waited a round and reused them.
+        # Instead of computing the shared blocks twice in one forward, the second waited a round and
+        # reused them.
         assert results[1][2].usage.computed_prompt_tokens == len(prompts[1])
         assert (
             results[2][2].usage.cached_device_tokens == 4 * BS

@@ -1,4 +1,5 @@
-"""The cluster on the real default model (SmolLM2-135M): greedy answers equal the single-process engine's."""
+"""The cluster on the real default model (SmolLM2-135M): greedy answers equal the single-process
+engine's."""
 
 from __future__ import annotations
 
