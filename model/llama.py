@@ -1,4 +1,5 @@
-"""The Llama-family decoder with a paged KV cache: `prefill` (a prompt or its continuation) and batched `decode`."""
+"""The Llama-family decoder with a paged KV cache: `prefill` (a prompt or its continuation) and
+batched `decode`."""
 
 from __future__ import annotations
 
@@ -26,7 +27,10 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
         return inv_freq / float(scaling["factor"])
     if kind == "llama3":
         factor = float(scaling["factor"])
-        low, high = float(scaling.get("low_freq_factor", 1.0)), float(scaling.get("high_freq_factor", 4.0))
+        low, high = (
+            float(scaling.get("low_freq_factor", 1.0)),
+            float(scaling.get("high_freq_factor", 4.0)),
+        )
         old_len = float(scaling.get("original_max_position_embeddings", 8192))
         wavelen = 2 * math.pi / inv_freq
         scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
@@ -60,7 +64,9 @@ class _SeqPlan(NamedTuple):
     slot_block: torch.Tensor  # [T] pool block each new token's KV goes to
     slot_off: torch.Tensor  # [T] offset in that block
     end: int  # positions attended: start_pos + T
-    mask: torch.Tensor | None  # [T, end] causal mask over the pool's prefix + new KV; None = causal SDPA on fresh K/V
+    mask: (
+        torch.Tensor | None
+    )  # [T, end] causal mask over the pool's prefix + new KV; None = causal SDPA on fresh K/V
 
 
 class LlamaLayer(nn.Module):
@@ -86,7 +92,11 @@ class LlamaModel(nn.Module):
         self.embed_tokens = nn.Parameter(torch.empty(config.vocab_size, config.hidden_size))
         self.layers = nn.ModuleList(LlamaLayer(config) for _ in range(config.num_layers))
         self.norm = nn.Parameter(torch.ones(config.hidden_size))
-        self.lm_head = None if config.tie_word_embeddings else nn.Parameter(torch.empty(config.vocab_size, config.hidden_size))
+        self.lm_head = (
+            None
+            if config.tie_word_embeddings
+            else nn.Parameter(torch.empty(config.vocab_size, config.hidden_size))
+        )
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
         self.scale = config.head_dim**-0.5
 
@@ -111,7 +121,9 @@ class LlamaModel(nn.Module):
             return sd[name]
 
         with torch.no_grad():
-            self._copy(self.embed_tokens, take("model.embed_tokens.weight"), "model.embed_tokens.weight")
+            self._copy(
+                self.embed_tokens, take("model.embed_tokens.weight"), "model.embed_tokens.weight"
+            )
             self._copy(self.norm, take("model.norm.weight"), "model.norm.weight")
             if self.lm_head is not None:
                 self._copy(self.lm_head, take("lm_head.weight"), "lm_head.weight")
@@ -121,19 +133,37 @@ class LlamaModel(nn.Module):
                 gate_up = [take(p + f"mlp.{n}_proj.weight") for n in ("gate", "up")]
                 if missing:
                     break
-                self._copy(layer.input_norm, take(p + "input_layernorm.weight"), p + "input_layernorm.weight")
+                self._copy(
+                    layer.input_norm,
+                    take(p + "input_layernorm.weight"),
+                    p + "input_layernorm.weight",
+                )
                 self._copy(layer.qkv_proj, torch.cat(parts), p + "self_attn.qkv")
-                self._copy(layer.o_proj, take(p + "self_attn.o_proj.weight"), p + "self_attn.o_proj.weight")
-                self._copy(layer.post_norm, take(p + "post_attention_layernorm.weight"), p + "post_attention_layernorm.weight")
+                self._copy(
+                    layer.o_proj, take(p + "self_attn.o_proj.weight"), p + "self_attn.o_proj.weight"
+                )
+                self._copy(
+                    layer.post_norm,
+                    take(p + "post_attention_layernorm.weight"),
+                    p + "post_attention_layernorm.weight",
+                )
                 self._copy(layer.gate_up_proj, torch.cat(gate_up), p + "mlp.gate_up")
-                self._copy(layer.down_proj, take(p + "mlp.down_proj.weight"), p + "mlp.down_proj.weight")
+                self._copy(
+                    layer.down_proj, take(p + "mlp.down_proj.weight"), p + "mlp.down_proj.weight"
+                )
         if missing:
-            raise ValueError(f"checkpoint lacks tensors: {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
+            raise ValueError(
+                f"checkpoint lacks tensors: {', '.join(missing[:5])}"
+                f"{' ...' if len(missing) > 5 else ''}"
+            )
 
     @staticmethod
     def _copy(param: torch.Tensor, value: torch.Tensor, name: str) -> None:
         if tuple(value.shape) != tuple(param.shape):
-            raise ValueError(f"tensor {name}: shape {tuple(value.shape)} does not match the config's {tuple(param.shape)}")
+            raise ValueError(
+                f"tensor {name}: shape {tuple(value.shape)} does not match the config's "
+                f"{tuple(param.shape)}"
+            )
         param.copy_(value)
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
@@ -146,23 +176,26 @@ class LlamaModel(nn.Module):
             p = f"model.layers.{i}."
             q, k, v = layer.qkv_proj.split([c.q_size, c.kv_size, c.kv_size])
             gate, up = layer.gate_up_proj.split([c.intermediate_size] * 2)
-            sd.update({
-                p + "input_layernorm.weight": layer.input_norm,
-                p + "self_attn.q_proj.weight": q,
-                p + "self_attn.k_proj.weight": k,
-                p + "self_attn.v_proj.weight": v,
-                p + "self_attn.o_proj.weight": layer.o_proj,
-                p + "post_attention_layernorm.weight": layer.post_norm,
-                p + "mlp.gate_proj.weight": gate,
-                p + "mlp.up_proj.weight": up,
-                p + "mlp.down_proj.weight": layer.down_proj,
-            })
+            sd.update(
+                {
+                    p + "input_layernorm.weight": layer.input_norm,
+                    p + "self_attn.q_proj.weight": q,
+                    p + "self_attn.k_proj.weight": k,
+                    p + "self_attn.v_proj.weight": v,
+                    p + "self_attn.o_proj.weight": layer.o_proj,
+                    p + "post_attention_layernorm.weight": layer.post_norm,
+                    p + "mlp.gate_proj.weight": gate,
+                    p + "mlp.up_proj.weight": up,
+                    p + "mlp.down_proj.weight": layer.down_proj,
+                }
+            )
         return {k: v.detach().float().contiguous().clone() for k, v in sd.items()}
 
     # ---- forward pieces ----
 
     def _rope_table(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(cos, sin) [N, 1, head_dim/2] for positions [N], computed in fp32 once per forward (as HF), in the model dtype."""
+        """(cos, sin) [N, 1, head_dim/2] for positions [N], computed in fp32 once per forward
+        (as HF), in the model dtype."""
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
         return freqs.cos().to(self.dtype)[:, None, :], freqs.sin().to(self.dtype)[:, None, :]
 
@@ -177,7 +210,9 @@ class LlamaModel(nn.Module):
         h = _rms_norm(x, layer.input_norm, c.rms_norm_eps)
         qkv = F.linear(h, layer.qkv_proj)
         n = x.shape[0]
-        qk = self._rope(qkv[:, : c.q_size + c.kv_size].view(n, c.num_heads + c.num_kv_heads, c.head_dim), *rope)
+        qk = self._rope(
+            qkv[:, : c.q_size + c.kv_size].view(n, c.num_heads + c.num_kv_heads, c.head_dim), *rope
+        )
         q, k = qk.split([c.num_heads, c.num_kv_heads], dim=1)
         v = qkv[:, c.q_size + c.kv_size :].view(n, c.num_kv_heads, c.head_dim)
         return q, k, v
@@ -192,11 +227,16 @@ class LlamaModel(nn.Module):
         return F.linear(x, self.embed_tokens if self.lm_head is None else self.lm_head).float()
 
     def _check_tokens(self, token_ids: torch.Tensor) -> None:
-        if token_ids.numel() and (int(token_ids.min()) < 0 or int(token_ids.max()) >= self.config.vocab_size):
+        if token_ids.numel() and (
+            int(token_ids.min()) < 0 or int(token_ids.max()) >= self.config.vocab_size
+        ):
             raise ValueError(f"token id out of range [0, {self.config.vocab_size})")
 
-    def _plan(self, token_ids: torch.Tensor, pool: KVPool, block_table: list[int], start_pos: int) -> _SeqPlan:
-        """Validate one sequence's prefill arguments and work out its positions, slots and attention mode."""
+    def _plan(
+        self, token_ids: torch.Tensor, pool: KVPool, block_table: list[int], start_pos: int
+    ) -> _SeqPlan:
+        """Validate one sequence's prefill arguments and work out its positions, slots and attention
+        mode."""
         c, bs = self.config, pool.block_size
         token_ids = torch.as_tensor(token_ids, dtype=torch.long, device=self.device).reshape(-1)
         t = token_ids.numel()
@@ -206,33 +246,56 @@ class LlamaModel(nn.Module):
         if start_pos < 0:
             raise ValueError(f"start_pos must be >= 0, got {start_pos}")
         if end > c.max_position_embeddings:
-            raise ValueError(f"positions up to {end} exceed the context window of {c.max_position_embeddings} tokens")
+            raise ValueError(
+                f"positions up to {end} exceed the context window of "
+                f"{c.max_position_embeddings} tokens"
+            )
         n_blocks = -(-end // bs)
         if len(block_table) < n_blocks:
-            raise ValueError(f"block table has {len(block_table)} blocks, {n_blocks} needed for {end} tokens")
+            raise ValueError(
+                f"block table has {len(block_table)} blocks, {n_blocks} needed for {end} tokens"
+            )
         self._check_tokens(token_ids)
 
         positions = torch.arange(start_pos, end, device=self.device)
         table = torch.as_tensor(block_table[:n_blocks], dtype=torch.long, device=self.device)
-        direct = start_pos == 0 and pool.dtype == self.dtype  # no cached prefix: attend to the fresh K/V
+        direct = (
+            start_pos == 0 and pool.dtype == self.dtype
+        )  # no cached prefix: attend to the fresh K/V
         mask = None
         if not direct:
-            mask = torch.arange(end, device=self.device)[None, :] <= positions[:, None]  # causal over prefix + new tokens
-        return _SeqPlan(token_ids, positions, table, table[positions // bs], positions % bs, end, mask)
+            mask = (
+                torch.arange(end, device=self.device)[None, :] <= positions[:, None]
+            )  # causal over prefix + new tokens
+        return _SeqPlan(
+            token_ids, positions, table, table[positions // bs], positions % bs, end, mask
+        )
 
-    def _attend(self, plan: _SeqPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache, v_cache) -> torch.Tensor:
+    def _attend(
+        self, plan: _SeqPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache, v_cache
+    ) -> torch.Tensor:
         """One sequence's attention output [T, q_size], its new KV being in the pool already."""
         c = self.config
         if plan.mask is None:
             attn = F.scaled_dot_product_attention(
-                _heads_first(q), _heads_first(k), _heads_first(v), is_causal=True, scale=self.scale, enable_gqa=True
+                _heads_first(q),
+                _heads_first(k),
+                _heads_first(v),
+                is_causal=True,
+                scale=self.scale,
+                enable_gqa=True,
             )
         else:
             n = plan.table.numel() * k_cache.shape[1]
             ks = k_cache[plan.table].reshape(n, c.num_kv_heads, c.head_dim)[: plan.end].to(q.dtype)
             vs = v_cache[plan.table].reshape(n, c.num_kv_heads, c.head_dim)[: plan.end].to(q.dtype)
             attn = F.scaled_dot_product_attention(
-                _heads_first(q), _heads_first(ks), _heads_first(vs), attn_mask=plan.mask, scale=self.scale, enable_gqa=True
+                _heads_first(q),
+                _heads_first(ks),
+                _heads_first(vs),
+                attn_mask=plan.mask,
+                scale=self.scale,
+                enable_gqa=True,
             )
         return attn[0].transpose(0, 1).reshape(q.shape[0], c.q_size)
 
@@ -248,10 +311,11 @@ class LlamaModel(nn.Module):
         on_layer_done: Callable[[int], None] | None = None,
         last_only: bool = False,
     ) -> torch.Tensor:
-        """Compute positions [start_pos, start_pos+T), the KV of [0, start_pos) being in the pool already.
+        """Compute positions [start_pos, start_pos+T), the KV of [0, start_pos) being in the pool
+        already.
 
-        Writes the new KV into the pool at the slots `block_table` names; returns fp32 logits [T, vocab]
-        ([1, vocab] with last_only). on_layer_done(l) runs after layer l's KV is written.
+        Writes the new KV into the pool at the slots `block_table` names; returns fp32 logits
+        [T, vocab] ([1, vocab] with last_only). on_layer_done(l) runs after layer l's KV is written.
         """
         plan = self._plan(token_ids, pool, block_table, start_pos)
         rope = self._rope_table(plan.positions)
@@ -276,7 +340,8 @@ class LlamaModel(nn.Module):
         pool: KVPool,
         on_layer_done: Callable[[int], None] | None = None,
     ) -> list[torch.Tensor]:
-        """`prefill` of several sequences (token_ids, block_table, start_pos) in one forward; last-position fp32 logits [1, vocab] each.
+        """`prefill` of several sequences (token_ids, block_table, start_pos) in one forward;
+        last-position fp32 logits [1, vocab] each.
 
         The projections and MLP run once over all new tokens; attention runs per sequence.
         on_layer_done(l) runs after layer l's KV of every sequence is written.
@@ -297,10 +362,12 @@ class LlamaModel(nn.Module):
             v_cache[slot_block, slot_off] = v.to(pool.dtype)
             if on_layer_done is not None:
                 on_layer_done(li)
-            attn = torch.cat([
-                self._attend(p, q[s:e], k[s:e], v[s:e], k_cache, v_cache)
-                for p, s, e in zip(plans, bounds[:-1], bounds[1:])
-            ])
+            attn = torch.cat(
+                [
+                    self._attend(p, q[s:e], k[s:e], v[s:e], k_cache, v_cache)
+                    for p, s, e in zip(plans, bounds[:-1], bounds[1:])
+                ]
+            )
             x = x + F.linear(attn, layer.o_proj)
             x = self._mlp(layer, x)
         logits = self._logits(x[torch.tensor(bounds[1:]) - 1])
@@ -314,7 +381,8 @@ class LlamaModel(nn.Module):
         block_tables: torch.Tensor,
         positions: torch.Tensor,
     ) -> torch.Tensor:
-        """One new token per sequence at positions[i] (its KV written there), attending over [0, pos]; fp32 logits [B, vocab]."""
+        """One new token per sequence at positions[i] (its KV written there), attending over
+        [0, pos]; fp32 logits [B, vocab]."""
         c, bs = self.config, pool.block_size
         token_ids = token_ids.to(device=self.device, dtype=torch.long)
         positions = positions.to(device=self.device, dtype=torch.long)
@@ -331,7 +399,9 @@ class LlamaModel(nn.Module):
             k_cache, v_cache = pool.layer_kv(li)
             k_cache[slot_block, slot_off] = k.to(pool.dtype)
             v_cache[slot_block, slot_off] = v.to(pool.dtype)
-            attn = kernels.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, self.scale)
+            attn = kernels.paged_decode_attention(
+                q, k_cache, v_cache, block_tables, seq_lens, self.scale
+            )
             x = x + F.linear(attn.reshape(b, c.q_size).to(x.dtype), layer.o_proj)
             x = self._mlp(layer, x)
         return self._logits(x)

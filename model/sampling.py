@@ -40,7 +40,9 @@ class SamplingParams:
 
 
 def sample(
-    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None] | None = None
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    generators: list[torch.Generator | None] | None = None,
 ) -> torch.Tensor:
     """Next token per row of logits [B, V] (greedy rows by argmax); LongTensor [B]."""
     out = logits.argmax(dim=-1)
@@ -56,7 +58,8 @@ def sample(
         if p.top_p < 1.0:
             sorted_logits, order = row.sort(descending=True)
             probs = sorted_logits.softmax(-1)
-            # Drop a token when the mass before it already reaches top_p (the top token always stays).
+            # Drop a token when the mass before it already reaches top_p (the top token always
+            # stays).
             drop = probs.cumsum(-1) - probs >= p.top_p
             row = row.scatter(0, order, sorted_logits.masked_fill(drop, float("-inf")))
         gen = generators[i] if generators else None

@@ -1,4 +1,5 @@
-"""The model engine on tiny-random: transformers parity, paged prefill/decode agreement, pool, sampling, loaders."""
+"""The model engine on tiny-random: transformers parity, paged prefill/decode agreement, pool,
+sampling, loaders."""
 
 from __future__ import annotations
 
@@ -69,7 +70,13 @@ def test_logits_match_transformers(lm, oracle):
     assert (ours - ref).abs().max().item() <= 1e-3
     # Greedy tokens of the engine equal transformers' greedy generate.
     with torch.inference_mode():
-        hf_out = hf.generate(torch.tensor([ids[:20]]), max_new_tokens=24, do_sample=False, eos_token_id=None, pad_token_id=0)
+        hf_out = hf.generate(
+            torch.tensor([ids[:20]]),
+            max_new_tokens=24,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
     ours_out = Engine(lm).generate(ids[:20], SamplingParams(max_tokens=24, ignore_eos=True))
     assert ours_out == hf_out[0, 20:].tolist()
 
@@ -96,7 +103,10 @@ def test_prefill_whole_chunked_and_cached_prefix_agree(lm, block_size):
     # In chunks (chunk edges off block boundaries), all positions.
     pool = KVPool(lm.config, 32, block_size)
     table = pool.allocate(pool.blocks_for(len(ids)))
-    parts = [lm.model.prefill(torch.tensor(ids[s : s + 13]), pool, table, start_pos=s) for s in range(0, 70, 13)]
+    parts = [
+        lm.model.prefill(torch.tensor(ids[s : s + 13]), pool, table, start_pos=s)
+        for s in range(0, 70, 13)
+    ]
     chunked = torch.cat(parts)
     assert (chunked - whole).abs().max().item() <= 1e-4
 
@@ -121,12 +131,16 @@ def test_on_layer_done_sees_that_layers_kv_written(lm):
     seen = []
 
     def on_layer(layer: int) -> None:
-        seen.append((layer, pool.kv[table, layer].clone(), pool.kv[table, layer + 1 :].abs().sum().item()))
+        seen.append(
+            (layer, pool.kv[table, layer].clone(), pool.kv[table, layer + 1 :].abs().sum().item())
+        )
 
     lm.model.prefill(torch.tensor(ids), pool, table, on_layer_done=on_layer)
     assert [s[0] for s in seen] == list(range(lm.config.num_layers))
     for layer, snapshot, later in seen:
-        assert torch.equal(snapshot, pool.kv[table, layer])  # the final KV of that layer was already there
+        assert torch.equal(
+            snapshot, pool.kv[table, layer]
+        )  # the final KV of that layer was already there
         assert snapshot.abs().sum() > 0
         assert later == 0  # later layers not yet written
 
@@ -185,8 +199,12 @@ def test_bf16_close_to_fp32(lm, oracle):
     # Chunked prefill in bf16: every chunk reads its prefix back from the bf16 pool.
     pool = KVPool(bf.config, 8, 16, dtype=torch.bfloat16)
     table = pool.allocate(4)
-    b = torch.cat([bf.model.prefill(torch.tensor(ids[s : s + 8]), pool, table, start_pos=s)
-                   for s in range(0, 64, 8)])
+    b = torch.cat(
+        [
+            bf.model.prefill(torch.tensor(ids[s : s + 8]), pool, table, start_pos=s)
+            for s in range(0, 64, 8)
+        ]
+    )
     rel = (a - b).norm() / a.norm()
     assert rel < 0.05
     agree, confident = _confident_agreement(b.argmax(-1), ref)
@@ -232,7 +250,16 @@ def test_sampling():
     a = sample(logits, [hot] * 4, [hot.generator() for _ in range(4)])
     b = sample(logits, [hot] * 4, [hot.generator() for _ in range(4)])
     assert torch.equal(a, b)  # same seed, same tokens
-    draws = {int(sample(logits[:1], [SamplingParams(temperature=1.0, seed=s)], [SamplingParams(temperature=1.0, seed=s).generator()])[0]) for s in range(40)}
+    draws = {
+        int(
+            sample(
+                logits[:1],
+                [SamplingParams(temperature=1.0, seed=s)],
+                [SamplingParams(temperature=1.0, seed=s).generator()],
+            )[0]
+        )
+        for s in range(40)
+    }
     assert len(draws) > 1  # it does sample
     top3 = set(logits[0].topk(3).indices.tolist())
     for s in range(30):
@@ -252,7 +279,9 @@ def test_engine_stops(lm):
     free_run = engine.generate(ids, SamplingParams(max_tokens=20, ignore_eos=True))
     stop_tok = free_run[5]
     first = free_run.index(stop_tok)
-    out = engine.generate(ids, SamplingParams(max_tokens=20, ignore_eos=True, stop_token_ids=(stop_tok,)))
+    out = engine.generate(
+        ids, SamplingParams(max_tokens=20, ignore_eos=True, stop_token_ids=(stop_tok,))
+    )
     assert out == free_run[: first + 1]
     # Sampled generation is reproducible per seed.
     p = SamplingParams(max_tokens=10, temperature=0.8, seed=5, ignore_eos=True)
@@ -283,13 +312,16 @@ def test_tokenizer(lm):
     assert tok.decode(ids, skip_special_tokens=False) == text
     assert 2 in ids  # the special token became its id
     chat = tok.apply_chat_template([{"role": "user", "content": "hi"}])
-    assert chat[0] == tok.token_to_id("<|im_start|>") and tok.decode(chat, skip_special_tokens=False).endswith("assistant\n")
+    assert chat[0] == tok.token_to_id("<|im_start|>") and tok.decode(
+        chat, skip_special_tokens=False
+    ).endswith("assistant\n")
     with pytest.raises(ValueError, match="role"):
         tok.apply_chat_template([{"content": "x"}])
 
 
 def test_prefill_batch_equals_prefill_per_sequence(lm):
-    # (prompt length, cached prefix length): fresh, block-aligned prefix, prefix off a block boundary, short fresh.
+    # (prompt length, cached prefix length): fresh, block-aligned prefix, prefix off a block
+    # boundary, short fresh.
     shapes = [(40, 0), (41, 16), (30, 21), (7, 0)]
     prompts = [_prompt(n, 20 + i, lm.config.vocab_size) for i, (n, _) in enumerate(shapes)]
     pools = [KVPool(lm.config, 32, 16), KVPool(lm.config, 32, 16)]
@@ -299,11 +331,16 @@ def test_prefill_batch_equals_prefill_per_sequence(lm):
             if start:
                 lm.model.prefill(torch.tensor(ids[:start]), pool, table)
     solo = [
-        lm.model.prefill(torch.tensor(ids[start:]), pools[0], table, start_pos=start, last_only=True)
+        lm.model.prefill(
+            torch.tensor(ids[start:]), pools[0], table, start_pos=start, last_only=True
+        )
         for ids, table, (_, start) in zip(prompts, tables[0], shapes)
     ]
     seen = []
-    seqs = [(torch.tensor(ids[start:]), table, start) for ids, table, (_, start) in zip(prompts, tables[1], shapes)]
+    seqs = [
+        (torch.tensor(ids[start:]), table, start)
+        for ids, table, (_, start) in zip(prompts, tables[1], shapes)
+    ]
     batched = lm.model.prefill_batch(seqs, pools[1], on_layer_done=seen.append)
     assert seen == list(range(lm.config.num_layers))
     assert len(batched) == len(shapes)

@@ -1,4 +1,5 @@
-"""SmolLM2-135M (the default GGUF) against transformers loading the same file: logits, greedy tokens, tokenizer."""
+"""SmolLM2-135M (the default GGUF) against transformers loading the same file: logits, greedy
+tokens, tokenizer."""
 
 from __future__ import annotations
 
@@ -8,27 +9,32 @@ import torch
 from model import Engine, KVPool, SamplingParams, load_model
 from model.fetch import smollm2_path
 
-pytestmark = pytest.mark.skipif(not smollm2_path().exists(), reason="SmolLM2 GGUF not fetched (make setup)")
+pytestmark = pytest.mark.skipif(
+    not smollm2_path().exists(), reason="SmolLM2 GGUF not fetched (make setup)"
+)
 
 TEXT = (
-    "The history of the Roman Empire spans centuries of conquest, culture and law. Its roads connected distant "
-    "provinces, and its engineers built aqueducts that carried water across valleys. Latin, the language of Rome, "
-    "shaped many modern languages. Historians still debate why the western half fell in the fifth century while the "
-    "eastern half endured for another thousand years, until Constantinople fell in 1453."
+    "The history of the Roman Empire spans centuries of conquest, culture and law. Its roads "
+    "connected distant provinces, and its engineers built aqueducts that carried water across "
+    "valleys. Latin, the language of Rome, shaped many modern languages. Historians still debate "
+    "why the western half fell in the fifth century while the eastern half endured for another "
+    "thousand years, until Constantinople fell in 1453."
 )
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
 
 
 @pytest.fixture(scope="module")
 def models():
-    # One thread: on this shared 2-core machine a second OpenMP thread stalls on every small op when the
-    # other core is busy, which makes decode ~20x slower; restored afterwards.
+    # One thread: on this shared 2-core machine a second OpenMP thread stalls on every small op when
+    # the other core is busy, which makes decode ~20x slower; restored afterwards.
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = smollm2_path()
-    hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, dtype=torch.float32
+    ).eval()
     hf_tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     yield load_model("smollm2-135m"), hf, hf_tok
     torch.set_num_threads(threads)
@@ -44,12 +50,19 @@ def test_config(models):
 
 def test_tokenizer_matches_transformers(models):
     lm, _, hf_tok = models
-    for text in [TEXT, "Numbers 1234567 and  spaces\n\n\ttabs ünïcödé 🙂", "<|im_start|>user\nhi<|im_end|>"]:
+    for text in [
+        TEXT,
+        "Numbers 1234567 and  spaces\n\n\ttabs ünïcödé 🙂",
+        "<|im_start|>user\nhi<|im_end|>",
+    ]:
         assert lm.tokenizer.encode(text) == hf_tok(text, add_special_tokens=False).input_ids
     msgs = [{"role": "user", "content": "What is the capital of France?"}]
     hf_text = hf_tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
     assert lm.tokenizer.render_chat(msgs) == hf_text
-    assert lm.tokenizer.apply_chat_template(msgs) == hf_tok(hf_text, add_special_tokens=False).input_ids
+    assert (
+        lm.tokenizer.apply_chat_template(msgs)
+        == hf_tok(hf_text, add_special_tokens=False).input_ids
+    )
 
 
 def test_logits_match_transformers(models):
@@ -69,7 +82,13 @@ def test_greedy_tokens_match_transformers(models):
     ours = Engine(lm).generate_batch(prompts, SamplingParams(max_tokens=32, ignore_eos=True))
     for ids, out in zip(prompts, ours):
         with torch.inference_mode():
-            ref = hf.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False, eos_token_id=None, pad_token_id=2)
+            ref = hf.generate(
+                torch.tensor([ids]),
+                max_new_tokens=32,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=2,
+            )
         assert out == ref[0, len(ids) :].tolist()
     assert "Paris" in lm.tokenizer.decode(ours[0][:8])
 
@@ -81,7 +100,11 @@ def test_prefill_chunked_and_cached_prefix_agree(models):
     whole = lm.model.prefill(torch.tensor(ids), pool, pool.allocate(4), last_only=True)[0]
     table = pool.allocate(4)
     for s in range(0, 60, 23):
-        chunked = lm.model.prefill(torch.tensor(ids[s : s + 23]), pool, table, start_pos=s, last_only=True)[0]
+        chunked = lm.model.prefill(
+            torch.tensor(ids[s : s + 23]), pool, table, start_pos=s, last_only=True
+        )[0]
     assert (chunked - whole).abs().max().item() <= 1e-4
-    cached = lm.model.prefill(torch.tensor(ids[37:]), pool, table, start_pos=37, last_only=True)[0]  # prefix already there
+    cached = lm.model.prefill(torch.tensor(ids[37:]), pool, table, start_pos=37, last_only=True)[
+        0
+    ]  # prefix already there
     assert (cached - whole).abs().max().item() <= 1e-4
