@@ -12,8 +12,8 @@ from decode_node.config import DecodeConfig
 from decode_node.metrics import DecodeMetrics
 from decode_node.seq import Seq
 from kvstore import KVConnector, block_keys
-from model import KVPool, finish_reason, kv_fingerprint, load_model, sample
-from servekit import resolve_device, torch_dtype
+from model import finish_reason, sample
+from servekit import load_worker_model
 
 
 class DecodeRunner:
@@ -21,16 +21,8 @@ class DecodeRunner:
 
     def __init__(self, config: DecodeConfig, metrics: DecodeMetrics, registry, lm=None):
         self.config, self.metrics = config, metrics
-        self.device = resolve_device(config.device)
-        self.dtype = torch_dtype(config.dtype)
-        if lm is None:
-            lm = load_model(config.model, dtype=self.dtype, device=str(self.device))
-        self.lm = lm
-        self.pool = KVPool(
-            lm.config, config.num_blocks, config.block_size, self.dtype, device=self.device
-        )
-        self.fingerprint = kv_fingerprint(lm.weights_id, self.pool.layout)
-        self.eos = set(lm.tokenizer.eos_token_ids)
+        self.device, self.lm, self.pool, self.fingerprint = load_worker_model(config, lm)
+        self.eos = set(self.lm.tokenizer.eos_token_ids)
         self._pool_lock = threading.Lock()
         self.kv = KVConnector(
             self.pool.kv,

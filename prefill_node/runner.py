@@ -11,12 +11,12 @@ import grpc
 import torch
 
 from kvstore import KVConnector, block_keys
-from model import KVPool, kv_fingerprint, load_model, sample
+from model import sample
 from prefill_node.config import PrefillConfig
 from prefill_node.job import Failure, PrefillJob
 from prefill_node.metrics import PrefillMetrics
 from protos import halfmoon_pb2 as pb
-from servekit import resolve_device, reusable_blocks, sampling_params, torch_dtype
+from servekit import load_worker_model, reusable_blocks, sampling_params
 
 
 class PrefillRunner:
@@ -25,15 +25,7 @@ class PrefillRunner:
     def __init__(self, config: PrefillConfig, metrics: PrefillMetrics, registry, lm=None):
         self.config = config
         self.metrics = metrics
-        self.device = resolve_device(config.device)
-        self.dtype = torch_dtype(config.dtype)
-        if lm is None:
-            lm = load_model(config.model, dtype=self.dtype, device=str(self.device))
-        self.lm = lm
-        self.pool = KVPool(
-            lm.config, config.num_blocks, config.block_size, self.dtype, device=self.device
-        )
-        self.fingerprint = kv_fingerprint(lm.weights_id, self.pool.layout)
+        self.device, self.lm, self.pool, self.fingerprint = load_worker_model(config, lm)
         self._pool_lock = threading.Lock()
         self.kv = KVConnector(
             self.pool.kv,

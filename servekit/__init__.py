@@ -23,6 +23,7 @@ from servekit.timing import (
     predict,
     prefill_features,
 )
+from servekit.worker_model import WorkerModel, load_worker_model
 from servekit.validation import prompt_ids_problem, sampling_problem
 
 __all__ = [
@@ -33,12 +34,14 @@ __all__ = [
     "LinearTimeModel",
     "PrefillTimeModel",
     "Role",
+    "WorkerModel",
     "blocks_needed",
     "check_device",
     "config_from_dict",
     "config_from_yaml",
     "decode_features",
     "field_names",
+    "load_worker_model",
     "predict",
     "prefill_features",
     "prompt_ids_problem",
