@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from servekit import check_device
+from servekit import check_dtype_device
 
 
 @dataclass
@@ -36,11 +36,4 @@ class DecodeConfig:
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.num_blocks <= 0 or self.max_batch <= 0:
             raise ValueError("DecodeConfig: block_size, num_blocks and max_batch must be positive")
-        if self.dtype not in ("float32", "bfloat16", "float16"):
-            raise ValueError(
-                f"DecodeConfig: dtype must be float32, bfloat16 or float16, got {self.dtype!r}"
-            )
-        try:
-            check_device(self.device)
-        except ValueError as exc:
-            raise ValueError(f"DecodeConfig: {exc}") from None
+        check_dtype_device("DecodeConfig", self.dtype, self.device)

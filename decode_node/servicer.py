@@ -6,59 +6,29 @@ import queue
 
 import grpc
 
-from decode_node.config import DecodeConfig
 from decode_node.metrics import DecodeMetrics
 from decode_node.runner import DecodeRunner
 from decode_node.scheduler import DecodeScheduler
 from decode_node.seq import Seq
 from protos import halfmoon_pb2 as pb
 from protos import halfmoon_pb2_grpc as pb_grpc
-from servekit import GrpcServer, prompt_ids_problem, sampling_params
+from servekit import WorkerServer, prompt_ids_problem, sampling_params
 
 
-class DecodeWorker(GrpcServer, pb_grpc.DecodeWorkerServicer):
+class DecodeWorker(WorkerServer, pb_grpc.DecodeWorkerServicer):
     """gRPC `DecodeWorker`: a step-loop thread (DecodeScheduler) runs one decode forward per step
     for all running sequences; the runner owns the model, the pool and the KV connector."""
 
-    def __init__(self, config: DecodeConfig, lm=None):
-        GrpcServer.__init__(
-            self, config.host, config.port, config.metrics_port, config.grpc_workers
-        )
-        if not config.store_address:
-            raise ValueError(
-                "DecodeConfig.store_address is required: prompts' KV arrives through the store"
-            )
-        self.config = config
-        if config.torch_threads:
-            import torch
-
-            torch.set_num_threads(config.torch_threads)
-        self.metrics = DecodeMetrics(self.registry, config.worker_id)
-        self.runner = DecodeRunner(config, self.metrics, self.registry, lm)
-        self.scheduler = DecodeScheduler(config, self.runner, self.metrics)
-        self.lm, self.pool, self.fingerprint = (
-            self.runner.lm,
-            self.runner.pool,
-            self.runner.fingerprint,
-        )
-        self.metrics.free.set(self.pool.num_free)
-
-    @property
-    def max_batch_seen(self) -> int:
-        return self.scheduler.max_batch_seen
+    metrics_class = DecodeMetrics
+    runner_class = DecodeRunner
+    scheduler_class = DecodeScheduler
+    store_use = "prompts' KV arrives through the store"
 
     # ---- lifecycle ----
 
     def _add_services(self, server: grpc.Server) -> list[str]:
         pb_grpc.add_DecodeWorkerServicer_to_server(self, server)
         return ["halfmoon.DecodeWorker"]
-
-    def _on_start(self) -> None:
-        self.scheduler.start()
-
-    def _on_stop(self) -> None:
-        self.scheduler.stop()
-        self.runner.close()
 
     # ---- RPCs ----
 

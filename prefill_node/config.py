@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from servekit import check_device
+from servekit import check_dtype_device
 
 
 @dataclass
@@ -40,11 +40,4 @@ class PrefillConfig:
                 f"PrefillConfig: chunk_size ({self.chunk_size}) must be a positive multiple of "
                 f"block_size ({self.block_size})"
             )
-        if self.dtype not in ("float32", "bfloat16", "float16"):
-            raise ValueError(
-                f"PrefillConfig: dtype must be float32, bfloat16 or float16, got {self.dtype!r}"
-            )
-        try:
-            check_device(self.device)
-        except ValueError as exc:
-            raise ValueError(f"PrefillConfig: {exc}") from None
+        check_dtype_device("PrefillConfig", self.dtype, self.device)

@@ -4,60 +4,29 @@ from __future__ import annotations
 
 import grpc
 
-from prefill_node.config import PrefillConfig
 from prefill_node.job import Failure, PrefillJob
 from prefill_node.metrics import PrefillMetrics
 from prefill_node.runner import PrefillRunner
 from prefill_node.scheduler import PrefillScheduler, reply_or_raise
 from protos import halfmoon_pb2 as pb
 from protos import halfmoon_pb2_grpc as pb_grpc
-from servekit import GrpcServer, prompt_ids_problem
+from servekit import WorkerServer, prompt_ids_problem
 
 
-class PrefillWorker(GrpcServer, pb_grpc.PrefillWorkerServicer):
+class PrefillWorker(WorkerServer, pb_grpc.PrefillWorkerServicer):
     """gRPC `PrefillWorker`: a scheduler thread computes (see PrefillScheduler); the runner owns
     the model, the pool and the KV connector."""
 
-    def __init__(self, config: PrefillConfig, lm=None):
-        GrpcServer.__init__(
-            self, config.host, config.port, config.metrics_port, config.grpc_workers
-        )
-        if not config.store_address:
-            raise ValueError(
-                "PrefillConfig.store_address is required: the KV cache travels to "
-                "decode workers through the store"
-            )
-        self.config = config
-        if config.torch_threads:
-            import torch
-
-            torch.set_num_threads(config.torch_threads)
-        self.metrics = PrefillMetrics(self.registry, config.worker_id)
-        self.runner = PrefillRunner(config, self.metrics, self.registry, lm)
-        self.scheduler = PrefillScheduler(config, self.runner, self.metrics)
-        self.lm, self.pool, self.fingerprint = (
-            self.runner.lm,
-            self.runner.pool,
-            self.runner.fingerprint,
-        )
-        self.metrics.free.set(self.pool.num_free)
-
-    @property
-    def max_batch_seen(self) -> int:
-        return self.scheduler.max_batch_seen
+    metrics_class = PrefillMetrics
+    runner_class = PrefillRunner
+    scheduler_class = PrefillScheduler
+    store_use = "the KV cache travels to decode workers through the store"
 
     # ---- lifecycle ----
 
     def _add_services(self, server: grpc.Server) -> list[str]:
         pb_grpc.add_PrefillWorkerServicer_to_server(self, server)
         return ["halfmoon.PrefillWorker"]
-
-    def _on_start(self) -> None:
-        self.scheduler.start()
-
-    def _on_stop(self) -> None:
-        self.scheduler.stop()
-        self.runner.close()
 
     # ---- RPCs ----
 

@@ -11,6 +11,7 @@ from servekit.roles import ROLES, Role, role_classes
 from servekit.sampling import (
     DTYPE_NAMES,
     check_device,
+    check_dtype_device,
     resolve_device,
     sampling_params,
     torch_dtype,
@@ -23,6 +24,7 @@ from servekit.timing import (
     predict,
     prefill_features,
 )
+from servekit.worker_server import WorkerServer
 from servekit.worker_model import WorkerModel, load_worker_model
 from servekit.validation import prompt_ids_problem, sampling_problem
 
@@ -35,8 +37,10 @@ __all__ = [
     "PrefillTimeModel",
     "Role",
     "WorkerModel",
+    "WorkerServer",
     "blocks_needed",
     "check_device",
+    "check_dtype_device",
     "config_from_dict",
     "config_from_yaml",
     "decode_features",

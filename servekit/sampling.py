@@ -38,6 +38,16 @@ def check_device(name: str) -> None:
     raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {name!r}")
 
 
+def check_dtype_device(owner: str, dtype: str, device: str) -> None:
+    """A worker config's dtype and device, checked; the ValueError names `owner`."""
+    if dtype not in DTYPE_NAMES:
+        raise ValueError(f"{owner}: dtype must be float32, bfloat16 or float16, got {dtype!r}")
+    try:
+        check_device(device)
+    except ValueError as exc:
+        raise ValueError(f"{owner}: {exc}") from None
+
+
 def resolve_device(name: str) -> torch.device:
     """The torch device a worker runs on: auto = the first CUDA device when there is one, else CPU.
     Asking for CUDA where there is none is an error, not a silent fall back to CPU."""

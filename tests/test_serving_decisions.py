@@ -6,10 +6,13 @@ from __future__ import annotations
 import random
 import time
 
+import grpc
 import pytest
 
+from kvstore import block_keys
 from model import Engine, load_model
 from protos import halfmoon_pb2 as pb
+from protos import halfmoon_pb2_grpc as pb_grpc
 from serving_cluster import Cluster
 
 BS = 16
@@ -50,10 +53,17 @@ def test_remote_fetch_only_when_the_policy_decides(lm):
         prefill={"device_cache": False},
         conductor={"kvcache_balancing_threshold": 1.5},
     ) as c:
-        # Three prefixes computed on host 0 (prefill-0 wins the tie), then host 0's worker goes.
-        for prefix in (p, q, r):
-            _, _, last = c.generate(token_ids=prefix + rand_ids(rng, 5), max_tokens=2)
-            assert last.usage.prefill_worker == "prefill-0"
+        # Three prefixes computed on host 0 (asked of prefill-0 directly, so no routing tie
+        # decides where), then host 0's worker goes.
+        with grpc.insecure_channel(c.prefills[0].address) as channel:
+            stub = pb_grpc.PrefillWorkerStub(channel)
+            for prefix in (p, q, r):
+                req = pb.PrefillRequest(
+                    token_ids=prefix + rand_ids(rng, 5), sampling=pb.SamplingParams(max_tokens=1)
+                )
+                assert stub.Prefill(req, timeout=60).computed_tokens == len(prefix) + 5
+        q_keys = block_keys(q, BS, c.prefills[0].fingerprint)
+        assert store_hits(c.stores[0]) == 0 and len(c.stores[0].store.lookup(q_keys)) == 12
         c.prefills[0].stop()
         wait_unhealthy(c, "prefill-0")
         store0 = c.stores[0]
