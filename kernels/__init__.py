@@ -21,7 +21,7 @@ from kernels.kivi import (
     kivi_packed_nbytes,
     kivi_to_bytes,
 )
-from kernels.layout import KV_LAYOUTS, FullKVLayout, KVLayout
+from kernels.layout import KV_LAYOUTS, FullKVLayout, KiviKVLayout, KVLayout
 from kernels.paged_attention_ref import paged_decode_attention_ref
 
 __all__ = [
@@ -31,6 +31,7 @@ __all__ = [
     "KV_LAYOUTS",
     "FullKVLayout",
     "KVLayout",
+    "KiviKVLayout",
     "KiviPacked",
     "available_backends",
     "gather_blocks",

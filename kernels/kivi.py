@@ -37,7 +37,7 @@ class KiviPacked(NamedTuple):
 
 
 KIVI_BITS = (2, 4, 8)
-_FIELD_DTYPES = KiviPacked(
+KIVI_FIELD_DTYPES = KiviPacked(
     torch.float16, torch.float16, torch.float16, torch.float16, torch.uint8, torch.uint8
 )
 
@@ -82,7 +82,7 @@ def kivi_packed_nbytes(
 ) -> int:
     """Bytes of one serialised KiviPacked."""
     shapes = kivi_field_shapes(tokens, kv_heads, head_dim, bits, group_size)
-    return sum(_numel(s) * d.itemsize for s, d in zip(shapes, _FIELD_DTYPES))
+    return sum(_numel(s) * d.itemsize for s, d in zip(shapes, KIVI_FIELD_DTYPES))
 
 
 def _numel(shape) -> int:
@@ -108,7 +108,7 @@ def kivi_from_bytes(
         raise ValueError(f"kivi buffer holds {len(buf)} bytes, shape needs {want}")
     raw = torch.frombuffer(bytearray(buf), dtype=torch.uint8)
     fields, off = [], 0
-    for shape, dtype in zip(shapes, _FIELD_DTYPES):
+    for shape, dtype in zip(shapes, KIVI_FIELD_DTYPES):
         n = _numel(shape) * dtype.itemsize
         fields.append(raw[off : off + n].view(dtype).view(shape))
         off += n

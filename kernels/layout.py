@@ -10,10 +10,18 @@ from __future__ import annotations
 
 import abc
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
+
+from kernels.dispatch import kivi_dequantize, kivi_quantize
+from kernels.kivi import (
+    KIVI_FIELD_DTYPES,
+    KiviPacked,
+    kivi_field_shapes,
+    kivi_packed_nbytes,
+)
 
 
 class KVLayout(abc.ABC):
@@ -38,8 +46,9 @@ class KVLayout(abc.ABC):
         ...
 
     @abc.abstractmethod
-    def layer_views(self, kv: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(k_cache, v_cache) views of one layer of pool `kv`, as attention kernels read them."""
+    def layer_views(self, kv: torch.Tensor, layer: int):
+        """Views of one layer of pool `kv`, as this layout's attention kernels read them
+        ((k_cache, v_cache) for full precision, a KiviPacked for KIVI)."""
         ...
 
     @property
@@ -94,5 +103,112 @@ class FullKVLayout(KVLayout):
         return kv[:, layer, 0], kv[:, layer, 1]
 
 
-# registry name -> layout class; KIVI-packed and MLA-latent layouts join it as subclasses
-KV_LAYOUTS: dict[str, type[KVLayout]] = {"full": FullKVLayout}
+@dataclass(frozen=True)
+class KiviKVLayout(KVLayout):
+    """KIVI-packed K and V (kernels/kivi.py): a block is `[num_layers, layer_bytes]` uint8, each
+    layer the serialised KiviPacked of its `[2, block_size, heads, head_dim]` (keys per channel,
+    values per token, `bits` bits, float16 scales and zero points first, then the codes).
+
+    KIVI keeps each sequence's most recent `residual` tokens in full precision (`window_dtype`)
+    beside its packed blocks; `window_layout` describes that window's blocks. Packed blocks
+    travel to the store as they are (raw bytes): they are never widened on the way.
+    """
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    bits: int
+    group_size: int = 32
+    residual: int = 32
+    window_dtype: torch.dtype = torch.float16
+    dtype: torch.dtype = field(default=torch.uint8, init=False)
+
+    name: ClassVar[str] = "kivi"
+    store_codec: ClassVar[str] = "raw"
+
+    def __post_init__(self) -> None:
+        # kivi_field_shapes checks bits, head_dim packing and sizes
+        kivi_field_shapes(
+            self.block_size, self.num_kv_heads, self.head_dim, self.bits, self.group_size
+        )
+        if self.residual < 0 or self.residual % self.block_size:
+            raise ValueError(
+                f"KiviKVLayout: residual ({self.residual}) must be a multiple of the block size "
+                f"({self.block_size})"
+            )
+
+    @property
+    def packed_layer_bytes(self) -> int:
+        """Bytes of one layer of one block, K and V packed."""
+        return kivi_packed_nbytes(
+            self.block_size, self.num_kv_heads, self.head_dim, self.bits, self.group_size
+        )
+
+    @property
+    def block_shape(self) -> tuple[int, ...]:
+        return (self.num_layers, self.packed_layer_bytes)
+
+    @property
+    def fingerprint_id(self) -> str:
+        window = str(self.window_dtype).removeprefix("torch.")
+        return (
+            f"{self.name}{self.bits}/g{self.group_size}/r{self.residual}/{window}"
+            f"/L{self.num_layers}/H{self.num_kv_heads}/D{self.head_dim}/B{self.block_size}"
+        )
+
+    @property
+    def window_layout(self) -> FullKVLayout:
+        """The full-precision blocks that hold each sequence's residual window."""
+        return FullKVLayout(
+            self.num_layers, self.num_kv_heads, self.head_dim, self.block_size, self.window_dtype
+        )
+
+    def layer_views(self, kv: torch.Tensor, layer: int) -> KiviPacked:
+        """One layer of packed pool `kv` as a KiviPacked whose fields carry a leading num_blocks
+        dim (views: writes go to the pool), as `paged_decode_attention_kivi` reads it."""
+        shapes = kivi_field_shapes(
+            self.block_size, self.num_kv_heads, self.head_dim, self.bits, self.group_size
+        )
+        raw = kv[:, layer]
+        fields, off = [], 0
+        for shape, dtype in zip(shapes, KIVI_FIELD_DTYPES):
+            n = math.prod(shape) * dtype.itemsize
+            fields.append(raw[:, off : off + n].view(dtype).view(raw.shape[0], *shape))
+            off += n
+        return KiviPacked(*fields)
+
+    def pack(self, blocks: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Full-precision blocks `[n, num_layers, 2, block_size, heads, head_dim]` packed into
+        `out` (or a new `[n, *block_shape]` uint8 tensor), which is returned."""
+        n = blocks.shape[0]
+        if out is None:
+            out = torch.empty((n, *self.block_shape), dtype=torch.uint8, device=blocks.device)
+        # one quantize call over every block and layer: fields lead with [n, num_layers]
+        packed = kivi_quantize(blocks, self.bits, self.group_size)
+        off = 0
+        for f in packed:
+            b = f.contiguous().view(torch.uint8).reshape(n, self.num_layers, -1)
+            out[:, :, off : off + b.shape[-1]] = b
+            off += b.shape[-1]
+        return out
+
+    def unpack(self, packed: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Packed blocks `[n, *block_shape]` back to `[n, num_layers, 2, block_size, heads,
+        head_dim]` in `dtype` (lossy: what attention over them sees)."""
+        views = [self.layer_views(packed, layer) for layer in range(self.num_layers)]
+        fields = KiviPacked(*(torch.stack([v[i] for v in views], dim=1) for i in range(6)))
+        return kivi_dequantize(fields, dtype)
+
+    def bytes_per_token(self, context_tokens: int) -> float:
+        """KV bytes a sequence of `context_tokens` holds per token: its packed blocks plus its
+        full-precision window, amortised over the context."""
+        window = min(self.residual, context_tokens)
+        packed_tokens = context_tokens - window
+        per_packed = self.block_bytes / self.block_size
+        per_window = self.window_layout.block_bytes / self.block_size
+        return (packed_tokens * per_packed + window * per_window) / max(1, context_tokens)
+
+
+# registry name -> layout class; MLA-latent layouts join it as a subclass
+KV_LAYOUTS: dict[str, type[KVLayout]] = {"full": FullKVLayout, "kivi": KiviKVLayout}

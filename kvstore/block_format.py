@@ -89,11 +89,14 @@ def make_header(
     shape = tuple(int(s) for s in shape)
     c = get_codec(codec)
     dtype_name(dtype)
-    if len(shape) not in (3, 5) or any(s <= 0 for s in shape):
+    if len(shape) not in (2, 3, 5) or any(s <= 0 for s in shape):
         raise ValueError(
-            "block shape must be [L, 2, T, H, D] or [L, T, C] with positive sizes, "
+            "block shape must be [L, 2, T, H, D], [L, T, C] or [L, bytes] with positive sizes, "
             f"got {list(shape)}"
         )
+    if len(shape) == 2 and dtype != torch.uint8:
+        # [L, bytes]: a block a layout packed already (KIVI), one opaque record per layer
+        raise ValueError(f"block shape [L, bytes] needs dtype uint8, got {dtype}")
     if len(shape) == 5 and shape[1] != 2:
         raise ValueError(f"block shape [L, 2, T, H, D] needs 2 at axis 1, got {list(shape)}")
     layer_bytes = _pad(c.layer_nbytes(shape[1:], dtype))
@@ -179,7 +182,7 @@ def _layout(fixed: bytes) -> BlockHeader:
     layer_bytes, payload_len = struct.unpack("<QQ", take(16))
     if pos != fixed_len:
         raise BlockCorrupt("header fields do not fill the fixed part")
-    if ndim not in (3, 5):
+    if ndim not in (2, 3, 5):
         raise BlockCorrupt(f"bad block rank {ndim}")
     if fixed_len + 8 * (shape[0] + 1) > header_len:
         raise BlockCorrupt("header too short for its checksum table")
