@@ -29,7 +29,13 @@ from kvstore import Index, StoreClient, block_keys
 from model import kv_fingerprint
 from protos import halfmoon_pb2 as pb
 from protos import halfmoon_pb2_grpc as pb_grpc
-from servekit import GrpcServer, prompt_ids_problem, sampling_problem, torch_dtype
+from servekit import (
+    GrpcServer,
+    kv_cache_layout,
+    prompt_ids_problem,
+    sampling_problem,
+    torch_dtype,
+)
 
 log = logging.getLogger(__name__)
 
@@ -109,9 +115,9 @@ class Conductor(GrpcServer, pb_grpc.ConductorServicer):
         self.tokenizer = lm.tokenizer
         self.model_config = lm.config
         self.model_name = lm.name
-        # Block keys chain from the weights and the workers' KV layout (dtype and shape), so the
-        # fingerprint is the weights id and the layout of the pool the workers hold.
-        layout = lm.config.kv_layout(config.block_size, torch_dtype(config.dtype))
+        # Block keys chain from the weights and the layout the workers store blocks in (KV cache
+        # type, dtype and shape), so the fingerprint is the weights id and that layout.
+        layout = kv_cache_layout(lm.config, config, torch_dtype(config.dtype))
         self.fingerprint = kv_fingerprint(lm.weights_id, layout)
         self.policies: dict[str, Policy] = {
             "mooncake": make_policy(
@@ -596,7 +602,9 @@ class Conductor(GrpcServer, pb_grpc.ConductorServicer):
             vocab_size=self.model_config.vocab_size,
             conductor_rss_bytes=self._process.memory_info().rss,
             model_fingerprint=self.fingerprint,
-            kv_dtype=self.config.dtype,
+            kv_dtype=self.config.dtype
+            if self.config.kv_cache_dtype == "auto"
+            else self.config.kv_cache_dtype,
         )
         with self._lock:
             for w in self._workers:

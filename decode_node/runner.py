@@ -12,21 +12,33 @@ from decode_node.config import DecodeConfig
 from decode_node.metrics import DecodeMetrics
 from decode_node.seq import Seq
 from kvstore import KVConnector, block_keys
-from model import finish_reason, sample
+from model import KVPool, finish_reason, sample
 from servekit import load_worker_model
 
 
+def _tables(rows: list[list[int]]) -> torch.Tensor:
+    """Block tables [B, widest] int32, zero-padded."""
+    out = torch.zeros(len(rows), max(1, max(len(r) for r in rows)), dtype=torch.int32)
+    for i, r in enumerate(rows):
+        out[i, : len(r)] = torch.tensor(r, dtype=torch.int32)
+    return out
+
+
 class DecodeRunner:
-    """Owns the model and the pool; the scheduler admits, steps and ends sequences through it."""
+    """Owns the model and a full-precision pool; the scheduler admits, steps and ends sequences
+    through it. (KiviDecodeRunner keeps a KIVI-packed pool instead.)"""
 
     def __init__(self, config: DecodeConfig, metrics: DecodeMetrics, registry, lm=None):
         self.config, self.metrics = config, metrics
-        self.device, self.lm, self.pool, self.fingerprint = load_worker_model(config, lm)
+        wm = load_worker_model(config, lm)
+        self.device, self.dtype, self.lm = wm.device, wm.dtype, wm.lm
+        self.layout, self.fingerprint = wm.layout, wm.fingerprint
         self.eos = set(self.lm.tokenizer.eos_token_ids)
         self._pool_lock = threading.Lock()
+        self.pool = self._make_pool()
         self.kv = KVConnector(
-            self.pool.kv,
-            self.pool.layout,
+            self.pool.kv if isinstance(self.pool, KVPool) else self.pool.packed.kv,
+            self.layout,
             self.fingerprint,
             config.store_address,
             store_node=config.store_node,
@@ -34,19 +46,33 @@ class DecodeRunner:
             registry=registry,
         )
 
+    def _make_pool(self):
+        c = self.config
+        num_blocks = c.num_blocks
+        if c.kv_cache_bytes:
+            num_blocks = c.kv_cache_bytes // self.layout.block_bytes
+            if num_blocks < 1:
+                raise ValueError(f"DecodeConfig.kv_cache_bytes ({c.kv_cache_bytes}) holds no block")
+        return KVPool(self.lm.config, num_blocks, c.block_size, self.dtype, device=self.device)
+
     def close(self) -> None:
         self.kv.close()
 
+    @property
+    def capacity_tokens(self) -> int:
+        """KV tokens the pool holds when full."""
+        return self.pool.num_blocks * self.config.block_size
+
     # ---- the pool ----
 
-    def try_allocate(self, n: int) -> list[int] | None:
-        """n pool blocks, or None when fewer are free."""
+    def admit(self, s: Seq) -> bool:
+        """Reserve the sequence's blocks (its whole answer); False when the pool is short."""
         with self._pool_lock:
-            if self.pool.num_free < n:
-                return None
-            ids = self.pool.allocate(n)
+            if self.pool.num_free < s.need_blocks:
+                return False
+            s.table = self.pool.allocate(s.need_blocks)
         self.metrics.free.set(self.pool.num_free)
-        return ids
+        return True
 
     def release(self, s: Seq) -> None:
         with self._pool_lock:
@@ -57,51 +83,66 @@ class DecodeRunner:
 
     # ---- KV in and out (io threads) ----
 
+    def _pull_stored(self, s: Seq) -> int:
+        """The prompt's stored blocks (all full blocks but the window the handle carries
+        inline) into s.table; how many."""
+        h = s.request.handle
+        stored = list(h.block_keys)[: len(h.block_keys) - h.window_blocks]
+        address = h.store_address or self.config.store_address
+        return self.kv.pull(address, stored, s.table[: len(stored)])
+
     @torch.inference_mode()
     def fill(self, s: Seq) -> None:
-        """The sequence's blocks with its prompt's KV: full blocks from the store, the tail from
-        the handle. What cannot be pulled (evicted, corrupt, unreachable) is recomputed here:
-        slower, never wrong."""
+        """The sequence's blocks with its prompt's KV: stored blocks from the store, the rest
+        from the handle's inline tail. What cannot be loaded (evicted, corrupt, unreachable) is
+        recomputed here: slower, never wrong."""
         t0 = time.perf_counter()
         h, bs = s.request.handle, self.config.block_size
-        keys = list(h.block_keys)
-        got = self.kv.pull(h.store_address or self.config.store_address, keys, s.table[: len(keys)])
+        got = self._pull_stored(s)
         have = got * bs
-        if got == len(keys) and h.tail_tokens:
-            if self.kv.load_tail(h.tail, h.tail_tokens, s.table[got]):
+        if got == len(h.block_keys) - h.window_blocks and h.tail_tokens:
+            if self.kv.load_tail(h.tail, h.tail_tokens, s.table[got:]):
                 have += h.tail_tokens
+        self._filled(s, t0, have)
+        if have < len(s.prompt):
+            ids = torch.tensor(s.prompt[have:], dtype=torch.long)
+            self.lm.model.prefill(ids, self.pool, s.table, have, last_only=True)
+
+    def _filled(self, s: Seq, t0: float, have: int) -> None:
         s.transfer_ms = (time.perf_counter() - t0) * 1000.0
         self.metrics.pull.observe(s.transfer_ms / 1000.0)
         if have < len(s.prompt):
             s.recomputed = len(s.prompt) - have
             self.metrics.recomputed.inc(s.recomputed)
-            ids = torch.tensor(s.prompt[have:], dtype=torch.long)
-            self.lm.model.prefill(ids, self.pool, s.table, have, last_only=True)
+
+    def _new_full_blocks(self, s: Seq) -> tuple[list[bytes], int]:
+        """(keys of every full block whose KV is in the pool, the first one the store lacks)."""
+        bs = self.config.block_size
+        tokens = (s.prompt + s.out[:-1])[: s.position // bs * bs]
+        keys = block_keys(tokens, bs, self.fingerprint, s.request.cache_salt)
+        return keys, len(s.request.handle.block_keys)
 
     def publish(self, s: Seq) -> None:
         """The full blocks the answer added (prompt tail + answer) to the store."""
-        bs = self.config.block_size
-        done = s.position  # tokens whose KV is in the pool
-        tokens = s.prompt + s.out[:-1]
-        keys = block_keys(tokens[: done // bs * bs], bs, self.fingerprint, s.request.cache_salt)
-        start = len(s.request.handle.block_keys)
+        keys, start = self._new_full_blocks(s)
         if len(keys) > start:
-            self.kv.put(
-                keys[start:], s.table[start : len(keys)], keys[start - 1] if start else None
-            )
+            parent = keys[start - 1] if start else None
+            self.kv.put(keys[start:], s.table[start : len(keys)], parent)
 
     # ---- one step ----
 
     @torch.inference_mode()
     def step(self, batch: list[Seq]) -> list[int]:
         """One decode forward for every sequence of the batch; the token each samples."""
-        width = max(len(s.table) for s in batch)
-        tables = torch.zeros(len(batch), width, dtype=torch.int32)
-        for i, s in enumerate(batch):
-            tables[i, : len(s.table)] = torch.tensor(s.table, dtype=torch.int32)
         tokens = torch.tensor([s.out[-1] for s in batch], dtype=torch.long)
         positions = torch.tensor([s.position for s in batch], dtype=torch.long)
-        logits = self.lm.model.decode(tokens, self.pool, tables, positions)
+        logits = self.lm.model.decode(
+            tokens, self.pool, _tables([s.table for s in batch]), positions
+        )
+        return self._sample(batch, logits)
+
+    @staticmethod
+    def _sample(batch: list[Seq], logits: torch.Tensor) -> list[int]:
         # Sampling runs on the host: seeded generators give the same draws on any device.
         return sample(
             logits.float().cpu(), [s.params for s in batch], [s.generator for s in batch]

@@ -105,10 +105,8 @@ class DecodeScheduler:
                 self._waiting.popleft()
                 self._end_stream(seq, "cancelled")
                 continue
-            table = self.runner.try_allocate(seq.need_blocks)
-            if table is None:
+            if not self.runner.admit(seq):
                 return  # first come, first served: later ones wait too
-            seq.table = table
             self._waiting.popleft()
             self._pulling.append(seq)
             seq.pull = self._io.submit(self._fill, seq)

@@ -21,7 +21,9 @@ class Seq:
         self.budget = budget  # new tokens allowed (max_tokens, capped by the context window)
         self.need_blocks = need_blocks  # pool blocks reserved at admission: the whole answer
         self.out = [request.first_token]  # generated tokens; the last one's KV is not computed
-        self.table: list[int] = []
+        self.table: list[int] = []  # pool blocks (KIVI: packed blocks, the first n_packed used)
+        self.window: list[int] = []  # KIVI: full-precision window blocks, oldest first
+        self.n_packed = 0  # KIVI: leading tokens' blocks held packed
         self.events: queue.Queue = queue.Queue()  # ("tok", id, ms, batch) | ("end", reason, note)
         self.arrived = time.perf_counter()
         self.cancelled = False

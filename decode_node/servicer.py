@@ -6,7 +6,9 @@ import queue
 
 import grpc
 
+from decode_node.config import DecodeConfig
 from decode_node.metrics import DecodeMetrics
+from decode_node.kivi_runner import KiviDecodeRunner
 from decode_node.runner import DecodeRunner
 from decode_node.scheduler import DecodeScheduler
 from decode_node.seq import Seq
@@ -15,12 +17,18 @@ from protos import halfmoon_pb2_grpc as pb_grpc
 from servekit import WorkerServer, prompt_ids_problem, sampling_params
 
 
+def make_runner(config: DecodeConfig, metrics: DecodeMetrics, registry, lm=None) -> DecodeRunner:
+    """The runner for the config's KV cache type: full precision, or KIVI-packed."""
+    cls = DecodeRunner if config.kv_cache_dtype == "auto" else KiviDecodeRunner
+    return cls(config, metrics, registry, lm)
+
+
 class DecodeWorker(WorkerServer, pb_grpc.DecodeWorkerServicer):
     """gRPC `DecodeWorker`: a step-loop thread (DecodeScheduler) runs one decode forward per step
     for all running sequences; the runner owns the model, the pool and the KV connector."""
 
     metrics_class = DecodeMetrics
-    runner_class = DecodeRunner
+    runner_class = staticmethod(make_runner)
     scheduler_class = DecodeScheduler
     store_use = "prompts' KV arrives through the store"
 
@@ -115,6 +123,8 @@ class DecodeWorker(WorkerServer, pb_grpc.DecodeWorkerServicer):
             max_batch_seen=self.scheduler.max_batch_seen,
             requests_done=self.scheduler.requests_done,
             device=str(self.runner.device),
+            kv_cache_dtype=cfg.kv_cache_dtype,
+            capacity_tokens=self.runner.capacity_tokens,
         )
 
     def _validate(self, r: pb.DecodeRequest) -> str:
@@ -133,14 +143,17 @@ class DecodeWorker(WorkerServer, pb_grpc.DecodeWorkerServicer):
                 f"handle.num_tokens: {r.handle.num_tokens} but the prompt has "
                 f"{len(r.prompt_ids)} tokens"
             )
-        bs = self.config.block_size
+        bs, h = self.config.block_size, r.handle
+        if not 0 <= h.window_blocks <= len(h.block_keys):
+            return f"handle.window_blocks: {h.window_blocks} of {len(h.block_keys)} blocks"
         if (
-            len(r.handle.block_keys) != len(r.prompt_ids) // bs
-            or r.handle.tail_tokens != len(r.prompt_ids) % bs
+            len(h.block_keys) != len(r.prompt_ids) // bs
+            or h.tail_tokens != h.window_blocks * bs + len(r.prompt_ids) % bs
         ):
             return (
-                f"handle: {len(r.handle.block_keys)} blocks + {r.handle.tail_tokens} tail "
-                f"tokens do not cover {len(r.prompt_ids)} prompt tokens"
+                f"handle: {len(h.block_keys)} blocks + {h.tail_tokens} tail "
+                f"tokens ({h.window_blocks} window blocks) do not cover {len(r.prompt_ids)} "
+                "prompt tokens"
             )
         try:
             sampling_params(r.sampling)

@@ -16,7 +16,15 @@ DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "local.yaml"
 
 
 # cluster-wide values copied into every section that has such a field and does not set it itself
-SHARED_KEYS = ("model", "dtype", "block_size", "host")
+SHARED_KEYS = (
+    "model",
+    "dtype",
+    "block_size",
+    "host",
+    "kv_cache_dtype",
+    "kivi_group_size",
+    "kivi_residual",
+)
 
 
 @dataclass
@@ -49,6 +57,9 @@ class ClusterConfig:
     model: str = "smollm2-135m"  # load_model name or path, for every server that loads the model
     dtype: str = "float32"
     block_size: int = 16
+    kv_cache_dtype: str = "auto"  # auto | kivi4 | kivi2 (see the workers' configs)
+    kivi_group_size: int = 32
+    kivi_residual: int = 32
     host: str = "127.0.0.1"  # every server binds and advertises this
     redis_url: str = ""  # global index; "" = $REDIS_URL, else an embedded Redis the launcher starts
     prefill_workers: int = 1

@@ -9,6 +9,7 @@ from kernels.dispatch import (
     kivi_quantize,
     paged_decode_attention,
     paged_decode_attention_kivi,
+    paged_decode_attention_kivi_window,
     scatter_blocks,
 )
 from kernels.kivi import (
@@ -23,6 +24,7 @@ from kernels.kivi import (
 )
 from kernels.layout import KV_LAYOUTS, FullKVLayout, KiviKVLayout, KVLayout
 from kernels.paged_attention_ref import paged_decode_attention_ref
+from kernels.paged_attention_torch import merge_attention
 
 __all__ = [
     "BACKENDS",
@@ -43,8 +45,10 @@ __all__ = [
     "kivi_packed_nbytes",
     "kivi_quantize",
     "kivi_to_bytes",
+    "merge_attention",
     "paged_decode_attention",
     "paged_decode_attention_kivi",
+    "paged_decode_attention_kivi_window",
     "paged_decode_attention_ref",
     "scatter_blocks",
 ]

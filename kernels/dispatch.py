@@ -13,6 +13,7 @@ from kernels.kivi import KiviPacked, kivi_dequantize_blocks_torch, kivi_quantize
 from kernels.paged_attention_ref import paged_decode_attention_ref
 from kernels.paged_attention_torch import (
     paged_decode_attention_kivi_torch,
+    paged_decode_attention_kivi_window_torch,
     paged_decode_attention_torch,
 )
 
@@ -21,6 +22,7 @@ try:
     from kernels.kivi_triton import kivi_dequantize_triton, kivi_quantize_triton
     from kernels.paged_attention_triton import (
         paged_decode_attention_kivi_triton,
+        paged_decode_attention_kivi_window_triton,
         paged_decode_attention_triton,
     )
 
@@ -35,6 +37,7 @@ _IMPLS: dict[str, dict[str, object]] = {
         "ref": paged_decode_attention_ref,
     },
     "paged_decode_attention_kivi": {"torch": paged_decode_attention_kivi_torch},
+    "paged_decode_attention_kivi_window": {"torch": paged_decode_attention_kivi_window_torch},
     "kivi_quantize": {"torch": kivi_quantize_torch},
     "kivi_dequantize": {"torch": kivi_dequantize_blocks_torch},
     "gather_blocks": {"torch": gather_blocks_torch},
@@ -43,6 +46,9 @@ _IMPLS: dict[str, dict[str, object]] = {
 if HAS_TRITON:
     _IMPLS["paged_decode_attention"]["triton"] = paged_decode_attention_triton
     _IMPLS["paged_decode_attention_kivi"]["triton"] = paged_decode_attention_kivi_triton
+    _IMPLS["paged_decode_attention_kivi_window"]["triton"] = (
+        paged_decode_attention_kivi_window_triton
+    )
     _IMPLS["kivi_quantize"]["triton"] = kivi_quantize_triton
     _IMPLS["kivi_dequantize"]["triton"] = kivi_dequantize_triton
     _IMPLS["gather_blocks"]["triton"] = gather_blocks_triton
@@ -65,23 +71,59 @@ def pick(op: str, device: torch.device, backend: str | None = None):
 
 
 def paged_decode_attention(
-    q, k_cache, v_cache, block_tables, seq_lens, scale=None, *, backend=None
+    q, k_cache, v_cache, block_tables, seq_lens, scale=None, *, backend=None, return_lse=False
 ):
     """One decode step over the paged KV cache; see `paged_decode_attention_ref` for the
-    contract."""
-    return pick("paged_decode_attention", q.device, backend)(
-        q, k_cache, v_cache, block_tables, seq_lens, scale
-    )
+    contract. return_lse=True -> (out, lse): lse fp32 [batch, q_heads], the log-sum-exp of each
+    query head's scaled scores (-inf for a sequence of length 0, whose out is 0), for an exact
+    merge with attention over other tokens (`merge_attention`). The "ref" backend has no lse."""
+    impl = pick("paged_decode_attention", q.device, backend)
+    if not return_lse:
+        return impl(q, k_cache, v_cache, block_tables, seq_lens, scale)
+    return impl(q, k_cache, v_cache, block_tables, seq_lens, scale, return_lse=True)
 
 
 def paged_decode_attention_kivi(
-    q, kv_pool: KiviPacked, block_tables, seq_lens, scale=None, *, backend=None
+    q, kv_pool: KiviPacked, block_tables, seq_lens, scale=None, *, backend=None, return_lse=False
 ):
     """Decode attention over a KIVI pool: `kivi_quantize` of
     [num_blocks, 2, block_size, kv_heads, head_dim] (each field with a leading num_blocks dim;
-    fields may be strided views of a layer-major pool)."""
-    return pick("paged_decode_attention_kivi", q.device, backend)(
-        q, kv_pool, block_tables, seq_lens, scale
+    fields may be strided views of a layer-major pool). return_lse as `paged_decode_attention`."""
+    impl = pick("paged_decode_attention_kivi", q.device, backend)
+    if not return_lse:
+        return impl(q, kv_pool, block_tables, seq_lens, scale)
+    return impl(q, kv_pool, block_tables, seq_lens, scale, return_lse=True)
+
+
+def paged_decode_attention_kivi_window(
+    q,
+    packed_pool: KiviPacked,
+    packed_tables,
+    packed_lens,
+    k_window,
+    v_window,
+    window_tables,
+    window_lens,
+    scale=None,
+    *,
+    backend=None,
+):
+    """KIVI decode attention: each query over its quantized tokens [0, packed_lens[b]) (KIVI
+    blocks of `packed_pool` named by packed_tables[b]) and its full-precision window of recent
+    tokens (window_lens[b] tokens in the k_window/v_window blocks
+    [num_blocks, block_size, kv_heads, head_dim] named by window_tables[b]), merged exactly by
+    the two parts' log-sum-exps. Either part may be empty; with both empty the output is 0.
+    Returns [batch, q_heads, head_dim] in q's dtype."""
+    return pick("paged_decode_attention_kivi_window", q.device, backend)(
+        q,
+        packed_pool,
+        packed_tables,
+        packed_lens,
+        k_window,
+        v_window,
+        window_tables,
+        window_lens,
+        scale,
     )
 
 

@@ -178,6 +178,13 @@ class KiviKVLayout(KVLayout):
             off += n
         return KiviPacked(*fields)
 
+    def pack_layer(self, layer_blocks: torch.Tensor) -> torch.Tensor:
+        """One layer of full-precision blocks `[n, 2, block_size, heads, head_dim]` packed:
+        `[n, block_shape[1]]` uint8 (what a layer-wise publisher sends)."""
+        n = layer_blocks.shape[0]
+        packed = kivi_quantize(layer_blocks, self.bits, self.group_size)
+        return torch.cat([f.contiguous().view(torch.uint8).reshape(n, -1) for f in packed], 1)
+
     def pack(self, blocks: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Full-precision blocks `[n, num_layers, 2, block_size, heads, head_dim]` packed into
         `out` (or a new `[n, *block_shape]` uint8 tensor), which is returned."""

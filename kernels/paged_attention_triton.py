@@ -5,18 +5,25 @@ that KV head (GQA tile, padded to a power of two), so each KV byte is read once 
 an online softmax over its split of the sequence, TILE_N tokens at a time (each token finds its
 block through the block table, so any block size works). A second kernel merges the splits by LSE.
 Full-precision blocks and KIVI blocks share the kernel; KIVI dequantizes in the inner loop.
+
+The merge can also return each (sequence, query head)'s log-sum-exp (`return_lse=True`), and it
+merges splits of more than one source at once: KIVI attention over packed blocks plus the
+full-precision window of recent tokens (`paged_decode_attention_kivi_window_triton`) launches the
+split kernel once per source into one buffer of partial results and merges them all in one pass.
 """
 
 from __future__ import annotations
 
 import functools
 import os
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
 from kernels.kivi import KiviPacked, kivi_layout
+from kernels.paged_attention_torch import check_window_shapes
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -103,6 +110,7 @@ def _paged_split_kernel(
     vs_h,
     stride_btb,
     split_tokens,
+    split_base,
     scale,
     BLOCK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -110,7 +118,7 @@ def _paged_split_kernel(
     GROUP: tl.constexpr,
     GROUP_P: tl.constexpr,
     TILE_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
+    ROW_SPLITS: tl.constexpr,
     KIVI_BITS: tl.constexpr,
     KEY_GROUP: tl.constexpr,
     VAL_GROUP: tl.constexpr,
@@ -212,7 +220,8 @@ def _paged_split_kernel(
     l_safe = tl.where(empty, 1.0, l_i)
     out = acc / l_safe[:, None]
     lse = tl.where(empty, float("-inf"), m_i + tl.log(l_safe))
-    row = (b * (GROUP * tl.num_programs(1)) + qh) * NUM_SPLITS + split
+    # This launch's splits sit at [split_base, split_base + splits) of the row's ROW_SPLITS.
+    row = (b * (GROUP * tl.num_programs(1)) + qh) * ROW_SPLITS + split_base + split
     tl.store(
         OP + row[:, None] * HEAD_DIM + offs_d[None, :], out, mask=gmask[:, None] & dmask[None, :]
     )
@@ -224,6 +233,7 @@ def _merge_kernel(
     OP,
     LP,
     OUT,
+    LSE,
     stride_ob,
     stride_oh,
     q_heads,
@@ -231,6 +241,7 @@ def _merge_kernel(
     BLOCK_D: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     SPLITS_P: tl.constexpr,
+    RETURN_LSE: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -240,18 +251,24 @@ def _merge_kernel(
     row = (b * q_heads + h) * NUM_SPLITS
     lse = tl.load(LP + row + offs_s, mask=smask, other=float("-inf"))
     m = tl.max(lse, axis=0)
+    m = tl.where(m == float("-inf"), 0.0, m)  # every split empty: no -inf - -inf
     w = tl.where(lse == float("-inf"), 0.0, tl.exp(lse - m))
     part = tl.load(
         OP + (row + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
         mask=smask[:, None] & (offs_d[None, :] < HEAD_DIM),
         other=0.0,
     )
-    out = tl.sum(part * w[:, None], axis=0) / tl.sum(w, axis=0)
+    den = tl.sum(w, axis=0)
+    # Every split empty (a sequence of length 0): den 0, and the output is 0 (empty parts are 0).
+    out = tl.sum(part * w[:, None], axis=0) / tl.where(den > 0.0, den, 1.0)
     tl.store(
         OUT + b * stride_ob + h * stride_oh + offs_d,
         out.to(OUT.dtype.element_ty),
         mask=offs_d < HEAD_DIM,
     )
+    if RETURN_LSE:
+        lse_all = m + tl.log(tl.where(den > 0.0, den, 1.0))
+        tl.store(LSE + b * q_heads + h, tl.where(den > 0.0, lse_all, float("-inf")))
 
 
 @functools.lru_cache(maxsize=None)
@@ -271,27 +288,44 @@ def _num_splits(q: torch.Tensor, batch: int, kv_heads: int, max_tokens: int, til
     return max(1, min(splits, -(-max_tokens // tile_n)))
 
 
-def _launch(
-    q,
-    k,
-    v,
-    stats,
-    block_tables,
-    seq_lens,
-    scale,
-    block_size,
-    kv_heads,
-    head_dim,
-    kivi_bits=0,
-    key_group=1,
-    val_group=1,
-    tile_n=None,
-):
+class _Source(NamedTuple):
+    """One set of paged blocks to attend over: full precision (stats None) or KIVI."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    stats: tuple | None  # KIVI (k_scale, k_zero, v_scale, v_zero)
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+    block_size: int
+    kivi_bits: int = 0
+    key_group: int = 1
+    val_group: int = 1
+
+
+def _full_source(k_cache, v_cache, block_tables, seq_lens) -> _Source:
+    return _Source(k_cache, v_cache, None, block_tables, seq_lens, k_cache.shape[1])
+
+
+def _kivi_source(kv_pool: KiviPacked, block_tables, seq_lens) -> _Source:
+    block_size, _, _, bits, gk, gv = kivi_layout(kv_pool)
+    for f in kv_pool:
+        if f.stride(-1) != 1:
+            raise ValueError("kivi pool fields need unit stride along their last dim")
+    stats = (kv_pool.k_scale, kv_pool.k_zero, kv_pool.v_scale, kv_pool.v_zero)
+    return _Source(
+        kv_pool.k_codes, kv_pool.v_codes, stats, block_tables, seq_lens, block_size, bits, gk, gv
+    )
+
+
+def _launch(q, sources, scale, kv_heads, head_dim, return_lse=False, tile_n=None):
+    """Attention of q over the union of `sources`' tokens: each source's split kernel writes its
+    partial (output, LSE) rows into one buffer, and one merge kernel combines them all."""
     batch, q_heads, _ = q.shape
     if q_heads % kv_heads:
         raise ValueError(f"q_heads {q_heads} is not a multiple of kv_heads {kv_heads}")
-    if k.stride(-1) != 1 or v.stride(-1) != 1:
-        raise ValueError("paged attention needs the KV pool to have unit stride along head_dim")
+    for src in sources:
+        if src.k.stride(-1) != 1 or src.v.stride(-1) != 1:
+            raise ValueError("paged attention needs the KV pool to have unit stride along head_dim")
     if q.stride(-1) != 1:
         q = q.contiguous()
     group = q_heads // kv_heads
@@ -300,71 +334,91 @@ def _launch(
     group_p = triton.next_power_of_2(group)
     # The [group, tile, head_dim] product lives in registers: keep it near 8K fp32 values a program.
     tile_n = tile_n or (16 if INTERPRET or group_p * block_d > 256 else 32)
-    # The block table bounds every sequence: no host sync on seq_lens.
-    max_tokens = block_tables.shape[1] * block_size
-    splits = _num_splits(q, batch, kv_heads, max_tokens, tile_n)
-    per_split = -(-max_tokens // splits)
-    split_tokens = -(-per_split // tile_n) * tile_n  # whole tiles
-    splits = -(-max_tokens // split_tokens)
-    op = torch.empty(batch * q_heads * splits, head_dim, device=q.device, dtype=torch.float32)
-    lp = torch.empty(batch * q_heads * splits, device=q.device, dtype=torch.float32)
-    ks, kz, vs, vz = stats if stats is not None else (k, k, v, v)
-    bt = block_tables if block_tables.dtype == torch.int32 else block_tables.to(torch.int32)
-    sl = seq_lens if seq_lens.dtype == torch.int32 else seq_lens.to(torch.int32)
-    _paged_split_kernel[(batch, kv_heads, splits)](
-        q,
-        k,
-        v,
-        ks,
-        kz,
-        vs,
-        vz,
-        bt,
-        sl,
-        op,
-        lp,
-        q.stride(0),
-        q.stride(1),
-        k.stride(0),
-        k.stride(1),
-        k.stride(2),
-        v.stride(0),
-        v.stride(1),
-        v.stride(2),
-        ks.stride(0),
-        ks.stride(1),
-        ks.stride(2),
-        vs.stride(0),
-        vs.stride(1),
-        vs.stride(2),
-        bt.stride(0),
-        split_tokens,
-        scale,
-        BLOCK_SIZE=block_size,
-        HEAD_DIM=head_dim,
-        BLOCK_D=block_d,
-        GROUP=group,
-        GROUP_P=group_p,
-        TILE_N=tile_n,
-        NUM_SPLITS=splits,
-        KIVI_BITS=kivi_bits,
-        KEY_GROUP=key_group,
-        VAL_GROUP=val_group,
-    )
+    plans = []
+    for src in sources:
+        # The block table bounds every sequence: no host sync on seq_lens.
+        max_tokens = src.block_tables.shape[1] * src.block_size
+        if max_tokens == 0:
+            continue  # no block-table columns: nothing to attend to in this source
+        splits = _num_splits(q, batch, kv_heads, max_tokens, tile_n)
+        per_split = -(-max_tokens // splits)
+        split_tokens = -(-per_split // tile_n) * tile_n  # whole tiles
+        plans.append((src, -(-max_tokens // split_tokens), split_tokens))
     out = torch.empty_like(q)
+    lse = torch.empty(batch, q_heads, device=q.device, dtype=torch.float32) if return_lse else out
+    row_splits = sum(splits for _, splits, _ in plans)
+    if row_splits == 0:
+        out.zero_()
+        if return_lse:
+            lse.fill_(float("-inf"))
+            return out, lse
+        return out
+    op = torch.empty(batch * q_heads * row_splits, head_dim, device=q.device, dtype=torch.float32)
+    lp = torch.empty(batch * q_heads * row_splits, device=q.device, dtype=torch.float32)
+    split_base = 0
+    for src, splits, split_tokens in plans:
+        k, v = src.k, src.v
+        ks, kz, vs, vz = src.stats if src.stats is not None else (k, k, v, v)
+        bt = src.block_tables
+        bt = bt if bt.dtype == torch.int32 else bt.to(torch.int32)
+        sl = src.seq_lens if src.seq_lens.dtype == torch.int32 else src.seq_lens.to(torch.int32)
+        _paged_split_kernel[(batch, kv_heads, splits)](
+            q,
+            k,
+            v,
+            ks,
+            kz,
+            vs,
+            vz,
+            bt,
+            sl,
+            op,
+            lp,
+            q.stride(0),
+            q.stride(1),
+            k.stride(0),
+            k.stride(1),
+            k.stride(2),
+            v.stride(0),
+            v.stride(1),
+            v.stride(2),
+            ks.stride(0),
+            ks.stride(1),
+            ks.stride(2),
+            vs.stride(0),
+            vs.stride(1),
+            vs.stride(2),
+            bt.stride(0),
+            split_tokens,
+            split_base,
+            scale,
+            BLOCK_SIZE=src.block_size,
+            HEAD_DIM=head_dim,
+            BLOCK_D=block_d,
+            GROUP=group,
+            GROUP_P=group_p,
+            TILE_N=tile_n,
+            ROW_SPLITS=row_splits,
+            KIVI_BITS=src.kivi_bits,
+            KEY_GROUP=src.key_group,
+            VAL_GROUP=src.val_group,
+        )
+        split_base += splits
     _merge_kernel[(batch, q_heads)](
         op,
         lp,
         out,
+        lse,
         out.stride(0),
         out.stride(1),
         q_heads,
         HEAD_DIM=head_dim,
         BLOCK_D=block_d,
-        NUM_SPLITS=splits,
-        SPLITS_P=triton.next_power_of_2(splits),
+        NUM_SPLITS=row_splits,
+        SPLITS_P=triton.next_power_of_2(row_splits),
+        RETURN_LSE=return_lse,
     )
-    return out
+    return (out, lse) if return_lse else out
 
 
 def paged_decode_attention_triton(
@@ -374,12 +428,14 @@ def paged_decode_attention_triton(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float | None = None,
-) -> torch.Tensor:
-    """Flash-decoding paged attention (same contract as `paged_decode_attention_ref`)."""
-    _, block_size, kv_heads, head_dim = k_cache.shape
-    return _launch(
-        q, k_cache, v_cache, None, block_tables, seq_lens, scale, block_size, kv_heads, head_dim
-    )
+    *,
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Flash-decoding paged attention (same contract as `paged_decode_attention_ref`); with
+    return_lse, (out, lse fp32 [batch, q_heads]; -inf where seq_lens is 0, whose out is 0)."""
+    _, _, kv_heads, head_dim = k_cache.shape
+    source = _full_source(k_cache, v_cache, block_tables, seq_lens)
+    return _launch(q, [source], scale, kv_heads, head_dim, return_lse)
 
 
 def paged_decode_attention_kivi_triton(
@@ -388,25 +444,33 @@ def paged_decode_attention_kivi_triton(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float | None = None,
+    *,
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Flash-decoding over KIVI blocks (KiviPacked fields with a leading num_blocks dim); with
+    return_lse, (out, lse fp32 [batch, q_heads])."""
+    _, kv_heads, head_dim, _, _, _ = kivi_layout(kv_pool)
+    source = _kivi_source(kv_pool, block_tables, seq_lens)
+    return _launch(q, [source], scale, kv_heads, head_dim, return_lse)
+
+
+def paged_decode_attention_kivi_window_triton(
+    q: torch.Tensor,
+    packed_pool: KiviPacked,
+    packed_tables: torch.Tensor,
+    packed_lens: torch.Tensor,
+    k_window: torch.Tensor,
+    v_window: torch.Tensor,
+    window_tables: torch.Tensor,
+    window_lens: torch.Tensor,
+    scale: float | None = None,
 ) -> torch.Tensor:
-    """Flash-decoding over KIVI blocks (KiviPacked fields with a leading num_blocks dim)."""
-    block_size, kv_heads, head_dim, bits, gk, gv = kivi_layout(kv_pool)
-    for f in kv_pool:
-        if f.stride(-1) != 1:
-            raise ValueError("kivi pool fields need unit stride along their last dim")
-    stats = (kv_pool.k_scale, kv_pool.k_zero, kv_pool.v_scale, kv_pool.v_zero)
-    return _launch(
-        q,
-        kv_pool.k_codes,
-        kv_pool.v_codes,
-        stats,
-        block_tables,
-        seq_lens,
-        scale,
-        block_size,
-        kv_heads,
-        head_dim,
-        kivi_bits=bits,
-        key_group=gk,
-        val_group=gv,
-    )
+    """KIVI decode attention over packed blocks plus the full-precision window (the contract of
+    `paged_decode_attention_kivi_window_torch`): both sources' splits merged in one LSE pass."""
+    check_window_shapes(q, packed_pool, k_window, v_window)
+    _, _, kv_heads, head_dim = k_window.shape
+    sources = [
+        _kivi_source(packed_pool, packed_tables, packed_lens),
+        _full_source(k_window, v_window, window_tables, window_lens),
+    ]
+    return _launch(q, sources, scale, kv_heads, head_dim)

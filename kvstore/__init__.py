@@ -12,7 +12,7 @@ from kvstore.block_format import (
 from kvstore.client import BlockWriter, PutResult, StoreClient, StoreUnavailable
 from kvstore.codecs import CODECS, Codec, block_tokens, get_codec
 from kvstore.config import StoreConfig
-from kvstore.connector import KVConnector, LayerPublisher, PrefixLoad
+from kvstore.connector import KVConnector, LayerPublisher, PrefixLoad, write_tokens
 from kvstore.device import DeviceTier
 from kvstore.index import Index
 from kvstore.keys import KEY_BYTES, block_keys
@@ -47,7 +47,7 @@ __all__ = [
     "DeviceTier",
     "KVConnector",
     "LayerPublisher",
-    "PrefixLoad",
+    "PrefixLoad", "write_tokens",
     "Index",
     "EmbeddedRedis",
     "LookupResult",

@@ -54,6 +54,17 @@ def _failure_kind(exc: BaseException) -> str:
     return "error"
 
 
+def write_tokens(kv: torch.Tensor, block_ids: list[int], tokens: torch.Tensor) -> None:
+    """Write `tokens` [L, 2, T, heads, head_dim] into the first T token slots across the
+    full-precision pool blocks `block_ids` of `kv`, in order."""
+    bs = kv.shape[3]
+    for i, b in enumerate(block_ids):
+        part = tokens[:, :, i * bs : (i + 1) * bs]
+        if part.shape[2] == 0:
+            break
+        kv[b, :, :, : part.shape[2]] = part
+
+
 class LayerPublisher:
     """Streams the layers of a run of new full blocks to the store as prefill computes them."""
 
@@ -67,6 +78,8 @@ class LayerPublisher:
         self._futures.append(self._c._publisher.submit(self._write, layer, data))
 
     def _write(self, layer: int, data: torch.Tensor) -> None:
+        if self._c.packs:
+            data = self._c.store_layout.pack_layer(data)
         self._writer.write_layer(layer, data.to("cpu"))
 
     def finish(self, ok: bool) -> bool:
@@ -92,8 +105,10 @@ class LayerPublisher:
 class KVConnector:
     """Moves blocks between one worker's pool and the store (see the module docstring).
 
-    kv: the pool tensor; layout: what a block holds (kernels.KVLayout); fingerprint: the block
-    format's model fingerprint (weights + layout). store_address/store_node: this host's store
+    kv: the pool tensor; layout: what a block holds (kernels.KVLayout); store_layout: what a
+    block is stored as, when it differs (a full-precision prefill pool whose blocks are stored
+    KIVI-packed: packed on the way out, unpacked on the way in); fingerprint: the block format's
+    model fingerprint (weights + the store layout). store_address/store_node: this host's store
     node. index_url: the global index (to reach other hosts' nodes and to publish the device
     tier). device_node: the index node id of this worker's device tier ("" = no device tier).
     """
@@ -113,8 +128,11 @@ class KVConnector:
         timeout_s: float = 30.0,
         index_period_s: float = 0.2,
         index_ttl_s: float = 5.0,
+        store_layout=None,
     ):
         self.kv, self.layout, self.fingerprint = kv, layout, fingerprint
+        self.store_layout = store_layout or layout
+        self.packs = self.store_layout.fingerprint_id != layout.fingerprint_id
         self.store_address, self.store_node, self.device_node = (
             store_address,
             store_node,
@@ -272,8 +290,8 @@ class KVConnector:
     def _get_into(self, client: StoreClient, keys: list[bytes], ids: list[int], op: str) -> int:
         """Copy the leading held blocks of `keys` into pool blocks `ids`; how many."""
         staging = torch.empty(
-            (len(keys), *self.layout.block_shape),
-            dtype=self.layout.dtype,
+            (len(keys), *self.store_layout.block_shape),
+            dtype=self.store_layout.dtype,
             pin_memory=self.kv.is_cuda,
         )
         try:
@@ -284,7 +302,10 @@ class KVConnector:
         self._miss(op, len(keys) - got)
         if got:
             idx = torch.tensor(ids[:got], dtype=torch.long, device=self.kv.device)
-            self.kv[idx] = staging[:got].to(self.kv.device, non_blocking=True)
+            blocks = staging[:got].to(self.kv.device, non_blocking=True)
+            if self.packs:
+                blocks = self.store_layout.unpack(blocks, self.kv.dtype)
+            self.kv[idx] = blocks
         return got
 
     def pull(self, address: str, keys: Sequence[bytes], ids: Sequence[int]) -> int:
@@ -302,25 +323,35 @@ class KVConnector:
         self.m_blocks.labels(self.worker, "pull").inc(got)
         return got
 
-    # ---- the partial tail block, carried inline ----
+    # ---- the tail, carried inline in full precision ----
 
-    def encode_tail(self, block_id: int, tokens: int) -> bytes:
-        """The first `tokens` slots of a pool block in the block format (checksummed)."""
-        block = self.kv[block_id][:, :, :tokens].contiguous().to("cpu")
-        return encode_block(block, self.fingerprint, self.layout.store_codec)
+    def encode_tail(self, block_ids: Sequence[int], tokens: int) -> bytes:
+        """The first `tokens` token slots across full-precision pool blocks `block_ids`, as one
+        block in the block format (checksummed): `[L, 2, tokens, heads, head_dim]`."""
+        blocks = self.kv[torch.tensor(list(block_ids), dtype=torch.long, device=self.kv.device)]
+        n, layers, two, bs, heads, dim = blocks.shape
+        tail = blocks.permute(1, 2, 0, 3, 4, 5).reshape(layers, two, n * bs, heads, dim)
+        return encode_block(tail[:, :, :tokens].contiguous().to("cpu"), self.fingerprint)
 
-    def load_tail(self, data: bytes, tokens: int, block_id: int) -> bool:
-        """Write an inline tail block into the first `tokens` slots of a pool block; False
-        (counted) when it is corrupt, of another model or of the wrong shape."""
-        shape = self.layout.block_shape
+    def decode_tail(self, data: bytes, tokens: int, shape: tuple[int, ...]) -> torch.Tensor | None:
+        """An inline tail `[L, 2, tokens, heads, head_dim]` (`shape`: a full-precision block's);
+        None (counted and logged) when it is corrupt, of another model or of the wrong shape."""
         try:
             tail = decode_block(data, model_fingerprint=self.fingerprint)
             if tuple(tail.shape) != (*shape[:2], tokens, *shape[3:]):
                 raise BlockCorrupt(f"tail block is {list(tail.shape)}, expected {tokens} tokens")
         except Exception as exc:  # noqa: BLE001 - recomputed by the caller
             self._error("tail", exc)
+            return None
+        return tail
+
+    def load_tail(self, data: bytes, tokens: int, block_ids: Sequence[int]) -> bool:
+        """Write an inline tail into the first `tokens` slots across full-precision pool blocks
+        `block_ids`; False (counted) when it cannot be used."""
+        tail = self.decode_tail(data, tokens, self.layout.block_shape)
+        if tail is None:
             return False
-        self.kv[block_id, :, :, :tokens] = tail.to(self.kv.device, self.kv.dtype)
+        write_tokens(self.kv, list(block_ids), tail.to(self.kv.device, self.kv.dtype))
         return True
 
     # ---- publishing ----
@@ -335,10 +366,10 @@ class KVConnector:
         try:
             writer = self._local.open_put(
                 list(keys),
-                self.layout.block_shape,
-                self.layout.dtype,
+                self.store_layout.block_shape,
+                self.store_layout.dtype,
                 self.fingerprint,
-                self.layout.store_codec,
+                self.store_layout.store_codec,
                 parent=parent,
             )
         except Exception as exc:  # noqa: BLE001 - compute anyway; ensure_stored tries again
@@ -363,19 +394,17 @@ class KVConnector:
         parent = keys[held - 1] if held else None
         return held + self.put(keys[held:], ids[held : len(keys)], parent, "ensure_stored")
 
-    def put(
-        self, keys: Sequence[bytes], ids: Sequence[int], parent: bytes | None, op: str = "put"
+    def put_blocks(
+        self, keys: Sequence[bytes], blocks: torch.Tensor, parent: bytes | None, op: str = "put"
     ) -> int:
-        """Write pool blocks `ids` under `keys` to this host's store; how many it took."""
-        if not keys:
-            return 0
-        idx = torch.tensor(list(ids), dtype=torch.long, device=self.kv.device)
+        """Write blocks already in the store layout (`[n, *store_layout.block_shape]`) under
+        `keys` to this host's store; how many it took."""
         try:
             n = self._local.put(
                 list(keys),
-                self.kv[idx].to("cpu"),
+                blocks.to("cpu"),
                 self.fingerprint,
-                self.layout.store_codec,
+                self.store_layout.store_codec,
                 parent=parent,
             )
         except Exception as exc:  # noqa: BLE001 - a decode worker recomputes what it cannot pull
@@ -383,6 +412,18 @@ class KVConnector:
             return 0
         self.m_published.labels(self.worker, op).inc(len(keys))
         return n
+
+    def put(
+        self, keys: Sequence[bytes], ids: Sequence[int], parent: bytes | None, op: str = "put"
+    ) -> int:
+        """Write pool blocks `ids` under `keys` to this host's store; how many it took."""
+        if not keys:
+            return 0
+        idx = torch.tensor(list(ids), dtype=torch.long, device=self.kv.device)
+        blocks = self.kv[idx]
+        if self.packs:
+            blocks = self.store_layout.pack(blocks)
+        return self.put_blocks(keys, blocks, parent, op)
 
     # ---- the device tier ----
 

@@ -3,6 +3,7 @@ sampling."""
 
 from model.config import ModelConfig
 from model.engine import Engine, Timing
+from model.kivi_pool import KiviPool
 from model.kv_pool import KVPool, PoolExhausted
 from model.llama import LlamaModel
 from model.loader import (
@@ -24,6 +25,7 @@ __all__ = [
     "MODEL_NAMES",
     "Engine",
     "KVPool",
+    "KiviPool",
     "LlamaModel",
     "LoadedModel",
     "ModelConfig",

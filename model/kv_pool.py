@@ -35,7 +35,9 @@ class KVPool:
         if layout is None:
             layout = config.kv_layout(block_size, dtype)
         elif (layout.block_size, layout.dtype, layout.num_layers) != (
-            block_size, dtype, config.num_layers
+            block_size,
+            dtype,
+            config.num_layers,
         ):
             # Callers size tables with pool.block_size and cast with pool.dtype: they must agree.
             raise ValueError(
@@ -61,6 +63,10 @@ class KVPool:
     @property
     def block_bytes(self) -> int:
         return self.layout.block_bytes
+
+    def bytes(self) -> int:
+        """Bytes the pool holds."""
+        return self.kv.numel() * self.kv.element_size()
 
     @property
     def num_free(self) -> int:

@@ -405,3 +405,52 @@ class LlamaModel(nn.Module):
             x = x + F.linear(attn.reshape(b, c.q_size).to(x.dtype), layer.o_proj)
             x = self._mlp(layer, x)
         return self._logits(x)
+
+    @torch.inference_mode()
+    def decode_kivi(
+        self,
+        token_ids: torch.Tensor,
+        pool,
+        packed_tables: torch.Tensor,
+        packed_lens: torch.Tensor,
+        window_tables: torch.Tensor,
+        positions: torch.Tensor,
+    ) -> torch.Tensor:
+        """`decode` over a KIVI pool (model.KiviPool): sequence i's tokens [0, packed_lens[i])
+        are packed blocks (packed_tables[i]); the rest, up to and including positions[i] (whose
+        KV is written now), are its full-precision window blocks (window_tables[i]). Attention
+        merges the two parts exactly. fp32 logits [B, vocab]."""
+        c, bs = self.config, pool.block_size
+        token_ids = token_ids.to(device=self.device, dtype=torch.long)
+        positions = positions.to(device=self.device, dtype=torch.long)
+        packed_tables = packed_tables.to(device=self.device, dtype=torch.int32)
+        packed_lens = packed_lens.to(device=self.device, dtype=torch.int32)
+        window_tables = window_tables.to(device=self.device, dtype=torch.int32)
+        b = token_ids.shape[0]
+        in_window = positions - packed_lens.long()
+        slot_block = window_tables.gather(1, (in_window // bs)[:, None]).squeeze(1).long()
+        slot_off = in_window % bs
+        window_lens = (in_window + 1).to(torch.int32)
+        layout, window = pool.layout, pool.window
+
+        rope = self._rope_table(positions)
+        x = self.embed_tokens[token_ids]
+        for li, layer in enumerate(self.layers):
+            q, k, v = self._qkv(layer, x, rope)
+            k_win, v_win = window.layer_kv(li)
+            k_win[slot_block, slot_off] = k.to(window.dtype)
+            v_win[slot_block, slot_off] = v.to(window.dtype)
+            attn = kernels.paged_decode_attention_kivi_window(
+                q,
+                layout.layer_views(pool.packed.kv, li),
+                packed_tables,
+                packed_lens,
+                k_win,
+                v_win,
+                window_tables,
+                window_lens,
+                self.scale,
+            )
+            x = x + F.linear(attn.reshape(b, c.q_size).to(x.dtype), layer.o_proj)
+            x = self._mlp(layer, x)
+        return self._logits(x)

@@ -11,7 +11,7 @@ import grpc
 import torch
 
 from kvstore import KVConnector, block_keys
-from model import sample
+from model import KVPool, sample
 from prefill_node.config import PrefillConfig
 from prefill_node.job import Failure, PrefillJob
 from prefill_node.metrics import PrefillMetrics
@@ -25,7 +25,15 @@ class PrefillRunner:
     def __init__(self, config: PrefillConfig, metrics: PrefillMetrics, registry, lm=None):
         self.config = config
         self.metrics = metrics
-        self.device, self.lm, self.pool, self.fingerprint = load_worker_model(config, lm)
+        wm = load_worker_model(config, lm)
+        self.device, self.lm, self.fingerprint = wm.device, wm.lm, wm.fingerprint
+        # Prefill computes in full precision; blocks are stored as the KV cache type says
+        # (KIVI: packed as they leave), and the residual window travels inline unpacked.
+        self.store_layout = wm.layout
+        self.window_blocks = getattr(wm.layout, "residual", 0) // config.block_size
+        self.pool = KVPool(
+            wm.lm.config, config.num_blocks, config.block_size, wm.dtype, device=self.device
+        )
         self._pool_lock = threading.Lock()
         self.kv = KVConnector(
             self.pool.kv,
@@ -37,6 +45,7 @@ class PrefillRunner:
             device_node=config.worker_id if config.device_cache else "",
             worker=config.worker_id,
             registry=registry,
+            store_layout=self.store_layout,
         )
 
     def close(self) -> None:
@@ -145,8 +154,12 @@ class PrefillRunner:
         job.transfer_ms += (time.perf_counter() - t1) * 1000.0
         sp = sampling_params(r.sampling)
         first = int(sample(job.logits, [sp], [sp.generator()])[0])
-        tail_tokens = t % bs
-        tail = self.kv.encode_tail(job.table[-1], tail_tokens) if tail_tokens else b""
+        # Inline, in full precision: the partial block and, with KIVI, the residual window's
+        # full blocks (stored packed too, for whoever reuses the prefix).
+        window = min(len(job.keys), self.window_blocks)
+        tail_tokens = window * bs + t % bs
+        first_inline = len(job.keys) - window
+        tail = self.kv.encode_tail(job.table[first_inline:], tail_tokens) if tail_tokens else b""
         table, pinned = job.table, job.pinned
         job.table, job.pinned = [], []  # the device tier owns them now
         self.kv.keep(job.keys, table, pinned, self.free)
@@ -163,6 +176,7 @@ class PrefillRunner:
             num_tokens=t,
             tail=tail,
             tail_tokens=tail_tokens,
+            window_blocks=window,
         )
         return pb.PrefillReply(
             first_token=first,

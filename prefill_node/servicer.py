@@ -80,6 +80,8 @@ class PrefillWorker(WorkerServer, pb_grpc.PrefillWorkerServicer):
             max_batch_seen=self.scheduler.max_batch_seen,
             device=str(self.runner.device),
             device_node=device_node,
+            kv_cache_dtype=cfg.kv_cache_dtype,
+            capacity_tokens=pool.num_blocks * pool.block_size,
         )
 
     def _validate(self, request: pb.PrefillRequest) -> str:

@@ -7,6 +7,7 @@ import it and never one another."""
 from servekit.blocks import blocks_needed, reusable_blocks
 from servekit.config import config_from_dict, config_from_yaml, field_names
 from servekit.grpc_server import GrpcServer
+from servekit.kv_cache import KV_CACHE_DTYPES, check_kv_cache, kv_cache_layout
 from servekit.roles import ROLES, Role, role_classes
 from servekit.sampling import (
     DTYPE_NAMES,
@@ -30,6 +31,7 @@ from servekit.validation import prompt_ids_problem, sampling_problem
 
 __all__ = [
     "DTYPE_NAMES",
+    "KV_CACHE_DTYPES",
     "ROLES",
     "DecodeTimeModel",
     "GrpcServer",
@@ -41,10 +43,12 @@ __all__ = [
     "blocks_needed",
     "check_device",
     "check_dtype_device",
+    "check_kv_cache",
     "config_from_dict",
     "config_from_yaml",
     "decode_features",
     "field_names",
+    "kv_cache_layout",
     "load_worker_model",
     "predict",
     "prefill_features",

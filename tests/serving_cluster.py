@@ -2,19 +2,23 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import grpc
 
 from deploy import LocalCluster, cluster_config_from_dict
+from model import kv_fingerprint
 from protos import halfmoon_pb2 as pb
 from protos import halfmoon_pb2_grpc as pb_grpc
+from servekit import kv_cache_layout, torch_dtype
 
 
 class Cluster:
     """`with Cluster(lm) as c: c.generate(...)`: deploy.LocalCluster in this process, sharing `lm`;
     every server on 127.0.0.1, free ports, all stopped on exit. `hosts` store nodes stand for
-    hosts; workers are spread over them in turn (prefill-i and decode-i on store-(i % hosts))."""
+    hosts; workers are spread over them in turn (prefill-i and decode-i on store-(i % hosts)).
+    `cluster` holds top-level cluster config keys (kv_cache_dtype...), shared by every server."""
 
     def __init__(
         self,
@@ -26,6 +30,7 @@ class Cluster:
         conductor: dict | None = None,
         store: dict | None = None,
         hosts: int = 1,
+        cluster: dict | None = None,
     ):
         self.lm = lm
         self.channel = None
@@ -35,17 +40,18 @@ class Cluster:
                 "dtype": str(lm.model.dtype).removeprefix("torch."),
                 "prefill_workers": num_prefill,
                 "decode_workers": num_decode,
-                "store": {
-                    "dram_bytes": 128 << 20,
-                    "model_fingerprint": lm.fingerprint,
-                    "heartbeat_s": 0.5,
-                    **(store or {}),
-                },
+                "store": {"dram_bytes": 128 << 20, "heartbeat_s": 0.5, **(store or {})},
                 "prefill": dict(prefill or {}),
                 "decode": dict(decode or {}),
                 "conductor": {"load_poll_s": 0.05, **(conductor or {})},
+                **(cluster or {}),
             }
         )
+        if "model_fingerprint" not in (store or {}):
+            # the store refuses blocks of any other model or KV layout than the cluster's
+            layout = kv_cache_layout(lm.config, cfg.conductor, torch_dtype(cfg.dtype))
+            fingerprint = kv_fingerprint(lm.weights_id, layout)
+            cfg.store = dataclasses.replace(cfg.store, model_fingerprint=fingerprint)
         self.local = LocalCluster(cfg, lm=lm, hosts=hosts)
         try:
             self.address = self.local.start()

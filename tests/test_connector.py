@@ -84,13 +84,13 @@ def test_put_pull_round_trip_and_every_miss_counted(lm, redis, tmp_path):
         )
         assert errors == 1
         # a corrupt inline tail is refused (counted), never written into the pool
-        tail = a.encode_tail(5, 7)
+        tail = a.encode_tail([5], 7)
         before = dst.kv[10].clone()
         bad = tail[:-1] + bytes([tail[-1] ^ 0xFF])
-        assert not b.load_tail(bad, 7, 10)
+        assert not b.load_tail(bad, 7, [10])
         assert torch.equal(dst.kv[10], before)
         assert metric(reg, "halfmoon_kv_errors_total", worker="b", op="tail", kind="corrupt") == 1
-        assert b.load_tail(tail, 7, 10) and torch.equal(dst.kv[10, :, :, :7], src.kv[5, :, :, :7])
+        assert b.load_tail(tail, 7, [10]) and torch.equal(dst.kv[10, :, :, :7], src.kv[5, :, :, :7])
     finally:
         a.close()
         b.close()

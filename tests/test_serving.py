@@ -32,9 +32,18 @@ def engine(lm):
     return Engine(lm, block_size=BS)
 
 
+@pytest.fixture(scope="module", params=["auto", "kivi4"])
+def kv_cache(request):
+    """The tests that take it run with a full-precision KV cache and with KIVI-4: blocks stored
+    packed, the residual window sent inline, a packed decode pool. The window (256 tokens) holds
+    every prompt here, so answers stay exactly the engine's. (Reusing a packed prefix is lossy:
+    test_serving_kivi covers that, packing during decode, and determinism.)"""
+    return {} if request.param == "auto" else {"kv_cache_dtype": "kivi4", "kivi_residual": 256}
+
+
 @pytest.fixture(scope="module")
-def cluster(lm):
-    with Cluster(lm, conductor={"metrics_port": 0}) as c:
+def cluster(lm, kv_cache):
+    with Cluster(lm, conductor={"metrics_port": 0}, cluster=kv_cache) as c:
         yield c
 
 
@@ -362,11 +371,11 @@ def test_full_decode_pool_makes_sequences_wait_not_break(lm, engine):
         )
 
 
-def test_decode_worker_lost_mid_stream_resumes_elsewhere(lm, engine):
+def test_decode_worker_lost_mid_stream_resumes_elsewhere(lm, engine, kv_cache):
     rng = random.Random(7)
     prompt = rand_ids(rng, 2 * BS + 3)
     want = solo(engine, prompt, 80)
-    with Cluster(lm, num_decode=2) as c:
+    with Cluster(lm, cluster=kv_cache, num_decode=2) as c:
         call = c.stub.Generate(request(token_ids=prompt, max_tokens=80), timeout=120)
         got, last = [], None
         for msg in call:
