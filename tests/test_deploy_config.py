@@ -5,7 +5,14 @@ from pathlib import Path
 
 import pytest
 
-from deploy import ClusterConfig, NodeView, load_cluster_config, parse_overrides, place_workers
+from deploy import (
+    ClusterConfig,
+    NodeView,
+    cluster_config_from_dict,
+    load_cluster_config,
+    parse_overrides,
+    place_workers,
+)
 
 CONFIGS = Path(__file__).resolve().parents[1] / "deploy" / "configs"
 
@@ -99,3 +106,13 @@ def test_placement_without_tagged_nodes_uses_every_node_and_reserves_nothing():
     ]
     with pytest.raises(RuntimeError):
         place_workers([], 1, "prefill", 0.01, 1.0)
+
+
+def test_kv_cache_type_reaches_every_server_and_is_checked():
+    cfg = cluster_config_from_dict({"kv_cache_dtype": "kivi2", "kivi_residual": 64})
+    for section in (cfg.prefill, cfg.decode, cfg.conductor):
+        assert (section.kv_cache_dtype, section.kivi_residual) == ("kivi2", 64)
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        cluster_config_from_dict({"kv_cache_dtype": "int3"})
+    with pytest.raises(ValueError, match="kivi_residual"):
+        cluster_config_from_dict({"kv_cache_dtype": "kivi4", "kivi_residual": 20})
