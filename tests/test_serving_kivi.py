@@ -90,3 +90,19 @@ def test_the_same_bytes_hold_more_tokens_packed(lm):
     full = loads["auto"].capacity_tokens
     assert loads["kivi4"].capacity_tokens > 3 * full
     assert loads["kivi2"].capacity_tokens > loads["kivi4"].capacity_tokens
+
+
+def test_a_store_that_cannot_hold_the_blocks_means_recompute_not_wrong_tokens(lm):
+    rng = random.Random(3)
+    prompt = rand_ids(rng, 7 * BS + 3)
+    settings = kivi(4, 32)
+    with Cluster(lm, cluster=settings) as c:
+        want, _, _ = c.generate(token_ids=prompt, max_tokens=30)
+    # A store too small for one block: nothing is stored, the decode worker recomputes the
+    # prompt (full precision, then packed as KIVI would) and answers the same tokens.
+    with Cluster(lm, cluster=settings, store={"dram_bytes": 4096}) as c:
+        got, _, _ = c.generate(token_ids=prompt, max_tokens=30)
+        recomputed = c.decodes[0].registry.get_sample_value(
+            "halfmoon_decode_recomputed_tokens_total", {"worker": "decode-0"}
+        )
+    assert recomputed == len(prompt) and got == want
