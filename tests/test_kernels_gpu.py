@@ -85,3 +85,21 @@ def test_gather_scatter_match_twins():
     kernels.scatter_blocks(staged, target, ids)
     assert torch.equal(target[ids], pool[ids])
     assert target.count_nonzero() == pool[ids].count_nonzero()
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_kivi_window_attention_matches_twin(bits, dtype):
+    """KIVI decode attention over packed blocks plus a full-precision window (the decode step of
+    a kivi cache) against the torch twin, at SmolLM2's shape, with ragged parts."""
+    q, k_cache, v_cache, table, lens = paged_case(8, 4096, 9, 3, 64, dtype)
+    packed = kernels.kivi_quantize(torch.stack([k_cache, v_cache], dim=1), bits)
+    g = torch.Generator(device="cuda").manual_seed(1)
+    window_lens = torch.randint(0, 48, (8,), device="cuda", generator=g).int()
+    window_table = torch.randperm(table.numel(), device="cuda", generator=g)[:24].view(8, 3).int()
+    window_table = window_table % k_cache.shape[0]
+    args = (q, packed, table, lens, k_cache, v_cache, window_table, window_lens)
+    got = kernels.paged_decode_attention_kivi_window(*args)
+    want = kernels.paged_decode_attention_kivi_window(*args, backend="torch")
+    assert not got.isnan().any()
+    assert (got.float() - want.float()).abs().max().item() <= TOL[dtype]
