@@ -39,6 +39,8 @@ bench: setup
 	$(PY) bench/kernels.py
 	$(PY) bench/kvstore.py
 	$(PY) bench/e2e.py
+	$(PY) bench/kv_quality.py
+	$(PY) bench/kivi_capacity.py
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache .hypothesis runs

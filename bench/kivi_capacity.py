@@ -1,0 +1,558 @@
+"""Decode capacity with a KIVI KV cache: the same decode pool bytes, the same many-request
+workload, for full precision, kivi4 and kivi2, each on a local cluster of its own (store node,
+prefill worker, decode worker, conductor: one process each, as bench/e2e.py runs them).
+
+The decode worker's `kv_cache_bytes` is sized so that full precision holds only --fp-sequences
+whole sequences (prompt + answer); --requests requests of --prompt-tokens random ordinary tokens,
+each asking for --new-tokens tokens (ignore_eos), are sent at once through the conductor. Per
+setting: the pool's capacity (Load.capacity_tokens), the largest decode batch reached, generated
+tokens/s end to end (all tokens / wall time from the first send to the last token), and the mean
+decode step time at that batch (from the decode worker's Prometheus metrics).
+
+The KIVI decode runner reserves a full-precision window (kivi_residual // block_size + 1 blocks)
+for each of max_batch sequences up front, so a KIVI setting's max_batch is capped at the number of
+whole sequences the bytes hold (a larger cap only takes blocks from the packed pool).
+
+With --dtype float32 the full-precision pool is twice a 16-bit cache's bytes while packed blocks
+are not: the *_vs_fp ratios flatter KIVI by up to 2x in memory. The *_capacity_vs_fp16 ratios are
+computed from the layouts' block bytes against a 16-bit cache (KIVI with a 16-bit window).
+The last line printed is one JSON object.
+
+    .venv/bin/python bench/kivi_capacity.py [--requests 48 --prompt-tokens 256 --new-tokens 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import socket
+import statistics
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+from types import SimpleNamespace
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+SETTINGS = ("auto", "kivi4", "kivi2")
+PREFIX = {"auto": "fp", "kivi4": "kivi4", "kivi2": "kivi2"}
+
+
+def say(*a) -> None:
+    print(*a, flush=True)
+
+
+def cpu_flags() -> dict[str, bool]:
+    """The instruction sets that decide fp32/bf16 speed here, from /proc/cpuinfo."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return {}
+    flags = next((set(x.split(":", 1)[1].split()) for x in lines if x.startswith("flags")), set())
+    return {
+        "avx2": "avx2" in flags,
+        "avx512f": "avx512f" in flags,
+        "avx512_bf16": "avx512_bf16" in flags,
+        "amx": any(f.startswith("amx") for f in flags),
+    }
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ---------------------------------------------------------------- sizes from the layouts
+
+
+def layout_of(model_config, setting: str, args, dtype):
+    """The KV layout a server of this setting stores blocks in (servekit.kv_cache_layout)."""
+    from servekit import kv_cache_layout
+
+    cfg = SimpleNamespace(
+        block_size=args.block_size,
+        kv_cache_dtype=setting,
+        kivi_group_size=args.kivi_group_size,
+        kivi_residual=args.kivi_residual,
+    )
+    return kv_cache_layout(model_config, cfg, dtype)
+
+
+def pool_fit(layout, budget: int, need: int, block_size: int, max_batch: int) -> tuple[int, int]:
+    """(whole sequences of `need` blocks a decode pool of `budget` bytes holds at this max_batch,
+    its capacity in tokens), as DecodeRunner / KiviDecodeRunner size their pools."""
+    from kernels import KiviKVLayout
+
+    if not isinstance(layout, KiviKVLayout):
+        blocks = budget // layout.block_bytes
+        return min(max_batch, blocks // need), blocks * block_size
+    per_seq = layout.residual // block_size + 1
+    blocks = (budget - max_batch * per_seq * layout.window_layout.block_bytes) // layout.block_bytes
+    if blocks < 1:
+        return 0, 0
+    return min(max_batch, blocks // need), blocks * block_size
+
+
+def best_kivi_batch(layout, budget: int, need: int, block_size: int, cap: int) -> int:
+    """The max_batch (<= cap) at which a KIVI pool of `budget` bytes holds the most sequences."""
+    best, best_n = 1, 0
+    for m in range(1, cap + 1):
+        n, _ = pool_fit(layout, budget, need, block_size, m)
+        if n > best_n:
+            best, best_n = m, n
+    return best
+
+
+# ---------------------------------------------------------------- one cluster, one workload
+
+
+def start_cluster(args, setting: str, budget: int, max_batch: int, metrics_port: int, dram: int):
+    from deploy import LocalCluster, cluster_config_from_dict
+
+    t = args.threads
+    cfg = cluster_config_from_dict(
+        {
+            "model": args.model,
+            "dtype": args.dtype,
+            "block_size": args.block_size,
+            "kv_cache_dtype": setting,
+            "kivi_group_size": args.kivi_group_size,
+            "kivi_residual": args.kivi_residual,
+            "store": {"dram_bytes": dram},
+            # no device tier: every prompt's blocks go to the store, the decode worker pulls them
+            "prefill": {
+                "num_blocks": 1024,
+                "chunk_size": 512,
+                "device_cache": False,
+                "torch_threads": t,
+            },
+            "decode": {
+                "kv_cache_bytes": budget,
+                "max_batch": max_batch,
+                "torch_threads": t,
+                "metrics_port": metrics_port,
+                "publish": False,  # answers are not reused here: keep the store out of the run
+            },
+            # no early rejection: the decode worker's memory, not the SLOs, limits the batch
+            "conductor": {"load_poll_s": 0.05, "ttft_slo_ms": 0, "tbt_slo_ms": 0},
+        }
+    )
+    cluster = LocalCluster(cfg, processes=True)
+    cluster.start()
+    return cluster
+
+
+def scrape(port: int) -> dict[str, float]:
+    """The decode worker's counters this benchmark reads, from its Prometheus endpoint."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    want = {
+        "halfmoon_decode_step_seconds_sum": "step_s",
+        "halfmoon_decode_step_seconds_count": "steps",
+        "halfmoon_decode_batch_size_sum": "batch_sum",
+        "halfmoon_decode_batch_size_count": "batch_n",
+        "halfmoon_decode_tokens_total": "tokens",
+        "halfmoon_decode_recomputed_tokens_total": "recomputed",
+    }
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+        text = r.read().decode()
+    out = dict.fromkeys(want.values(), 0.0)
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name in want:
+                out[want[s.name]] = s.value
+    return out
+
+
+def step_at_batch(samples: list[dict], batch: int) -> tuple[float | None, int]:
+    """(mean step ms over the scrape intervals whose every step carried `batch` sequences,
+    steps counted)."""
+    step_s, steps = 0.0, 0
+    for a, b in zip(samples, samples[1:]):
+        n = b["batch_n"] - a["batch_n"]
+        if n <= 0 or b["steps"] - a["steps"] != n:
+            continue
+        if (b["batch_sum"] - a["batch_sum"]) / n >= batch - 1e-6:
+            step_s += b["step_s"] - a["step_s"]
+            steps += int(n)
+    return (step_s / steps * 1000.0 if steps else None), steps
+
+
+def run_setting(args, setting: str, prompts: list, budget: int, max_batch: int, dram: int):
+    import grpc
+
+    from protos import halfmoon_pb2 as pb
+    from protos import halfmoon_pb2_grpc as pb_grpc
+
+    name = PREFIX[setting]
+    port = free_port()
+    say(f"{name}: starting the store node, the workers and the conductor (one process each)")
+    t_start = time.perf_counter()
+    cluster = start_cluster(args, setting, budget, max_batch, port, dram)
+    say(f"{name}: cluster up in {time.perf_counter() - t_start:.0f} s at {cluster.address}")
+    channel = grpc.insecure_channel(cluster.address)
+    decode_addr = next(s.address for s in cluster.servers if s.role == "decode")
+    dchannel = grpc.insecure_channel(decode_addr)
+    try:
+        stub = pb_grpc.ConductorStub(channel)
+        dstub = pb_grpc.DecodeWorkerStub(dchannel)
+        salt = f"kivi-capacity-{setting}-{time.time_ns()}"
+        got: list[dict | None] = [None] * len(prompts)
+        counts = [0] * len(prompts)
+
+        def one(i: int, ids: list[int], max_tokens: int, t0: float) -> dict:
+            req = pb.GenerateRequest(
+                sampling=pb.SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+                cache_salt=salt,
+            )
+            req.token_ids.ids.extend(ids)
+            first = last = None
+            n, usage = 0, None
+            for msg in stub.Generate(req, timeout=3600):
+                if msg.token_ids:
+                    last = time.perf_counter() - t0
+                    first = last if first is None else first
+                    n += len(msg.token_ids)
+                    if i >= 0:
+                        counts[i] = n
+                if msg.HasField("usage"):
+                    usage = msg.usage
+            return {"first": first, "last": last, "n": n, "usage": usage}
+
+        say(f"{name}: warming up (first forward passes)")
+        rng = random.Random(1)
+        for _ in range(2):
+            warm = [rng.randrange(100, args.vocab - 100) for _ in range(2 * args.block_size + 3)]
+            one(-1, warm, 4, time.perf_counter())
+
+        samples: list[dict] = []
+        done = threading.Event()
+        load = dstub.Load(pb.LoadRequest(), timeout=10)
+
+        def monitor(t0: float) -> None:
+            last_say = 0.0
+            while not done.is_set():
+                try:
+                    s = scrape(port)
+                    ld = dstub.Load(pb.LoadRequest(), timeout=5)
+                except Exception:  # noqa: BLE001 - a missed sample is only a gap
+                    done.wait(0.25)
+                    continue
+                now = time.perf_counter() - t0
+                s.update(t=now, running=ld.running, waiting=ld.waiting)
+                samples.append(s)
+                if now - last_say >= args.progress_s:
+                    last_say = now
+                    finished = sum(1 for g in got if g is not None)
+                    say(
+                        f"{name}: {now:6.1f} s  {sum(counts):5d}/{len(prompts) * args.new_tokens}"
+                        f" tokens  running {ld.running:3d}  waiting {ld.waiting:3d}  "
+                        f"done {finished}/{len(prompts)}"
+                    )
+                done.wait(0.25)
+
+        before = scrape(port)
+        barrier = threading.Barrier(len(prompts) + 1)
+        errors: list[str] = []
+
+        def worker(i: int) -> None:
+            barrier.wait()
+            try:
+                got[i] = one(i, prompts[i], args.new_tokens, t0_box[0])
+            except grpc.RpcError as exc:
+                errors.append(f"{exc.code().name}: {exc.details()}")
+                got[i] = {"first": None, "last": None, "n": 0, "usage": None}
+
+        t0_box = [0.0]
+        threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        t0_box[0] = time.perf_counter()
+        barrier.wait()
+        mon = threading.Thread(target=monitor, args=(t0_box[0],), daemon=True)
+        mon.start()
+        for t in threads:
+            t.join()
+        done.set()
+        mon.join()
+        after = scrape(port)
+        samples.append({**after, "t": time.perf_counter() - t0_box[0], "running": 0, "waiting": 0})
+        load = dstub.Load(pb.LoadRequest(), timeout=10)
+    finally:
+        channel.close()
+        dchannel.close()
+        cluster.stop()
+    if errors:
+        say(f"{name}: {len(errors)} request(s) failed, first: {errors[0]}")
+
+    ok = [g for g in got if g["usage"] is not None]
+    tokens = sum(g["n"] for g in got)
+    wall = max((g["last"] for g in got if g["last"] is not None), default=float("nan"))
+    reached = max((g["usage"].max_decode_batch for g in ok), default=0)
+    batch = max(reached, load.max_batch_seen)
+    step_ms, step_n = step_at_batch(samples, batch)
+    step_s = after["step_s"] - before["step_s"]
+    dec_tokens = after["tokens"] - before["tokens"]
+    out = {
+        "max_batch_config": max_batch,
+        "capacity_tokens": load.capacity_tokens,
+        "pool_blocks": load.total_blocks,
+        "block_bytes": load.block_bytes,
+        "max_batch": batch,
+        "max_decode_batch_usage": reached,
+        "max_batch_seen_load": load.max_batch_seen,
+        "tokens": tokens,
+        "requests_ok": len(ok),
+        "wall_s": round(wall, 2),
+        "decode_tok_s": tokens / wall if wall == wall and wall > 0 else 0.0,
+        "step_ms_at_max_batch": round(step_ms, 2) if step_ms is not None else None,
+        "steps_at_max_batch": step_n,
+        # tokens per second of decode step time (the decode worker's own rate, prefill aside)
+        "step_tok_s": dec_tokens / step_s if step_s > 0 else 0.0,
+        "decode_steps": int(after["steps"] - before["steps"]),
+        "decode_coef": [round(c, 5) for c in load.decode_coef],
+        "recomputed_tokens": int(after["recomputed"] - before["recomputed"]),
+        "ttft_p50_ms": round(statistics.median(g["first"] for g in ok) * 1000.0, 1) if ok else None,
+        "tbt_mean_ms": round(statistics.fmean(g["usage"].tbt_mean_ms for g in ok), 2)
+        if ok
+        else None,
+    }
+    say(
+        f"{name}: {tokens} tokens in {wall:.1f} s = {out['decode_tok_s']:.1f} tok/s; "
+        f"largest decode batch {batch} (capacity {load.capacity_tokens} tokens, "
+        f"step {out['step_ms_at_max_batch']} ms at batch {batch}, "
+        f"recomputed {out['recomputed_tokens']})"
+    )
+    return out
+
+
+# ---------------------------------------------------------------- report
+
+
+def plot(result: dict, names: list[str], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    colors = {"fp": "tab:gray", "kivi4": "tab:blue", "kivi2": "tab:green"}
+    xs = range(len(names))
+    batches = [result.get(f"{n}_max_batch") or 0 for n in names]
+    tput = [result.get(f"{n}_decode_tok_s") or 0 for n in names]
+    a.bar(xs, batches, color=[colors[n] for n in names])
+    b.bar(xs, tput, color=[colors[n] for n in names])
+    for ax, vals, fmt in ((a, batches, "{:d}"), (b, tput, "{:.1f}")):
+        for x, v in zip(xs, vals):
+            ax.annotate(fmt.format(v), (x, v), ha="center", va="bottom")
+        ax.set_xticks(list(xs), names)
+    a.set_ylabel("largest decode batch reached")
+    b.set_ylabel("generated tokens/s, end to end")
+    mb = result["kv_cache_bytes"] / 2**20
+    fig.suptitle(
+        f"{result['model']} {result['dtype']}: {result['requests']} x "
+        f"({result['prompt_tokens']} + {result['new_tokens']}) tokens, "
+        f"decode pool {mb:.0f} MiB (fp holds {result['fp_sequences']} sequences)"
+    )
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16", "float16"],
+        help="weights and full-precision KV (bf16 is emulated, and slow, on a CPU without "
+        "avx512_bf16)",
+    )
+    ap.add_argument("--requests", type=int, default=48, help="concurrent requests")
+    ap.add_argument("--prompt-tokens", type=int, default=256, help="prompt tokens per request")
+    ap.add_argument("--new-tokens", type=int, default=64, help="new tokens per request")
+    ap.add_argument(
+        "--fp-sequences",
+        type=int,
+        default=8,
+        help="whole sequences the decode pool holds in full precision (sizes kv_cache_bytes)",
+    )
+    ap.add_argument("--kivi-residual", type=int, default=32, help="KIVI full-precision window")
+    ap.add_argument("--kivi-group-size", type=int, default=32)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument(
+        "--max-batch",
+        type=int,
+        default=64,
+        help="decode max_batch; a KIVI setting's is capped at the sequences its bytes hold",
+    )
+    ap.add_argument("--threads", type=int, default=1, help="torch threads per worker")
+    ap.add_argument("--settings", default=",".join(SETTINGS), help="of auto, kivi4, kivi2")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--progress-s", type=float, default=10.0, help="seconds between progress lines")
+    ap.add_argument("--plot", default="runs/bench/kivi_capacity.png")
+    args = ap.parse_args(argv)
+    settings = [s.strip() for s in args.settings.split(",") if s.strip()]
+    bad = [s for s in settings if s not in SETTINGS]
+    if bad or not settings:
+        ap.error(f"--settings: unknown {bad}; known: {', '.join(SETTINGS)}")
+
+    import torch
+
+    from model import load_model_info
+    from servekit import DTYPE_NAMES, blocks_needed
+
+    t_start = time.perf_counter()
+    load_start = os.getloadavg()[0]
+    flags = cpu_flags()
+    info = load_model_info(args.model)
+    mc = info.config
+    args.vocab = mc.vocab_size
+    dtype = DTYPE_NAMES[args.dtype]
+    bs = args.block_size
+    need = blocks_needed(args.prompt_tokens, args.new_tokens, bs)
+    full = layout_of(mc, "auto", args, dtype)
+    budget = args.fp_sequences * need * full.block_bytes
+    say(
+        f"{args.model} ({args.dtype}): {args.requests} requests x ({args.prompt_tokens} prompt + "
+        f"{args.new_tokens} new) tokens = {need} blocks each; decode pool {budget / 2**20:.1f} MiB "
+        f"= {args.fp_sequences} full-precision sequences; {os.cpu_count()} CPUs, "
+        f"load average {load_start:.1f}, flags {flags}"
+    )
+
+    rng = random.Random(args.seed)
+    prompts = [
+        [rng.randrange(100, mc.vocab_size - 100) for _ in range(args.prompt_tokens)]
+        for _ in range(args.requests)
+    ]
+    # the store holds every prompt's blocks (they are all prefilled before most are decoded)
+    dram = max(256 << 20, int(args.requests * need * full.block_bytes * 1.25))
+
+    result: dict = {
+        "model": args.model,
+        "dtype": args.dtype,
+        "requests": args.requests,
+        "prompt_tokens": args.prompt_tokens,
+        "new_tokens": args.new_tokens,
+        "fp_sequences": args.fp_sequences,
+        "kivi_residual": args.kivi_residual,
+        "kivi_group_size": args.kivi_group_size,
+        "block_size": bs,
+        "blocks_per_sequence": need,
+        "kv_cache_bytes": budget,
+        "max_batch": args.max_batch,
+        "torch_threads_per_worker": args.threads,
+    }
+    # What the same bytes hold, from the layouts' block bytes: as run, and against a 16-bit
+    # cache (KIVI's window in 16 bits too), the comparison KIVI's paper makes.
+    fp16 = layout_of(mc, "auto", args, torch.float16)
+    fp16_seqs, fp16_tokens = pool_fit(fp16, budget, need, bs, args.requests)
+    result["fp16_sequences"] = fp16_seqs
+    result["fp16_capacity_tokens"] = fp16_tokens
+    max_batches: dict[str, int] = {}
+    for s in settings:
+        layout = layout_of(mc, s, args, dtype)
+        p = PREFIX[s]
+        if s == "auto":
+            max_batches[s] = args.max_batch
+            result["fp_block_bytes"] = layout.block_bytes
+        else:
+            max_batches[s] = best_kivi_batch(layout, budget, need, bs, args.max_batch)
+            k16 = layout_of(mc, s, args, torch.float16)
+            m16 = best_kivi_batch(k16, budget, need, bs, 10 * args.requests)
+            n16, t16 = pool_fit(k16, budget, need, bs, m16)
+            result[f"{p}_block_bytes"] = layout.block_bytes
+            result[f"{p}_window_block_bytes"] = layout.window_layout.block_bytes
+            result[f"{p}_fp16_window_sequences"] = n16
+            result[f"{p}_capacity_vs_fp16"] = n16 / fp16_seqs if fp16_seqs else None
+            result[f"{p}_capacity_tokens_vs_fp16"] = t16 / fp16_tokens if fp16_tokens else None
+            result[f"{p}_block_bytes_fp16_over_packed"] = fp16.block_bytes / layout.block_bytes
+        result[f"{p}_sequences_fit"] = pool_fit(layout, budget, need, bs, max_batches[s])[0]
+        say(
+            f"{p}: max_batch {max_batches[s]}, holds {result[f'{p}_sequences_fit']} sequences "
+            f"(block {layout.block_bytes} bytes)"
+        )
+
+    for s in settings:
+        p = PREFIX[s]
+        try:
+            r = run_setting(args, s, prompts, budget, max_batches[s], dram)
+        except Exception as exc:  # noqa: BLE001 - the other settings still run
+            say(f"{p}: failed: {exc}")
+            result[f"{p}_error"] = str(exc)
+            continue
+        result.update({f"{p}_{k}": v for k, v in r.items()})
+
+    fp_batch, fp_tput, fp_cap = (
+        result.get(f"fp_{k}") for k in ("max_batch", "decode_tok_s", "capacity_tokens")
+    )
+    for p in ("kivi4", "kivi2"):
+        if f"{p}_max_batch" not in result or not fp_batch:
+            continue
+        result[f"{p}_max_batch_vs_fp"] = result[f"{p}_max_batch"] / fp_batch
+        result[f"{p}_decode_tput_vs_fp"] = (
+            result[f"{p}_decode_tok_s"] / fp_tput if fp_tput else None
+        )
+        result[f"{p}_capacity_vs_fp"] = result[f"{p}_capacity_tokens"] / fp_cap if fp_cap else None
+    if args.dtype == "float32":
+        result["note"] = (
+            "float32 run: the full-precision pool is 2x a 16-bit cache's bytes while packed blocks "
+            "are not, so *_vs_fp flatter KIVI by up to 2x in memory; *_vs_fp16 are computed from "
+            "the layouts' block bytes against a 16-bit cache with a 16-bit KIVI window"
+        )
+
+    names = [PREFIX[s] for s in settings]
+    say("")
+    say(
+        f"{'setting':8} {'max_batch':>9} {'fits':>5} {'capacity':>9} {'reached':>8} "
+        f"{'tok/s':>7} {'step ms':>8} {'step tok/s':>10} {'wall s':>7} {'x fp16 cap':>10}"
+    )
+    for n in names:
+        if f"{n}_max_batch" not in result:
+            say(f"{n:8} failed: {result.get(f'{n}_error')}")
+            continue
+        g = lambda k: result.get(f"{n}_{k}")  # noqa: E731
+        step = g("step_ms_at_max_batch")
+        vs16 = g("capacity_vs_fp16")
+        say(
+            f"{n:8} {g('max_batch_config'):9d} {g('sequences_fit'):5d} {g('capacity_tokens'):9d} "
+            f"{g('max_batch'):8d} {g('decode_tok_s'):7.1f} "
+            f"{(f'{step:.1f}' if step is not None else '-'):>8} {g('step_tok_s'):10.1f} "
+            f"{g('wall_s'):7.1f} {(f'{vs16:.2f}' if vs16 is not None else '-'):>10}"
+        )
+    for p in ("kivi4", "kivi2"):
+        if f"{p}_max_batch_vs_fp" in result:
+            say(
+                f"{p} vs fp: max batch {result[f'{p}_max_batch_vs_fp']:.2f}x, "
+                f"decode tok/s {result[f'{p}_decode_tput_vs_fp']:.2f}x, "
+                f"capacity {result[f'{p}_capacity_vs_fp']:.2f}x; "
+                f"sequences vs a 16-bit cache {result[f'{p}_capacity_vs_fp16']:.2f}x"
+            )
+    if "note" in result:
+        say(result["note"])
+
+    result["cpu_flags"] = flags
+    result["load_average_start"] = round(load_start, 2)
+    result["load_average"] = round(os.getloadavg()[0], 2)
+    result["wall_s"] = round(time.perf_counter() - t_start, 1)
+    if args.plot:
+        try:
+            plot(result, names, ROOT / args.plot)
+            say(f"plot: {args.plot}")
+        except Exception as exc:  # noqa: BLE001 - the figures matter more than the picture
+            say(f"plot failed: {exc}")
+    print(json.dumps(result), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
