@@ -196,7 +196,8 @@ def run_vllm(python: str, lm, prompts: dict, dtype: str) -> tuple[dict | None, s
     if not python or not Path(python).exists():
         return (
             None,
-            f"no vLLM venv at {python or '(none given)'}: install vLLM's CPU build in a venv and pass --vllm-python",
+            f"no vLLM venv at {python or '(none given)'}: install vLLM's CPU build in a venv "
+            "and pass --vllm-python",
         )
     from model import save_hf_dir
 
