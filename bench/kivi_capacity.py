@@ -13,12 +13,13 @@ The KIVI decode runner reserves a full-precision window (kivi_residual // block_
 for each of max_batch sequences up front, so a KIVI setting's max_batch is capped at the number of
 whole sequences the bytes hold (a larger cap only takes blocks from the packed pool).
 
-With --dtype float32 the full-precision pool is twice a 16-bit cache's bytes while packed blocks
-are not: the *_vs_fp ratios flatter KIVI by up to 2x in memory. The *_capacity_vs_fp16 ratios are
-computed from the layouts' block bytes against a 16-bit cache (KIVI with a 16-bit window).
+"Full precision" is a 16-bit KV cache by default (--fp-kv-cache-dtype fp16, under fp32 compute
+on a CPU whose fast dtype is fp32), and KIVI's window is 16-bit too (--kivi-window-dtype fp16):
+the comparison KIVI's paper makes. With `auto` and --dtype float32 the baseline pool is twice a
+16-bit cache's bytes and the *_vs_fp ratios would flatter KIVI by up to 2x.
 The last line printed is one JSON object.
 
-    .venv/bin/python bench/kivi_capacity.py [--requests 48 --prompt-tokens 256 --new-tokens 64]
+    .venv/bin/python bench/kivi_capacity.py [--requests 48 --prompt-tokens 1024 --new-tokens 64]
 """
 
 from __future__ import annotations
@@ -39,27 +40,18 @@ from types import SimpleNamespace
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-SETTINGS = ("auto", "kivi4", "kivi2")
-PREFIX = {"auto": "fp", "kivi4": "kivi4", "kivi2": "kivi2"}
+from bench.machine import cpu_flags  # noqa: E402
+
+SETTINGS = ("fp", "kivi4", "kivi2")  # fp: full precision, kv_cache_dtype --fp-kv-cache-dtype
+PREFIX = {"fp": "fp", "kivi4": "kivi4", "kivi2": "kivi2"}
+
+
+def kv_cache_dtype(setting: str, args) -> str:
+    return args.fp_kv_cache_dtype if setting == "fp" else setting
 
 
 def say(*a) -> None:
     print(*a, flush=True)
-
-
-def cpu_flags() -> dict[str, bool]:
-    """The instruction sets that decide fp32/bf16 speed here, from /proc/cpuinfo."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return {}
-    flags = next((set(x.split(":", 1)[1].split()) for x in lines if x.startswith("flags")), set())
-    return {
-        "avx2": "avx2" in flags,
-        "avx512f": "avx512f" in flags,
-        "avx512_bf16": "avx512_bf16" in flags,
-        "amx": any(f.startswith("amx") for f in flags),
-    }
 
 
 def free_port() -> int:
@@ -77,9 +69,10 @@ def layout_of(model_config, setting: str, args, dtype):
 
     cfg = SimpleNamespace(
         block_size=args.block_size,
-        kv_cache_dtype=setting,
+        kv_cache_dtype=kv_cache_dtype(setting, args),
         kivi_group_size=args.kivi_group_size,
         kivi_residual=args.kivi_residual,
+        kivi_window_dtype=args.kivi_window_dtype,
     )
     return kv_cache_layout(model_config, cfg, dtype)
 
@@ -121,9 +114,10 @@ def start_cluster(args, setting: str, budget: int, max_batch: int, metrics_port:
             "model": args.model,
             "dtype": args.dtype,
             "block_size": args.block_size,
-            "kv_cache_dtype": setting,
+            "kv_cache_dtype": kv_cache_dtype(setting, args),
             "kivi_group_size": args.kivi_group_size,
             "kivi_residual": args.kivi_residual,
+            "kivi_window_dtype": args.kivi_window_dtype,
             "store": {"dram_bytes": dram},
             # no device tier: every prompt's blocks go to the store, the decode worker pulls them
             "prefill": {
@@ -140,7 +134,15 @@ def start_cluster(args, setting: str, budget: int, max_batch: int, metrics_port:
                 "publish": False,  # answers are not reused here: keep the store out of the run
             },
             # no early rejection: the decode worker's memory, not the SLOs, limits the batch
-            "conductor": {"load_poll_s": 0.05, "ttft_slo_ms": 0, "tbt_slo_ms": 0},
+            # prompts queue behind each other's prefill for minutes: long deadlines
+            "conductor": {
+                "load_poll_s": 0.05,
+                "ttft_slo_ms": 0,
+                "tbt_slo_ms": 0,
+                "load_timeout_s": 30.0,
+                "prefill_timeout_s": 3600.0,
+                "decode_timeout_s": 3600.0,
+            },
         }
     )
     cluster = LocalCluster(cfg, processes=True)
@@ -377,8 +379,21 @@ def main(argv=None) -> int:
         help="weights and full-precision KV (bf16 is emulated, and slow, on a CPU without "
         "avx512_bf16)",
     )
+    ap.add_argument(
+        "--fp-kv-cache-dtype",
+        default="fp16",
+        choices=["fp16", "bf16", "auto"],
+        help="the full-precision baseline's KV cache: 16 bits, as KIVI's paper compares "
+        "(auto: the compute dtype, which with float32 flatters KIVI by 2x)",
+    )
+    ap.add_argument(
+        "--kivi-window-dtype",
+        default="fp16",
+        choices=["fp16", "bf16", "auto"],
+        help="KIVI's full-precision window (auto: the compute dtype)",
+    )
     ap.add_argument("--requests", type=int, default=48, help="concurrent requests")
-    ap.add_argument("--prompt-tokens", type=int, default=256, help="prompt tokens per request")
+    ap.add_argument("--prompt-tokens", type=int, default=1024, help="prompt tokens per request")
     ap.add_argument("--new-tokens", type=int, default=64, help="new tokens per request")
     ap.add_argument(
         "--fp-sequences",
@@ -396,7 +411,7 @@ def main(argv=None) -> int:
         help="decode max_batch; a KIVI setting's is capped at the sequences its bytes hold",
     )
     ap.add_argument("--threads", type=int, default=1, help="torch threads per worker")
-    ap.add_argument("--settings", default=",".join(SETTINGS), help="of auto, kivi4, kivi2")
+    ap.add_argument("--settings", default=",".join(SETTINGS), help="of fp, kivi4, kivi2")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--progress-s", type=float, default=10.0, help="seconds between progress lines")
     ap.add_argument("--plot", default="runs/bench/kivi_capacity.png")
@@ -420,12 +435,13 @@ def main(argv=None) -> int:
     dtype = DTYPE_NAMES[args.dtype]
     bs = args.block_size
     need = blocks_needed(args.prompt_tokens, args.new_tokens, bs)
-    full = layout_of(mc, "auto", args, dtype)
+    full = layout_of(mc, "fp", args, dtype)
     budget = args.fp_sequences * need * full.block_bytes
     say(
         f"{args.model} ({args.dtype}): {args.requests} requests x ({args.prompt_tokens} prompt + "
         f"{args.new_tokens} new) tokens = {need} blocks each; decode pool {budget / 2**20:.1f} MiB "
-        f"= {args.fp_sequences} full-precision sequences; {os.cpu_count()} CPUs, "
+        f"= {args.fp_sequences} full-precision ({args.fp_kv_cache_dtype}) sequences; "
+        f"{os.cpu_count()} CPUs, "
         f"load average {load_start:.1f}, flags {flags}"
     )
 
@@ -444,6 +460,8 @@ def main(argv=None) -> int:
         "prompt_tokens": args.prompt_tokens,
         "new_tokens": args.new_tokens,
         "fp_sequences": args.fp_sequences,
+        "fp_kv_cache_dtype": args.fp_kv_cache_dtype,
+        "kivi_window_dtype": args.kivi_window_dtype,
         "kivi_residual": args.kivi_residual,
         "kivi_group_size": args.kivi_group_size,
         "block_size": bs,
@@ -452,30 +470,19 @@ def main(argv=None) -> int:
         "max_batch": args.max_batch,
         "torch_threads_per_worker": args.threads,
     }
-    # What the same bytes hold, from the layouts' block bytes: as run, and against a 16-bit
-    # cache (KIVI's window in 16 bits too), the comparison KIVI's paper makes.
-    fp16 = layout_of(mc, "auto", args, torch.float16)
-    fp16_seqs, fp16_tokens = pool_fit(fp16, budget, need, bs, args.requests)
-    result["fp16_sequences"] = fp16_seqs
-    result["fp16_capacity_tokens"] = fp16_tokens
     max_batches: dict[str, int] = {}
     for s in settings:
         layout = layout_of(mc, s, args, dtype)
         p = PREFIX[s]
-        if s == "auto":
+        result[f"{p}_block_bytes"] = layout.block_bytes
+        if s == "fp":
             max_batches[s] = args.max_batch
-            result["fp_block_bytes"] = layout.block_bytes
         else:
             max_batches[s] = best_kivi_batch(layout, budget, need, bs, args.max_batch)
-            k16 = layout_of(mc, s, args, torch.float16)
-            m16 = best_kivi_batch(k16, budget, need, bs, 10 * args.requests)
-            n16, t16 = pool_fit(k16, budget, need, bs, m16)
-            result[f"{p}_block_bytes"] = layout.block_bytes
             result[f"{p}_window_block_bytes"] = layout.window_layout.block_bytes
-            result[f"{p}_fp16_window_sequences"] = n16
-            result[f"{p}_capacity_vs_fp16"] = n16 / fp16_seqs if fp16_seqs else None
-            result[f"{p}_capacity_tokens_vs_fp16"] = t16 / fp16_tokens if fp16_tokens else None
-            result[f"{p}_block_bytes_fp16_over_packed"] = fp16.block_bytes / layout.block_bytes
+            result[f"{p}_bytes_per_token_vs_fp"] = layout.bytes_per_token(
+                args.prompt_tokens + args.new_tokens
+            ) / (full.block_bytes / bs)
         result[f"{p}_sequences_fit"] = pool_fit(layout, budget, need, bs, max_batches[s])[0]
         say(
             f"{p}: max_batch {max_batches[s]}, holds {result[f'{p}_sequences_fit']} sequences "
@@ -499,22 +506,28 @@ def main(argv=None) -> int:
         if f"{p}_max_batch" not in result or not fp_batch:
             continue
         result[f"{p}_max_batch_vs_fp"] = result[f"{p}_max_batch"] / fp_batch
-        result[f"{p}_decode_tput_vs_fp"] = (
-            result[f"{p}_decode_tok_s"] / fp_tput if fp_tput else None
+        # decode throughput at the largest batch each pool allows: batch / step time there
+        fp_rate, rate = (
+            result.get(f"{n}_max_batch") / result[f"{n}_step_ms_at_max_batch"]
+            if result.get(f"{n}_step_ms_at_max_batch")
+            else None
+            for n in ("fp", p)
         )
+        result[f"{p}_decode_tput_vs_fp"] = rate / fp_rate if rate and fp_rate else None
+        # end to end (prefill of every prompt included): all tokens / wall time
+        result[f"{p}_e2e_tput_vs_fp"] = result[f"{p}_decode_tok_s"] / fp_tput if fp_tput else None
         result[f"{p}_capacity_vs_fp"] = result[f"{p}_capacity_tokens"] / fp_cap if fp_cap else None
-    if args.dtype == "float32":
+    if full.dtype == torch.float32:
         result["note"] = (
-            "float32 run: the full-precision pool is 2x a 16-bit cache's bytes while packed blocks "
-            "are not, so *_vs_fp flatter KIVI by up to 2x in memory; *_vs_fp16 are computed from "
-            "the layouts' block bytes against a 16-bit cache with a 16-bit KIVI window"
+            "the full-precision pool holds fp32: 2x a 16-bit cache's bytes while packed blocks "
+            "are not, so *_vs_fp flatter KIVI by up to 2x in memory (--fp-kv-cache-dtype fp16)"
         )
 
     names = [PREFIX[s] for s in settings]
     say("")
     say(
         f"{'setting':8} {'max_batch':>9} {'fits':>5} {'capacity':>9} {'reached':>8} "
-        f"{'tok/s':>7} {'step ms':>8} {'step tok/s':>10} {'wall s':>7} {'x fp16 cap':>10}"
+        f"{'tok/s':>7} {'step ms':>8} {'step tok/s':>10} {'wall s':>7} {'bytes/tok':>9}"
     )
     for n in names:
         if f"{n}_max_batch" not in result:
@@ -522,20 +535,20 @@ def main(argv=None) -> int:
             continue
         g = lambda k: result.get(f"{n}_{k}")  # noqa: E731
         step = g("step_ms_at_max_batch")
-        vs16 = g("capacity_vs_fp16")
+        per_tok = g("bytes_per_token_vs_fp") or 1.0
         say(
             f"{n:8} {g('max_batch_config'):9d} {g('sequences_fit'):5d} {g('capacity_tokens'):9d} "
             f"{g('max_batch'):8d} {g('decode_tok_s'):7.1f} "
             f"{(f'{step:.1f}' if step is not None else '-'):>8} {g('step_tok_s'):10.1f} "
-            f"{g('wall_s'):7.1f} {(f'{vs16:.2f}' if vs16 is not None else '-'):>10}"
+            f"{g('wall_s'):7.1f} {per_tok:9.3f}"
         )
     for p in ("kivi4", "kivi2"):
         if f"{p}_max_batch_vs_fp" in result:
             say(
                 f"{p} vs fp: max batch {result[f'{p}_max_batch_vs_fp']:.2f}x, "
-                f"decode tok/s {result[f'{p}_decode_tput_vs_fp']:.2f}x, "
-                f"capacity {result[f'{p}_capacity_vs_fp']:.2f}x; "
-                f"sequences vs a 16-bit cache {result[f'{p}_capacity_vs_fp16']:.2f}x"
+                f"decode tok/s at max batch {result[f'{p}_decode_tput_vs_fp'] or 0:.2f}x, "
+                f"end to end {result[f'{p}_e2e_tput_vs_fp'] or 0:.2f}x, "
+                f"capacity {result[f'{p}_capacity_vs_fp']:.2f}x"
             )
     if "note" in result:
         say(result["note"])

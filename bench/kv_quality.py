@@ -69,6 +69,8 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.machine import cpu_flags  # noqa: E402
+
 import kernels  # noqa: E402
 from model import KVPool, LlamaModel, ModelConfig  # noqa: E402
 
@@ -267,21 +269,6 @@ def greedy_agreement(ref: list[list[int]], got: list[list[int]]) -> dict[str, fl
     return {
         "prefix": round(sum(prefix) / max(1, len(prefix)), 4),
         "overall": round(equal / max(1, total), 4),
-    }
-
-
-def cpu_flags() -> dict[str, bool]:
-    """The instruction sets that decide fp32/bf16 speed here, from /proc/cpuinfo."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return {}
-    flags = next((set(x.split(":", 1)[1].split()) for x in lines if x.startswith("flags")), set())
-    return {
-        "avx2": "avx2" in flags,
-        "avx512f": "avx512f" in flags,
-        "avx512_bf16": "avx512_bf16" in flags,
-        "amx": any(f.startswith("amx") for f in flags),
     }
 
 

@@ -18,11 +18,13 @@ class ConductorConfig:
     store_addresses: list[str] = field(default_factory=list)  # store nodes' addresses (Status)
     index_url: str = ""  # Redis URL of the global block index; "" = route without cache hits
     block_size: int = 16  # tokens per block; must match the workers'
-    # KV cache type: auto (full precision) | kivi4 | kivi2 (KIVI-packed blocks, keys per channel,
-    # values per token, with the most recent kivi_residual tokens kept in full precision)
+    # KV cache type: auto (full precision, the compute dtype) | fp16 | bf16 (full precision kept
+    # in 16 bits) | kivi4 | kivi2 (KIVI-packed blocks, keys per channel, values per token, with
+    # the most recent kivi_residual tokens kept in full precision)
     kv_cache_dtype: str = "auto"
     kivi_group_size: int = 32  # KIVI quantization group (tokens for keys, channels for values)
     kivi_residual: int = 32  # KIVI's full-precision window, a multiple of block_size
+    kivi_window_dtype: str = "auto"  # that window's dtype: auto (the compute dtype) | fp16 | bf16
     # The workers' KV dtype: part of the model fingerprint, so it must match theirs (the cluster
     # config's top-level dtype fills it).
     dtype: str = "float32"
@@ -51,10 +53,4 @@ class ConductorConfig:
             raise ValueError(f"ConductorConfig: dtype must be one of {known}, got {self.dtype!r}")
         if self.load_poll_s <= 0:
             raise ValueError("ConductorConfig: load_poll_s must be positive")
-        check_kv_cache(
-            "ConductorConfig",
-            self.kv_cache_dtype,
-            self.kivi_group_size,
-            self.kivi_residual,
-            self.block_size,
-        )
+        check_kv_cache("ConductorConfig", self)

@@ -18,11 +18,13 @@ class DecodeConfig:
     metrics_port: int = 0  # Prometheus exporter on this port; 0 = off
     num_blocks: int = 1024  # KV pool size in blocks: admission never exceeds it
     block_size: int = 16  # tokens per block; must match the store's and the prefill workers'
-    # KV cache type: auto (full precision) | kivi4 | kivi2 (KIVI-packed blocks, keys per channel,
-    # values per token, with the most recent kivi_residual tokens kept in full precision)
+    # KV cache type: auto (full precision, the compute dtype) | fp16 | bf16 (full precision kept
+    # in 16 bits) | kivi4 | kivi2 (KIVI-packed blocks, keys per channel, values per token, with
+    # the most recent kivi_residual tokens kept in full precision)
     kv_cache_dtype: str = "auto"
     kivi_group_size: int = 32  # KIVI quantization group (tokens for keys, channels for values)
     kivi_residual: int = 32  # KIVI's full-precision window, a multiple of block_size
+    kivi_window_dtype: str = "auto"  # that window's dtype: auto (the compute dtype) | fp16 | bf16
     # KV pool size in bytes (0 = num_blocks blocks): the same bytes hold more tokens packed
     kv_cache_bytes: int = 0
     max_batch: int = 64  # sequences decoding together at most
@@ -44,10 +46,4 @@ class DecodeConfig:
         if self.block_size <= 0 or self.num_blocks <= 0 or self.max_batch <= 0:
             raise ValueError("DecodeConfig: block_size, num_blocks and max_batch must be positive")
         check_dtype_device("DecodeConfig", self.dtype, self.device)
-        check_kv_cache(
-            "DecodeConfig",
-            self.kv_cache_dtype,
-            self.kivi_group_size,
-            self.kivi_residual,
-            self.block_size,
-        )
+        check_kv_cache("DecodeConfig", self)

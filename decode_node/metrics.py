@@ -49,6 +49,13 @@ class DecodeMetrics:
         self.pull = Histogram(
             "halfmoon_decode_pull_seconds", "KV pull time per sequence", ["worker"], registry=r
         ).labels(**lab)
+        self.fused_attention = Gauge(
+            "halfmoon_decode_fused_attention",
+            "1 when CPU decode attention runs the fused C kernels (kernels/native.py); 0 when "
+            "they could not be built and the torch path runs instead (the reason is logged)",
+            ["worker"],
+            registry=r,
+        ).labels(**lab)
         self.recomputed = Counter(
             "halfmoon_decode_recomputed_tokens",
             "Prompt tokens recomputed because their KV could not be pulled",

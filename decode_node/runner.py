@@ -11,6 +11,7 @@ import torch
 from decode_node.config import DecodeConfig
 from decode_node.metrics import DecodeMetrics
 from decode_node.seq import Seq
+from kernels import native_status
 from kvstore import KVConnector, block_keys
 from model import KVPool, finish_reason, sample
 from servekit import load_worker_model
@@ -36,6 +37,8 @@ class DecodeRunner:
         self.eos = set(self.lm.tokenizer.eos_token_ids)
         self._pool_lock = threading.Lock()
         self.pool = self._make_pool()
+        if self.device.type == "cpu":  # builds the fused kernels now, not in the first step
+            metrics.fused_attention.set(1 if native_status().available else 0)
         self.kv = KVConnector(
             self.pool.kv if isinstance(self.pool, KVPool) else self.pool.packed.kv,
             self.layout,
@@ -53,7 +56,15 @@ class DecodeRunner:
             num_blocks = c.kv_cache_bytes // self.layout.block_bytes
             if num_blocks < 1:
                 raise ValueError(f"DecodeConfig.kv_cache_bytes ({c.kv_cache_bytes}) holds no block")
-        return KVPool(self.lm.config, num_blocks, c.block_size, self.dtype, device=self.device)
+        # blocks hold the cache type's dtype (kv_cache_dtype fp16/bf16: 16 bits under fp32 compute)
+        return KVPool(
+            self.lm.config,
+            num_blocks,
+            c.block_size,
+            self.layout.dtype,
+            device=self.device,
+            layout=self.layout,
+        )
 
     def close(self) -> None:
         self.kv.close()

@@ -14,12 +14,12 @@ from decode_node.scheduler import DecodeScheduler
 from decode_node.seq import Seq
 from protos import halfmoon_pb2 as pb
 from protos import halfmoon_pb2_grpc as pb_grpc
-from servekit import WorkerServer, prompt_ids_problem, sampling_params
+from servekit import WorkerServer, is_kivi, prompt_ids_problem, sampling_params
 
 
 def make_runner(config: DecodeConfig, metrics: DecodeMetrics, registry, lm=None) -> DecodeRunner:
     """The runner for the config's KV cache type: full precision, or KIVI-packed."""
-    cls = DecodeRunner if config.kv_cache_dtype == "auto" else KiviDecodeRunner
+    cls = KiviDecodeRunner if is_kivi(config.kv_cache_dtype) else DecodeRunner
     return cls(config, metrics, registry, lm)
 
 

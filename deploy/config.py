@@ -24,6 +24,7 @@ SHARED_KEYS = (
     "kv_cache_dtype",
     "kivi_group_size",
     "kivi_residual",
+    "kivi_window_dtype",
 )
 
 
@@ -57,9 +58,10 @@ class ClusterConfig:
     model: str = "smollm2-135m"  # load_model name or path, for every server that loads the model
     dtype: str = "float32"
     block_size: int = 16
-    kv_cache_dtype: str = "auto"  # auto | kivi4 | kivi2 (see the workers' configs)
+    kv_cache_dtype: str = "auto"  # auto | fp16 | bf16 | kivi4 | kivi2 (see the workers' configs)
     kivi_group_size: int = 32
     kivi_residual: int = 32
+    kivi_window_dtype: str = "auto"
     host: str = "127.0.0.1"  # every server binds and advertises this
     redis_url: str = ""  # global index; "" = $REDIS_URL, else an embedded Redis the launcher starts
     prefill_workers: int = 1

@@ -23,6 +23,7 @@ from kernels.kivi import (
     kivi_to_bytes,
 )
 from kernels.layout import KV_LAYOUTS, FullKVLayout, KiviKVLayout, KVLayout
+from kernels.native import NativeStatus, native_status
 from kernels.paged_attention_ref import paged_decode_attention_ref
 from kernels.paged_attention_torch import merge_attention
 
@@ -35,6 +36,7 @@ __all__ = [
     "KVLayout",
     "KiviKVLayout",
     "KiviPacked",
+    "NativeStatus",
     "available_backends",
     "gather_blocks",
     "kivi_dequantize",
@@ -46,6 +48,7 @@ __all__ = [
     "kivi_quantize",
     "kivi_to_bytes",
     "merge_attention",
+    "native_status",
     "paged_decode_attention",
     "paged_decode_attention_kivi",
     "paged_decode_attention_kivi_window",

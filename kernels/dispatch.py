@@ -1,7 +1,9 @@
 """Dispatch: each operation has a small registry of implementations chosen by name.
 
-`backend=None` picks Triton for CUDA tensors and the torch twin otherwise; tests force
-`backend="triton"` on CPU tensors to run the kernels under TRITON_INTERPRET=1.
+`backend=None` picks Triton for CUDA tensors; on the CPU it picks the fused C kernels
+(kernels/native.py, "native") where an op has them and they are built, else the torch twin.
+Tests force `backend="triton"` on CPU tensors to run the kernels under TRITON_INTERPRET=1, and
+`backend="torch"` to run the twin.
 """
 
 from __future__ import annotations
@@ -10,6 +12,12 @@ import torch
 
 from kernels.blocks import gather_blocks_torch, scatter_blocks_torch
 from kernels.kivi import KiviPacked, kivi_dequantize_blocks_torch, kivi_quantize_torch
+from kernels.native import (
+    native_status,
+    paged_decode_attention_kivi_native,
+    paged_decode_attention_kivi_window_native,
+    paged_decode_attention_native,
+)
 from kernels.paged_attention_ref import paged_decode_attention_ref
 from kernels.paged_attention_torch import (
     paged_decode_attention_kivi_torch,
@@ -30,14 +38,21 @@ try:
 except ImportError:  # no triton on this platform: only the torch twins are registered
     HAS_TRITON = False
 
-BACKENDS = ("torch", "triton")
+BACKENDS = ("torch", "triton", "native")
 _IMPLS: dict[str, dict[str, object]] = {
     "paged_decode_attention": {
         "torch": paged_decode_attention_torch,
         "ref": paged_decode_attention_ref,
+        "native": paged_decode_attention_native,
     },
-    "paged_decode_attention_kivi": {"torch": paged_decode_attention_kivi_torch},
-    "paged_decode_attention_kivi_window": {"torch": paged_decode_attention_kivi_window_torch},
+    "paged_decode_attention_kivi": {
+        "torch": paged_decode_attention_kivi_torch,
+        "native": paged_decode_attention_kivi_native,
+    },
+    "paged_decode_attention_kivi_window": {
+        "torch": paged_decode_attention_kivi_window_torch,
+        "native": paged_decode_attention_kivi_window_native,
+    },
     "kivi_quantize": {"torch": kivi_quantize_torch},
     "kivi_dequantize": {"torch": kivi_dequantize_blocks_torch},
     "gather_blocks": {"torch": gather_blocks_torch},
@@ -64,7 +79,12 @@ def pick(op: str, device: torch.device, backend: str | None = None):
     """The implementation of `op` for tensors on `device` (or the named backend)."""
     impls = _IMPLS[op]
     if backend is None:
-        backend = "triton" if device.type == "cuda" and "triton" in impls else "torch"
+        if device.type == "cuda" and "triton" in impls:
+            backend = "triton"
+        elif device.type == "cpu" and "native" in impls and native_status().available:
+            backend = "native"
+        else:
+            backend = "torch"
     if backend not in impls:
         raise ValueError(f"unknown backend {backend!r} for {op}; have {sorted(impls)}")
     return impls[backend]

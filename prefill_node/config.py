@@ -18,11 +18,13 @@ class PrefillConfig:
     metrics_port: int = 0  # Prometheus exporter on this port; 0 = off
     num_blocks: int = 1024  # KV pool size in blocks (the device tier lives in it too)
     block_size: int = 16  # tokens per block; must match the store's and the decode workers'
-    # KV cache type: auto (full precision) | kivi4 | kivi2 (KIVI-packed blocks, keys per channel,
-    # values per token, with the most recent kivi_residual tokens kept in full precision)
+    # KV cache type: auto (full precision, the compute dtype) | fp16 | bf16 (full precision kept
+    # in 16 bits) | kivi4 | kivi2 (KIVI-packed blocks, keys per channel, values per token, with
+    # the most recent kivi_residual tokens kept in full precision)
     kv_cache_dtype: str = "auto"
     kivi_group_size: int = 32  # KIVI quantization group (tokens for keys, channels for values)
     kivi_residual: int = 32  # KIVI's full-precision window, a multiple of block_size
+    kivi_window_dtype: str = "auto"  # that window's dtype: auto (the compute dtype) | fp16 | bf16
     # most tokens of one request per prefill forward (chunked prefill); a multiple of block_size
     chunk_size: int = 512
     max_batch_tokens: int = 8192  # tokens one scheduling round takes from the queue
@@ -46,10 +48,4 @@ class PrefillConfig:
                 f"block_size ({self.block_size})"
             )
         check_dtype_device("PrefillConfig", self.dtype, self.device)
-        check_kv_cache(
-            "PrefillConfig",
-            self.kv_cache_dtype,
-            self.kivi_group_size,
-            self.kivi_residual,
-            self.block_size,
-        )
+        check_kv_cache("PrefillConfig", self)

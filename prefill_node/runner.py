@@ -31,8 +31,16 @@ class PrefillRunner:
         # (KIVI: packed as they leave), and the residual window travels inline unpacked.
         self.store_layout = wm.layout
         self.window_blocks = getattr(wm.layout, "residual", 0) // config.block_size
+        # A full-precision cache is computed into in its own dtype (fp16/bf16 under fp32 compute);
+        # KIVI's prefill pool holds the compute dtype and packs on the way out.
+        full = wm.layout.name == "full"
         self.pool = KVPool(
-            wm.lm.config, config.num_blocks, config.block_size, wm.dtype, device=self.device
+            wm.lm.config,
+            config.num_blocks,
+            config.block_size,
+            wm.layout.dtype if full else wm.dtype,
+            device=self.device,
+            layout=wm.layout if full else None,
         )
         self._pool_lock = threading.Lock()
         self.kv = KVConnector(

@@ -7,7 +7,13 @@ import it and never one another."""
 from servekit.blocks import blocks_needed, reusable_blocks
 from servekit.config import config_from_dict, config_from_yaml, field_names
 from servekit.grpc_server import GrpcServer
-from servekit.kv_cache import KV_CACHE_DTYPES, check_kv_cache, kv_cache_layout
+from servekit.kv_cache import (
+    KIVI_WINDOW_DTYPES,
+    KV_CACHE_DTYPES,
+    check_kv_cache,
+    is_kivi,
+    kv_cache_layout,
+)
 from servekit.roles import ROLES, Role, role_classes
 from servekit.sampling import (
     DTYPE_NAMES,
@@ -31,6 +37,7 @@ from servekit.validation import prompt_ids_problem, sampling_problem
 
 __all__ = [
     "DTYPE_NAMES",
+    "KIVI_WINDOW_DTYPES",
     "KV_CACHE_DTYPES",
     "ROLES",
     "DecodeTimeModel",
@@ -48,6 +55,7 @@ __all__ = [
     "config_from_yaml",
     "decode_features",
     "field_names",
+    "is_kivi",
     "kv_cache_layout",
     "load_worker_model",
     "predict",

@@ -8,41 +8,69 @@ import torch
 
 from kernels import FullKVLayout, KiviKVLayout, KVLayout
 
-KV_CACHE_DTYPES = {"auto": 0, "kivi4": 4, "kivi2": 2}  # name -> KIVI bits (0 = full precision)
+# kv_cache_dtype name -> what blocks hold: None = the compute dtype; a torch dtype = full
+# precision stored in that 16-bit type (computing in fp32 on a CPU whose fast dtype is fp32, with
+# the memory of a 16-bit cache); an int = KIVI bits.
+KV_CACHE_DTYPES: dict[str, torch.dtype | int | None] = {
+    "auto": None,
+    "fp16": torch.float16,
+    "bf16": torch.bfloat16,
+    "kivi4": 4,
+    "kivi2": 2,
+}
+# kivi_window_dtype name -> the dtype of KIVI's full-precision window (None = the compute dtype)
+KIVI_WINDOW_DTYPES: dict[str, torch.dtype | None] = {
+    "auto": None,
+    "fp16": torch.float16,
+    "bf16": torch.bfloat16,
+}
 
 
-def check_kv_cache(
-    owner: str, kv_cache_dtype: str, group_size: int, residual: int, block_size: int
-) -> None:
-    """ValueError naming `owner` unless the KV cache settings are usable."""
-    if kv_cache_dtype not in KV_CACHE_DTYPES:
+def is_kivi(kv_cache_dtype: str) -> bool:
+    """True for the KIVI-packed cache types."""
+    return isinstance(KV_CACHE_DTYPES[kv_cache_dtype], int)
+
+
+def check_kv_cache(owner: str, config) -> None:
+    """ValueError naming `owner` unless config's KV cache settings (kv_cache_dtype,
+    kivi_group_size, kivi_residual, kivi_window_dtype, block_size) are usable."""
+    if config.kv_cache_dtype not in KV_CACHE_DTYPES:
         raise ValueError(
             f"{owner}: kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
-            f"got {kv_cache_dtype!r}"
+            f"got {config.kv_cache_dtype!r}"
         )
-    if group_size < 1:
-        raise ValueError(f"{owner}: kivi_group_size must be >= 1, got {group_size}")
-    if residual < 0 or residual % block_size:
+    if config.kivi_window_dtype not in KIVI_WINDOW_DTYPES:
         raise ValueError(
-            f"{owner}: kivi_residual ({residual}) must be a multiple of block_size ({block_size})"
+            f"{owner}: kivi_window_dtype must be one of {', '.join(KIVI_WINDOW_DTYPES)}, "
+            f"got {config.kivi_window_dtype!r}"
+        )
+    if config.kivi_group_size < 1:
+        raise ValueError(f"{owner}: kivi_group_size must be >= 1, got {config.kivi_group_size}")
+    if config.kivi_residual < 0 or config.kivi_residual % config.block_size:
+        raise ValueError(
+            f"{owner}: kivi_residual ({config.kivi_residual}) must be a multiple of block_size "
+            f"({config.block_size})"
         )
 
 
 def kv_cache_layout(model_config, config, dtype: torch.dtype) -> KVLayout:
     """The layout a server's blocks are stored in, from its config's block_size, kv_cache_dtype,
-    kivi_group_size and kivi_residual: full precision in `dtype`, or KIVI-packed whose window
-    holds `dtype`."""
-    bits = KV_CACHE_DTYPES[config.kv_cache_dtype]
+    kivi_group_size, kivi_residual and kivi_window_dtype: full precision (in `dtype`, the compute
+    dtype, or the 16-bit type named), or KIVI-packed with a window in `dtype` or the type
+    named."""
+    kind = KV_CACHE_DTYPES[config.kv_cache_dtype]
     c = model_config
-    if not bits:
-        return FullKVLayout(c.num_layers, c.num_kv_heads, c.head_dim, config.block_size, dtype)
+    if not isinstance(kind, int):
+        store = dtype if kind is None else kind
+        return FullKVLayout(c.num_layers, c.num_kv_heads, c.head_dim, config.block_size, store)
+    window = KIVI_WINDOW_DTYPES[config.kivi_window_dtype]
     return KiviKVLayout(
         c.num_layers,
         c.num_kv_heads,
         c.head_dim,
         config.block_size,
-        bits,
+        kind,
         config.kivi_group_size,
         config.kivi_residual,
-        dtype,
+        dtype if window is None else window,
     )

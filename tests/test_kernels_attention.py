@@ -93,7 +93,7 @@ def test_triton_and_torch_match_dense_attention(case):
     scale = case["head_dim"] ** -0.5
     want = dense_attention(q, dense, scale)
     tol = TOL[case["dtype"]]
-    for backend in ("torch", "triton"):
+    for backend in ("torch", "triton", "native"):
         got = kernels.paged_decode_attention(q, k_cache, v_cache, table, seq_lens, backend=backend)
         assert got.dtype == q.dtype and got.shape == q.shape
         assert not got.isnan().any(), backend
@@ -123,7 +123,7 @@ def test_custom_scale_and_pool_dtype_other_than_query():
     )
     qf = q.float()
     want = dense_attention(qf, [d.float() for d in dense], 0.3)
-    for backend in ("torch", "triton"):
+    for backend in ("torch", "triton", "native"):
         got = kernels.paged_decode_attention(
             qf, k_cache, v_cache, table, seq_lens, 0.3, backend=backend
         )
@@ -139,18 +139,27 @@ def test_garbage_table_entries_past_the_end_are_never_read():
     table[0, 1:] = -1  # unused columns: anything, even out of range
     table[1, 3:] = 10**6
     want = dense_attention(q, dense, 64**-0.5)
-    for backend in ("torch", "triton"):
+    for backend in ("torch", "triton", "native"):
         got = kernels.paged_decode_attention(q, k_cache, v_cache, table, seq_lens, backend=backend)
         assert (got.double() - want).abs().max().item() < 2e-5
 
 
-def test_dispatch_picks_torch_on_cpu_and_rejects_unknown_backends():
-    assert kernels.available_backends("paged_decode_attention") == ["ref", "torch", "triton"]
+def test_dispatch_picks_native_on_cpu_and_rejects_unknown_backends():
+    assert kernels.available_backends("paged_decode_attention") == [
+        "native",
+        "ref",
+        "torch",
+        "triton",
+    ]
+    assert kernels.native_status().available, kernels.native_status().detail
     q, k_cache, v_cache, table, seq_lens, _ = make_case(1, 1, 1, 1, 64, 16, [3], torch.float32)
+    picked = kernels.paged_decode_attention(q, k_cache, v_cache, table, seq_lens)
     assert torch.equal(
-        kernels.paged_decode_attention(q, k_cache, v_cache, table, seq_lens),
-        kernels.paged_decode_attention(q, k_cache, v_cache, table, seq_lens, backend="torch"),
+        picked,
+        kernels.paged_decode_attention(q, k_cache, v_cache, table, seq_lens, backend="native"),
     )
+    twin = kernels.paged_decode_attention(q, k_cache, v_cache, table, seq_lens, backend="torch")
+    assert (picked - twin).abs().max().item() < 1e-5
     with pytest.raises(ValueError, match="unknown backend"):
         kernels.paged_decode_attention(q, k_cache, v_cache, table, seq_lens, backend="cuda-graphs")
 

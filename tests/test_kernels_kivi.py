@@ -142,7 +142,7 @@ def test_kivi_paged_attention_equals_attention_over_dequantized_blocks(seed, bit
     q, _, pool, table, seq_lens = kivi_case(seed, bits, batch=len(lens), lens=tuple(lens))
     deq = kernels.kivi_dequantize(pool)  # [num_blocks, 2, bs, H, D]
     want = kernels.paged_decode_attention_ref(q, deq[:, 0], deq[:, 1], table, seq_lens)
-    for backend in ("torch", "triton"):
+    for backend in ("torch", "triton", "native"):
         got = kernels.paged_decode_attention_kivi(q, pool, table, seq_lens, backend=backend)
         assert (got - want).abs().max().item() < 2e-5, backend
 
@@ -153,7 +153,7 @@ def test_kivi_pool_fields_may_be_strided_views():
     strided = KiviPacked(*(torch.stack([f, torch.zeros_like(f)], dim=1)[:, 0] for f in pool))
     assert not strided.k_codes.is_contiguous()
     want = kernels.paged_decode_attention_kivi(q, pool, table, seq_lens)
-    for backend in ("torch", "triton"):
+    for backend in ("torch", "triton", "native"):
         assert torch.allclose(
             kernels.paged_decode_attention_kivi(q, strided, table, seq_lens, backend=backend),
             want,

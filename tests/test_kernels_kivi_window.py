@@ -13,6 +13,7 @@ from kernels.paged_attention_torch import (
 
 BACKENDS = [
     "torch",
+    "native",
     pytest.param("triton", marks=pytest.mark.skipif(not kernels.HAS_TRITON, reason="no triton")),
 ]
 # Max abs error of the output against the float64 dense reference, per q / window dtype: fp32
@@ -310,15 +311,15 @@ def test_merge_attention_is_exact_and_stable():
     assert abs(lse.item() - (1000 + torch.log1p(torch.tensor(1 / e)).item())) <= 1e-4
 
 
-def test_dispatch_registers_both_backends_and_checks_shapes():
+def test_dispatch_registers_every_backend_and_checks_shapes():
     assert kernels.available_backends("paged_decode_attention_kivi_window") == (
-        ["torch", "triton"] if kernels.HAS_TRITON else ["torch"]
+        ["native", "torch", "triton"] if kernels.HAS_TRITON else ["native", "torch"]
     )
     args, _, _ = window_case(1, [16, 5], [3, 8])
-    assert torch.equal(
-        kernels.paged_decode_attention_kivi_window(**args),  # CPU tensors: the torch twin
-        kernels.paged_decode_attention_kivi_window(**args, backend="torch"),
-    )
+    picked = kernels.paged_decode_attention_kivi_window(**args)  # CPU tensors: the fused kernel
+    assert torch.equal(picked, kernels.paged_decode_attention_kivi_window(**args, backend="native"))
+    twin = kernels.paged_decode_attention_kivi_window(**args, backend="torch")
+    assert (picked - twin).abs().max().item() < 1e-5
     with pytest.raises(ValueError, match="unknown backend"):
         kernels.paged_decode_attention_kivi_window(**args, backend="cuda-graphs")
     bad = dict(args, k_window=args["k_window"][..., :32], v_window=args["v_window"][..., :32])

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kvstore import StoreClient, block_keys
-from model import Engine, SamplingParams, load_model
+from model import Engine, SamplingParams, kv_fingerprint, load_model
 from serving_cluster import Cluster
 
 BS = 16
@@ -106,3 +106,40 @@ def test_a_store_that_cannot_hold_the_blocks_means_recompute_not_wrong_tokens(lm
             "halfmoon_decode_recomputed_tokens_total", {"worker": "decode-0"}
         )
     assert recomputed == len(prompt) and got == want
+
+
+@pytest.mark.parametrize(
+    "settings", [{"kv_cache_dtype": "fp16"}, {**kivi(4, 16), "kivi_window_dtype": "bf16"}]
+)
+def test_16_bit_blocks_and_windows_under_fp32_compute(lm, settings):
+    # kv_cache_dtype fp16: full precision kept in 16 bits (the fair baseline for KIVI on a CPU
+    # whose fast dtype is fp32); kivi_window_dtype bf16: KIVI's window in 16 bits. Pools, store
+    # blocks and the fused CPU attention all run in that dtype, and reuse still recomputes nothing.
+    rng = random.Random(5)
+    prompt = rand_ids(rng, 4 * BS + 3)
+    with Cluster(lm, cluster=settings) as c:
+        first, _, u1 = c.generate(token_ids=prompt, max_tokens=24)
+        c.wait_idle()
+        again, _, u2 = c.generate(token_ids=prompt, max_tokens=24)
+        assert again == first and u2.usage.cached_tokens == 4 * BS
+        runner = c.decodes[0].runner
+        pool = runner.pool if settings["kv_cache_dtype"] == "fp16" else runner.pool.window
+        assert pool.dtype == (
+            torch.float16 if settings["kv_cache_dtype"] == "fp16" else torch.bfloat16
+        )
+        fp32 = lm.config.kv_layout(BS, torch.float32)
+        if settings["kv_cache_dtype"] == "fp16":
+            assert runner.layout.block_bytes * 2 == fp32.block_bytes
+            # fp16 blocks never share keys with fp32 ones
+            assert runner.fingerprint == c.conductor.fingerprint
+            assert runner.fingerprint != kv_fingerprint(lm.weights_id, fp32)
+        # close to fp32 KV: the first tokens agree with the single-process engine (the tiny
+        # random model's near-ties turn 4-bit + bf16 away from it at the third token)
+        n = 4 if settings["kv_cache_dtype"] == "fp16" else 2
+        assert first[:n] == greedy(Engine(lm), prompt, n)
+        assert (
+            c.decodes[0].registry.get_sample_value(
+                "halfmoon_decode_fused_attention", {"worker": "decode-0"}
+            )
+            == 1
+        )

@@ -1,0 +1,401 @@
+/* Paged decode attention on the CPU, fused: full-precision blocks (fp32, bf16, fp16) and KIVI
+ * blocks (2/4/8-bit codes, float16 scales and zero points), read where they lie in the pool.
+ *
+ * Why C: the torch path gathers each split's blocks into a staging buffer, widens it to fp32
+ * (KIVI: unpacks codes, multiplies by scales, adds zeros, each a full pass over memory) and only
+ * then attends, so a 4-bit block costs more time than the fp32 block it replaces. Here every
+ * byte of KV is read once, widened in registers, and used at once: a packed block costs less
+ * than a full one, as KIVI's own CUDA kernels make it.
+ *
+ * One work item is one (sequence, KV head): its G = q_heads / kv_heads query rows walk the
+ * sequence's blocks with an online softmax (running max m, mass l, accumulator acc), block by
+ * block. KIVI keys are per-channel affine (k = code * s + z, s and z per channel for a group of
+ * tokens), so q . k = (q * s) . code + q . z: q is rescaled once per key group instead of
+ * dequantizing every key. Outputs: out [B, QH, D] fp32 and lse [B, QH] fp32, the log-sum-exp of
+ * the scaled scores (-inf and out 0 for a sequence of length 0), as the torch twin returns them.
+ *
+ * Built by kernels/native.py with the system C compiler (-O3 -march=native -fopenmp) and loaded
+ * with ctypes; every pointer, stride and bound is checked in Python before the call, and block
+ * ids are checked here (a bad table returns an error instead of reading outside the pool).
+ */
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef __F16C__
+#include <immintrin.h>
+#endif
+
+#define HM_MAX_BS 256
+
+enum { HM_F32 = 0, HM_BF16 = 1, HM_F16 = 2 };
+
+static inline float hm_half(uint16_t h) {
+#ifdef __F16C__
+  return _cvtsh_ss(h);
+#else
+  uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu, bits;
+  float f;
+  if (exp == 0) {
+    f = ldexpf((float)man, -24);
+    return sign ? -f : f;
+  }
+  bits = exp == 31 ? (sign | 0x7f800000u | (man << 13)) : (sign | ((exp + 112u) << 23) | (man << 13));
+  memcpy(&f, &bits, 4);
+  return f;
+#endif
+}
+
+static inline void hm_halves(const uint16_t *src, int n, float *dst) {
+  int i = 0;
+#ifdef __F16C__
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + i))));
+#endif
+  for (; i < n; i++) dst[i] = hm_half(src[i]);
+}
+
+/* A row of n elements as fp32: the row itself (fp32) or widened into buf. */
+static inline const float *hm_row(const void *src, int dtype, int n, float *buf) {
+  if (dtype == HM_F32) return (const float *)src;
+  const uint16_t *s = (const uint16_t *)src;
+  if (dtype == HM_BF16) {
+    for (int i = 0; i < n; i++) {
+      uint32_t bits = (uint32_t)s[i] << 16;
+      memcpy(buf + i, &bits, 4);
+    }
+  } else {
+    hm_halves(s, n, buf);
+  }
+  return buf;
+}
+
+static inline float hm_dot(const float *a, const float *b, int n) {
+  float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+  for (int i = 0; i < n; i++) acc += a[i] * b[i];
+  return acc;
+}
+
+/* codes of one row (n values, 8/bits a byte, low bits first) as floats */
+static inline void hm_unpack(const uint8_t *codes, int bits, int n, float *dst) {
+  int i = 0; /* codes done */
+#ifdef __AVX2__
+  if (bits == 4) {
+    const __m128i low = _mm_set1_epi8(15);
+    for (; i + 32 <= n; i += 32) { /* 16 bytes -> 32 codes */
+      __m128i b = _mm_loadu_si128((const __m128i *)(codes + i / 2));
+      __m128i lo = _mm_and_si128(b, low), hi = _mm_and_si128(_mm_srli_epi16(b, 4), low);
+      __m128i c0 = _mm_unpacklo_epi8(lo, hi), c1 = _mm_unpackhi_epi8(lo, hi);
+      _mm256_storeu_ps(dst + i, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(c0)));
+      _mm256_storeu_ps(dst + i + 8, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(c0, 8))));
+      _mm256_storeu_ps(dst + i + 16, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(c1)));
+      _mm256_storeu_ps(dst + i + 24, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(c1, 8))));
+    }
+  } else if (bits == 2) {
+    const __m128i three = _mm_set1_epi8(3);
+    for (; i + 32 <= n; i += 32) { /* 8 bytes -> 32 codes */
+      __m128i b = _mm_loadl_epi64((const __m128i *)(codes + i / 4));
+      __m128i x0 = _mm_and_si128(b, three), x1 = _mm_and_si128(_mm_srli_epi16(b, 2), three);
+      __m128i x2 = _mm_and_si128(_mm_srli_epi16(b, 4), three);
+      __m128i x3 = _mm_and_si128(_mm_srli_epi16(b, 6), three);
+      /* byte j -> codes 4j..4j+3 = x0[j], x1[j], x2[j], x3[j] */
+      __m128i p01 = _mm_unpacklo_epi8(x0, x1), p23 = _mm_unpacklo_epi8(x2, x3);
+      __m128i c0 = _mm_unpacklo_epi16(p01, p23), c1 = _mm_unpackhi_epi16(p01, p23);
+      _mm256_storeu_ps(dst + i, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(c0)));
+      _mm256_storeu_ps(dst + i + 8, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(c0, 8))));
+      _mm256_storeu_ps(dst + i + 16, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(c1)));
+      _mm256_storeu_ps(dst + i + 24, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(c1, 8))));
+    }
+  }
+#endif
+  if (bits == 4) {
+    for (; i < n; i += 2) {
+      dst[i] = (float)(codes[i / 2] & 15);
+      dst[i + 1] = (float)(codes[i / 2] >> 4);
+    }
+  } else if (bits == 2) {
+    for (; i < n; i += 4) {
+      uint8_t c = codes[i / 4];
+      dst[i] = (float)(c & 3);
+      dst[i + 1] = (float)((c >> 2) & 3);
+      dst[i + 2] = (float)((c >> 4) & 3);
+      dst[i + 3] = (float)(c >> 6);
+    }
+  } else {
+    for (; i < n; i++) dst[i] = (float)codes[i];
+  }
+}
+
+/* row[i] = row[i] * scale[i / group] + zero[i / group], group by group (vectorisable). */
+static inline void hm_affine(float *row, const float *scale, const float *zero, int n,
+                             int group) {
+  for (int g0 = 0, gi = 0; g0 < n; g0 += group, gi++) {
+    const float s = scale[gi], z = zero[gi];
+    const int end = g0 + group < n ? g0 + group : n;
+#pragma omp simd
+    for (int i = g0; i < end; i++) row[i] = row[i] * s + z;
+  }
+}
+
+/* e^x for x <= 0 (softmax arguments), branch-free so that loops over it vectorise: 2^(x log2 e)
+ * split into an integer power of two and a degree-6 polynomial on [-0.5, 0.5] (relative error
+ * below 2e-7); arguments below -87 give 0. */
+static inline float hm_exp(float x) {
+  x = x < -87.0f ? -87.0f : x;
+  const float y = x * 1.44269504088896341f;
+  const float n = __builtin_roundf(y);
+  const float f = y - n;
+  float p = 1.5403530393381609954e-4f;
+  p = p * f + 1.3333558146428443423e-3f;
+  p = p * f + 9.6181291076284771619e-3f;
+  p = p * f + 5.5504108664821579953e-2f;
+  p = p * f + 2.4022650695910071233e-1f;
+  p = p * f + 6.9314718055994530942e-1f;
+  p = p * f + 1.0f;
+  int32_t e = ((int32_t)n + 127) << 23;
+  float scale;
+  memcpy(&scale, &e, 4);
+  return x <= -87.0f ? 0.0f : p * scale;
+}
+
+/* Scores of query row q against the n key rows k[0..n) (d values each, fp32), plus `bias`:
+ * four rows at a time, so q is loaded once per four dot products and the four sums run as
+ * independent chains. */
+static void hm_scores(const float *q, const float *const *k, int n, int d, float bias,
+                      float *s) {
+  int t = 0;
+  for (; t + 4 <= n; t += 4) {
+    const float *k0 = k[t], *k1 = k[t + 1], *k2 = k[t + 2], *k3 = k[t + 3];
+    float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f, a3 = 0.0f;
+#pragma omp simd reduction(+ : a0, a1, a2, a3)
+    for (int i = 0; i < d; i++) {
+      a0 += q[i] * k0[i];
+      a1 += q[i] * k1[i];
+      a2 += q[i] * k2[i];
+      a3 += q[i] * k3[i];
+    }
+    s[t] = a0 + bias;
+    s[t + 1] = a1 + bias;
+    s[t + 2] = a2 + bias;
+    s[t + 3] = a3 + bias;
+  }
+  for (; t < n; t++) s[t] = hm_dot(q, k[t], d) + bias;
+}
+
+/* acc[0..d) += sum_t p[t] * v[t][0..d), four rows at a time (acc is loaded and stored once per
+ * four rows). */
+static void hm_accumulate(float *acc, const float *p, const float *const *v, int n, int d) {
+  int t = 0;
+  for (; t + 4 <= n; t += 4) {
+    const float *v0 = v[t], *v1 = v[t + 1], *v2 = v[t + 2], *v3 = v[t + 3];
+    const float p0 = p[t], p1 = p[t + 1], p2 = p[t + 2], p3 = p[t + 3];
+#pragma omp simd
+    for (int i = 0; i < d; i++) acc[i] += p0 * v0[i] + p1 * v1[i] + p2 * v2[i] + p3 * v3[i];
+  }
+  for (; t < n; t++) {
+    const float pt = p[t], *vt = v[t];
+#pragma omp simd
+    for (int i = 0; i < d; i++) acc[i] += pt * vt[i];
+  }
+}
+
+/* Online-softmax state of one sequence's query rows (all heads), and its scratch. */
+typedef struct {
+  int rows, d;
+  float *q;      /* [rows][d] query rows, pre-scaled */
+  float *acc;    /* [rows][d] unnormalised output */
+  float *m, *l;  /* [rows] running max and mass */
+  float *s;      /* [rows][HM_MAX_BS]: one block's scores, then its probabilities */
+  float *kbuf, *vbuf; /* [HM_MAX_BS][d]: one block-head's rows widened to fp32 */
+  float *qs;     /* [group][d]: query rows times a key group's scales (KIVI) */
+  float *scratch;     /* [2][d] (KIVI scales and zeros) */
+} hm_state;
+
+static int hm_begin(hm_state *st, const float *q, int rows, int group, int d, float scale) {
+  const size_t n = (size_t)rows * d * 2 + (size_t)rows * (2 + HM_MAX_BS) +
+                   (size_t)HM_MAX_BS * d * 2 + (size_t)group * d + 2 * (size_t)d;
+  float *mem = (float *)malloc(n * sizeof(float));
+  if (!mem) return 0;
+  st->rows = rows;
+  st->d = d;
+  st->q = mem;
+  st->acc = st->q + (size_t)rows * d;
+  st->m = st->acc + (size_t)rows * d;
+  st->l = st->m + rows;
+  st->s = st->l + rows;
+  st->kbuf = st->s + (size_t)rows * HM_MAX_BS;
+  st->vbuf = st->kbuf + (size_t)HM_MAX_BS * d;
+  st->qs = st->vbuf + (size_t)HM_MAX_BS * d;
+  st->scratch = st->qs + (size_t)group * d;
+  for (int i = 0; i < rows * d; i++) st->q[i] = q[i] * scale;
+  memset(st->acc, 0, sizeof(float) * rows * d);
+  for (int r = 0; r < rows; r++) {
+    st->m[r] = -INFINITY;
+    st->l[r] = 0.0f;
+  }
+  return 1;
+}
+
+/* Rows [r0, r0 + g): their scores st->s[r][0:n] become probabilities against an updated
+ * running max; the accumulator and mass are rescaled when the max moves. */
+static void hm_softmax_block(hm_state *st, int r0, int g, int n) {
+  for (int r = r0; r < r0 + g; r++) {
+    float *s = st->s + (size_t)r * HM_MAX_BS;
+    float bm = -INFINITY;
+    for (int t = 0; t < n; t++) bm = s[t] > bm ? s[t] : bm;
+    float m_new = st->m[r] > bm ? st->m[r] : bm;
+    if (st->m[r] != m_new) {
+      float alpha = st->m[r] == -INFINITY ? 0.0f : expf(st->m[r] - m_new);
+      float *acc = st->acc + (size_t)r * st->d;
+      st->l[r] *= alpha;
+      for (int i = 0; i < st->d; i++) acc[i] *= alpha;
+      st->m[r] = m_new;
+    }
+    float mass = 0.0f;
+#pragma omp simd reduction(+ : mass)
+    for (int t = 0; t < n; t++) {
+      float p = hm_exp(s[t] - m_new);
+      s[t] = p;
+      mass += p;
+    }
+    st->l[r] += mass;
+  }
+}
+
+static void hm_finish(hm_state *st, float *out, float *lse) {
+  for (int r = 0; r < st->rows; r++) {
+    float inv = st->l[r] > 0.0f ? 1.0f / st->l[r] : 0.0f;
+    const float *acc = st->acc + (size_t)r * st->d;
+    for (int i = 0; i < st->d; i++) out[(size_t)r * st->d + i] = acc[i] * inv;
+    lse[r] = st->l[r] > 0.0f ? st->m[r] + logf(st->l[r]) : -INFINITY;
+  }
+  free(st->q);
+}
+
+/* Softmax and values of one block-head: rows [h*g, h*g + g) over n value rows v. */
+static void hm_block_values(hm_state *st, int h, int g, int n, const float *const *v) {
+  hm_softmax_block(st, h * g, g, n);
+  for (int r = h * g; r < h * g + g; r++)
+    hm_accumulate(st->acc + (size_t)r * st->d, st->s + (size_t)r * HM_MAX_BS, v, n, st->d);
+}
+
+/* Full-precision blocks: k and v are [num_blocks, block_size, kv_heads, head_dim] views with
+ * element strides (blk_stride, tok_stride, head_stride) and unit stride along head_dim.
+ * One work item is one sequence, all its heads: a block is read whole while it is in cache.
+ * Returns 0, 1 + the index of a sequence whose table names a block outside [0, num_blocks), or
+ * -1 when out of memory. */
+int hm_paged_attention_full(const float *q, const void *k, const void *v, int dtype,
+                            int64_t num_blocks, int64_t blk_stride, int64_t tok_stride,
+                            int64_t head_stride, const int32_t *tables, int64_t table_stride,
+                            const int32_t *lens, int batch, int q_heads, int kv_heads,
+                            int head_dim, int block_size, float scale, int threads, float *out,
+                            float *lse) {
+  const int g = q_heads / kv_heads, d = head_dim;
+  const int64_t esize = dtype == HM_F32 ? 4 : 2;
+  int bad = 0;
+#pragma omp parallel for num_threads(threads) schedule(dynamic)
+  for (int b = 0; b < batch; b++) {
+    hm_state st;
+    const float *krow[HM_MAX_BS], *vrow[HM_MAX_BS];
+    if (!hm_begin(&st, q + (int64_t)b * q_heads * d, q_heads, g, d, scale)) {
+#pragma omp atomic write
+      bad = -1;
+      continue;
+    }
+    const int len = lens[b];
+    for (int j = 0; j * block_size < len; j++) {
+      const int64_t blk = tables[(int64_t)b * table_stride + j];
+      if (blk < 0 || blk >= num_blocks) {
+#pragma omp atomic write
+        bad = b + 1;
+        break;
+      }
+      const int n = len - j * block_size < block_size ? len - j * block_size : block_size;
+      for (int h = 0; h < kv_heads; h++) {
+        const int64_t base = blk * blk_stride + (int64_t)h * head_stride;
+        for (int t = 0; t < n; t++) {
+          krow[t] = hm_row((const char *)k + (base + t * tok_stride) * esize, dtype, d,
+                           st.kbuf + (size_t)t * d);
+          vrow[t] = hm_row((const char *)v + (base + t * tok_stride) * esize, dtype, d,
+                           st.vbuf + (size_t)t * d);
+        }
+        for (int r = h * g; r < h * g + g; r++)
+          hm_scores(st.q + (size_t)r * d, krow, n, d, 0.0f, st.s + (size_t)r * HM_MAX_BS);
+        hm_block_values(&st, h, g, n, vrow);
+      }
+    }
+    hm_finish(&st, out + (int64_t)b * q_heads * d, lse + (int64_t)b * q_heads);
+  }
+  return bad;
+}
+
+/* KIVI blocks, one layer: six fields, each `ptr[f] + block * blk_bytes[f]` then C-contiguous:
+ * k_scale, k_zero [kg, kv_heads, head_dim] f16; v_scale, v_zero [block_size, kv_heads, vg] f16;
+ * k_codes, v_codes [block_size, kv_heads, head_dim * bits / 8] u8. Key groups hold gk tokens,
+ * value groups gv channels (see kernels/kivi.py). Keys: q . k = (q * scale) . code + q . zero,
+ * per key group. Returns as hm_paged_attention_full. */
+int hm_paged_attention_kivi(const float *q, const void *const *ptr, const int64_t *blk_bytes,
+                            int64_t num_blocks, int bits, int gk, int vg, int gv,
+                            const int32_t *tables, int64_t table_stride, const int32_t *lens,
+                            int batch, int q_heads, int kv_heads, int head_dim, int block_size,
+                            float scale, int threads, float *out, float *lse) {
+  const int g = q_heads / kv_heads, d = head_dim, packed = head_dim * bits / 8;
+  int bad = 0;
+#pragma omp parallel for num_threads(threads) schedule(dynamic)
+  for (int b = 0; b < batch; b++) {
+    hm_state st;
+    const float *krow[HM_MAX_BS], *vrow[HM_MAX_BS];
+    if (!hm_begin(&st, q + (int64_t)b * q_heads * d, q_heads, g, d, scale)) {
+#pragma omp atomic write
+      bad = -1;
+      continue;
+    }
+    float *sc = st.scratch, *zr = st.scratch + d;
+    const int len = lens[b];
+    for (int j = 0; j * block_size < len; j++) {
+      const int64_t blk = tables[(int64_t)b * table_stride + j];
+      if (blk < 0 || blk >= num_blocks) {
+#pragma omp atomic write
+        bad = b + 1;
+        break;
+      }
+      const int n = len - j * block_size < block_size ? len - j * block_size : block_size;
+      const uint16_t *ks = (const uint16_t *)((const char *)ptr[0] + blk * blk_bytes[0]);
+      const uint16_t *kz = (const uint16_t *)((const char *)ptr[1] + blk * blk_bytes[1]);
+      const uint16_t *vsc = (const uint16_t *)((const char *)ptr[2] + blk * blk_bytes[2]);
+      const uint16_t *vze = (const uint16_t *)((const char *)ptr[3] + blk * blk_bytes[3]);
+      const uint8_t *kc = (const uint8_t *)ptr[4] + blk * blk_bytes[4];
+      const uint8_t *vc = (const uint8_t *)ptr[5] + blk * blk_bytes[5];
+      for (int h = 0; h < kv_heads; h++) {
+        for (int t = 0; t < n; t++) {
+          float *kr = st.kbuf + (size_t)t * d, *vr = st.vbuf + (size_t)t * d;
+          hm_unpack(kc + ((int64_t)t * kv_heads + h) * packed, bits, d, kr);
+          krow[t] = kr;
+          hm_unpack(vc + ((int64_t)t * kv_heads + h) * packed, bits, d, vr);
+          const int64_t goff = ((int64_t)t * kv_heads + h) * vg;
+          hm_halves(vsc + goff, vg, sc);
+          hm_halves(vze + goff, vg, zr);
+          hm_affine(vr, sc, zr, d, gv);
+          vrow[t] = vr;
+        }
+        for (int t0 = 0; t0 < n; t0 += gk) { /* one key group: rescale q by its scales */
+          const int64_t off = ((int64_t)(t0 / gk) * kv_heads + h) * d;
+          const int m = n - t0 < gk ? n - t0 : gk;
+          hm_halves(ks + off, d, sc);
+          hm_halves(kz + off, d, zr);
+          for (int r = h * g; r < h * g + g; r++) {
+            const float *qr = st.q + (size_t)r * d;
+            float *qs = st.qs + (size_t)(r - h * g) * d;
+            for (int i = 0; i < d; i++) qs[i] = qr[i] * sc[i];
+            hm_scores(qs, krow + t0, m, d, hm_dot(qr, zr, d), st.s + (size_t)r * HM_MAX_BS + t0);
+          }
+        }
+        hm_block_values(&st, h, g, n, vrow);
+      }
+    }
+    hm_finish(&st, out + (int64_t)b * q_heads * d, lse + (int64_t)b * q_heads);
+  }
+  return bad;
+}

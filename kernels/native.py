@@ -1,0 +1,260 @@
+"""The fused CPU decode-attention kernels (kernels/csrc/decode_attention.c): built on first use
+with the system C compiler, cached by source and compiler flags, called through ctypes.
+
+`native_status()` says whether they are there and, if not, why; the dispatch then falls back to
+the torch twin (paged_attention_torch.py), logs the reason once, and a worker reports it as a
+metric. `HALFMOON_NATIVE=0` turns them off (to compare against the twin). The compiled library
+lives under $HALFMOON_CACHE (default ~/.cache/halfmoon, where models are fetched to) in
+`kernels/`, named by a hash of the source, the compiler and the flags, so a changed source or
+another machine's CPU builds its own; the build writes a temporary file and renames it, so
+processes that build at once never load a half-written library.
+
+The libraries link OpenMP as `libgomp.so.1`, the soname torch's own runtime is loaded under, so
+both share one thread pool.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+
+from kernels.kivi import KiviPacked, kivi_layout
+from kernels.paged_attention_torch import (
+    check_window_shapes,
+    merge_attention,
+    paged_decode_attention_kivi_torch,
+    paged_decode_attention_torch,
+)
+
+log = logging.getLogger("halfmoon.kernels")
+
+SOURCE = Path(__file__).resolve().parent / "csrc" / "decode_attention.c"
+CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
+# The C kernel's per-block arrays (csrc/decode_attention.c HM_MAX_BS)
+MAX_BLOCK_SIZE = 256
+_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+_i64, _i32, _f32, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
+
+
+class NativeStatus(NamedTuple):
+    """Whether the fused CPU kernels can run in this process."""
+
+    available: bool  # built and loaded
+    detail: str  # the library's path, or why it is not available
+
+
+def _build_dir() -> Path:
+    return Path(os.environ.get("HALFMOON_CACHE", Path.home() / ".cache" / "halfmoon")) / "kernels"
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
+def _build(cc: str) -> Path:
+    """The library for this source, compiler and flags, compiled now unless cached."""
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
+    key = hashlib.sha256(
+        SOURCE.read_bytes() + version.encode() + " ".join(CFLAGS).encode()
+    ).hexdigest()[:16]
+    out = _build_dir() / f"decode_attention-{key}.so"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    try:
+        done = subprocess.run(
+            [cc, *CFLAGS, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True
+        )
+        if done.returncode:
+            raise RuntimeError(f"{cc} failed: {done.stderr.strip()[-500:]}")
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return out
+
+
+@functools.cache
+def _library() -> tuple[ctypes.CDLL | None, str]:
+    if os.environ.get("HALFMOON_NATIVE", "1") == "0":
+        return None, "turned off by HALFMOON_NATIVE=0"
+    cc = _compiler()
+    if cc is None:
+        return None, "no C compiler (cc, gcc or $CC) on PATH"
+    try:
+        path = _build(cc)
+        lib = ctypes.CDLL(str(path))
+    except (OSError, RuntimeError) as e:
+        return None, f"build failed: {e}"
+    lib.hm_paged_attention_full.restype = ctypes.c_int
+    lib.hm_paged_attention_full.argtypes = [
+        _ptr, _ptr, _ptr, _i32, _i64, _i64, _i64, _i64, _ptr, _i64, _ptr,
+        _i32, _i32, _i32, _i32, _i32, _f32, _i32, _ptr, _ptr,
+    ]  # fmt: skip
+    lib.hm_paged_attention_kivi.restype = ctypes.c_int
+    lib.hm_paged_attention_kivi.argtypes = [
+        _ptr, _ptr, _ptr, _i64, _i32, _i32, _i32, _i32, _ptr, _i64, _ptr,
+        _i32, _i32, _i32, _i32, _i32, _f32, _i32, _ptr, _ptr,
+    ]  # fmt: skip
+    return lib, str(path)
+
+
+def native_status() -> NativeStatus:
+    """Build (once per process) and report the fused CPU kernels; logs why when they are not
+    available."""
+    lib, detail = _library()
+    if lib is None:
+        _warn_once(detail)
+    return NativeStatus(lib is not None, detail)
+
+
+@functools.cache
+def _warn_once(detail: str) -> None:
+    log.warning("fused CPU decode attention unavailable (%s): using the torch path", detail)
+
+
+def supports(q: torch.Tensor, kv_heads: int, block_size: int) -> bool:
+    """True when q is on the CPU and these shapes fit the kernel."""
+    return (
+        q.device.type == "cpu"
+        and block_size <= MAX_BLOCK_SIZE
+        and kv_heads > 0
+        and q.shape[1] % kv_heads == 0
+    )
+
+
+def _common(q, block_tables, seq_lens, block_size, scale):
+    """(q fp32 contiguous, tables int32, lens int32, scale, out, lse) with the table checked to
+    cover every length."""
+    batch, q_heads, head_dim = q.shape
+    tables = block_tables.to(torch.int32).contiguous()
+    lens = seq_lens.to(torch.int32).contiguous()
+    if lens.numel() != batch or tables.shape[0] != batch:
+        raise ValueError(f"{batch} queries, {lens.numel()} lengths, {tables.shape[0]} tables")
+    longest = int(lens.max()) if batch else 0
+    if longest > tables.shape[1] * block_size or (batch and int(lens.min()) < 0):
+        raise ValueError(
+            f"sequence lengths up to {longest} need {-(-longest // block_size)} table columns, "
+            f"have {tables.shape[1]}"
+        )
+    scale = head_dim**-0.5 if scale is None else float(scale)
+    out = torch.empty(batch, q_heads, head_dim)
+    lse = torch.empty(batch, q_heads)
+    return q.float().contiguous(), tables, lens, scale, out, lse
+
+
+def _check_bad(bad: int) -> None:
+    if bad < 0:
+        raise MemoryError("fused CPU attention could not allocate its per-sequence state")
+    if bad:
+        raise IndexError(f"block table of sequence {bad - 1} names a block outside the pool")
+
+
+def paged_attention_full(q, k_cache, v_cache, block_tables, seq_lens, scale=None):
+    """(out fp32 [B, QH, D], lse fp32 [B, QH]) of decode attention over full-precision blocks
+    k_cache/v_cache [num_blocks, block_size, kv_heads, head_dim] (fp32, bf16 or fp16; strided
+    views of a pool are read in place)."""
+    lib, _ = _library()
+    num_blocks, block_size, kv_heads, head_dim = k_cache.shape
+    if k_cache.stride() != v_cache.stride() or k_cache.stride(3) != 1:
+        raise ValueError("K and V views need equal strides and a contiguous head_dim")
+    if k_cache.dtype != v_cache.dtype or k_cache.dtype not in _DTYPE_CODES:
+        raise ValueError(f"unsupported KV dtype {k_cache.dtype}/{v_cache.dtype}")
+    qf, tables, lens, scale, out, lse = _common(q, block_tables, seq_lens, block_size, scale)
+    s = k_cache.stride()
+    bad = lib.hm_paged_attention_full(
+        qf.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), _DTYPE_CODES[k_cache.dtype],
+        num_blocks, s[0], s[1], s[2], tables.data_ptr(), tables.stride(0), lens.data_ptr(),
+        q.shape[0], q.shape[1], kv_heads, head_dim, block_size, scale,
+        torch.get_num_threads(), out.data_ptr(), lse.data_ptr(),
+    )  # fmt: skip
+    _check_bad(bad)
+    return out, lse
+
+
+def paged_attention_kivi(q, pool: KiviPacked, block_tables, seq_lens, scale=None):
+    """(out fp32 [B, QH, D], lse fp32 [B, QH]) of decode attention over KIVI blocks: pool's
+    fields carry a leading num_blocks dim and may be strided views of a packed pool (each field
+    contiguous within a block)."""
+    lib, _ = _library()
+    block_size, kv_heads, head_dim, bits, gk, gv = kivi_layout(KiviPacked(*(f[0] for f in pool)))
+    num_blocks = pool.k_codes.shape[0]
+    for f in pool:
+        if f.shape[0] != num_blocks or not f[0].is_contiguous():
+            raise ValueError("each KIVI field needs num_blocks rows, contiguous within a block")
+    qf, tables, lens, scale, out, lse = _common(q, block_tables, seq_lens, block_size, scale)
+    ptrs = (ctypes.c_void_p * 6)(*(f.data_ptr() for f in pool))
+    strides = (ctypes.c_int64 * 6)(*(f.stride(0) * f.element_size() for f in pool))
+    vg = pool.v_scale.shape[-1]
+    bad = lib.hm_paged_attention_kivi(
+        qf.data_ptr(), ptrs, strides, num_blocks, bits, gk, vg, gv,
+        tables.data_ptr(), tables.stride(0), lens.data_ptr(),
+        q.shape[0], q.shape[1], kv_heads, head_dim, block_size, scale,
+        torch.get_num_threads(), out.data_ptr(), lse.data_ptr(),
+    )  # fmt: skip
+    _check_bad(bad)
+    return out, lse
+
+
+# ---- the dispatch's "native" backend: the torch twins' contracts ----
+
+
+def paged_decode_attention_native(
+    q, k_cache, v_cache, block_tables, seq_lens, scale=None, split_bytes=None, *, return_lse=False
+):
+    """`paged_decode_attention_torch`'s contract on the fused kernel (the twin where the kernel
+    is not built or the shapes do not fit it)."""
+    _, block_size, kv_heads, _ = k_cache.shape
+    fits = supports(q, kv_heads, block_size) and k_cache.stride(3) == 1
+    if not (native_status().available and fits and k_cache.stride() == v_cache.stride()):
+        if native_status().available:
+            _warn_once(f"KV views {tuple(k_cache.stride())} / block size {block_size} not fused")
+        return paged_decode_attention_torch(
+            q, k_cache, v_cache, block_tables, seq_lens, scale, split_bytes, return_lse=return_lse
+        )
+    out, lse = paged_attention_full(q, k_cache, v_cache, block_tables, seq_lens, scale)
+    return (out.to(q.dtype), lse) if return_lse else out.to(q.dtype)
+
+
+def paged_decode_attention_kivi_native(
+    q, kv_pool: KiviPacked, block_tables, seq_lens, scale=None, split_bytes=None, *,
+    return_lse=False,
+):  # fmt: skip
+    """`paged_decode_attention_kivi_torch`'s contract on the fused kernel."""
+    _, block_size, kv_heads, _ = kv_pool.k_codes.shape
+    if not (native_status().available and supports(q, kv_heads, block_size)):
+        return paged_decode_attention_kivi_torch(
+            q, kv_pool, block_tables, seq_lens, scale, split_bytes, return_lse=return_lse
+        )
+    out, lse = paged_attention_kivi(q, kv_pool, block_tables, seq_lens, scale)
+    return (out.to(q.dtype), lse) if return_lse else out.to(q.dtype)
+
+
+def paged_decode_attention_kivi_window_native(
+    q, packed_pool, packed_tables, packed_lens, k_window, v_window, window_tables, window_lens,
+    scale=None, split_bytes=None,
+):  # fmt: skip
+    """`paged_decode_attention_kivi_window_torch`'s contract: both parts on the fused kernel,
+    merged exactly."""
+    check_window_shapes(q, packed_pool, k_window, v_window)
+    packed = paged_decode_attention_kivi_native(
+        q, packed_pool, packed_tables, packed_lens, scale, split_bytes, return_lse=True
+    )
+    window = paged_decode_attention_native(
+        q, k_window, v_window, window_tables, window_lens, scale, split_bytes, return_lse=True
+    )
+    out, _ = merge_attention(*packed, *window)
+    return out.to(q.dtype)

@@ -1,0 +1,143 @@
+"""The fused CPU decode-attention kernels (kernels/native.py, kernels/csrc/decode_attention.c)
+against the torch twin and float64 dense attention: full-precision pools in fp32/bf16/fp16 read
+in place from a layer-major pool, KIVI pools of 2/4/8 bits with key groups shorter than a block,
+odd head dims and block sizes (the vector loops' tails), empty sequences, bad block tables."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import kernels
+from kernels import FullKVLayout, KiviKVLayout
+from kernels.native import paged_attention_full, paged_attention_kivi
+from kernels.paged_attention_torch import _full_parts, _kivi_parts
+
+pytestmark = pytest.mark.skipif(
+    not kernels.native_status().available, reason=kernels.native_status().detail
+)
+
+
+def test_the_kernels_build_here():
+    # CI machines have a C compiler: the fused path must be there, not silently the twin.
+    status = kernels.native_status()
+    assert status.available and status.detail.endswith(".so"), status
+
+
+def case(seed, lens, kv_heads=3, group=3, head_dim=64, block_size=16, extra_blocks=5):
+    g = torch.Generator().manual_seed(seed)
+    batch = len(lens)
+    cols = max(1, -(-max(lens) // block_size))
+    num_blocks = batch * cols + extra_blocks
+    q = torch.randn(batch, kv_heads * group, head_dim, generator=g)
+    kv = torch.randn(num_blocks, 2, block_size, kv_heads, head_dim, generator=g)
+    table = torch.randperm(num_blocks, generator=g)[: batch * cols].view(batch, cols)
+    return q, kv, table.to(torch.int32), torch.tensor(lens, dtype=torch.int32)
+
+
+def dense(q, k, v, table, lens, scale):
+    """float64 attention of each sequence over its first lens[b] tokens (0 when empty)."""
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    lse = torch.full(q.shape[:2], float("-inf"), dtype=torch.float64)
+    bs, kh = k.shape[1], k.shape[2]
+    for b, n in enumerate(lens.tolist()):
+        if not n:
+            continue
+        kb = k[table[b].long()].reshape(-1, kh, k.shape[3])[:n].double()
+        vb = v[table[b].long()].reshape(-1, kh, v.shape[3])[:n].double()
+        rep = q.shape[1] // kh
+        kr, vr = kb.repeat_interleave(rep, 1), vb.repeat_interleave(rep, 1)
+        s = torch.einsum("hd,thd->ht", q[b].double(), kr) * scale
+        lse[b] = torch.logsumexp(s, -1)
+        out[b] = torch.einsum("ht,thd->hd", torch.softmax(s, -1), vr)
+    assert bs  # blocks exist
+    return out, lse
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    "lens,head_dim,block_size,group",
+    [([0, 1, 16, 45], 64, 16, 3), ([7, 33], 40, 8, 1), ([5, 70, 2], 128, 6, 4), ([300], 64, 16, 3)],
+)
+def test_full_precision_pool_read_in_place(dtype, lens, head_dim, block_size, group):
+    q, kv, table, seq_lens = case(1, lens, 2, group, head_dim, block_size)
+    layout = FullKVLayout(2, 2, head_dim, block_size, dtype)
+    pool = layout.empty_blocks(kv.shape[0])
+    pool[:, 1] = kv.to(dtype)  # layer 1 of a layer-major pool: strided views
+    k, v = layout.layer_views(pool, 1)
+    assert not k.is_contiguous()
+    out, lse = paged_attention_full(q, k, v, table, seq_lens)
+    want, want_lse = dense(q, k.float(), v.float(), table, seq_lens, head_dim**-0.5)
+    assert (out.double() - want).abs().max() < 2e-5
+    finite = want_lse.isfinite()
+    assert torch.equal(lse.isfinite(), finite)
+    assert (lse.double()[finite] - want_lse[finite]).abs().max() < 2e-5
+    assert torch.all(out[seq_lens == 0] == 0)
+    twin, twin_lse = _full_parts(q, k, v, table, seq_lens, None, None)
+    assert (out - twin).abs().max() < 2e-5
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize(
+    "lens,head_dim,block_size,group_size",
+    [
+        ([0, 1, 16, 45], 64, 16, 32),
+        ([7, 33], 40, 8, 4),
+        ([5, 70, 2], 128, 16, 8),
+        ([12], 24, 12, 5),
+    ],
+)
+def test_kivi_pool_equals_attention_over_its_dequantized_values(
+    bits, lens, head_dim, block_size, group_size
+):
+    q, kv, table, seq_lens = case(2, lens, 3, 2, head_dim, block_size)
+    layout = KiviKVLayout(2, 3, head_dim, block_size, bits, group_size, 0, torch.float32)
+    full = torch.stack([kv, kv.flip(0)], dim=1)  # [n, layers, 2, bs, H, D]
+    packed = layout.pack(full)
+    views = layout.layer_views(packed, 0)
+    out, lse = paged_attention_kivi(q, views, table, seq_lens)
+    deq = layout.unpack(packed)[:, 0]  # what attention over the packed blocks must see
+    want, want_lse = dense(q, deq[:, 0], deq[:, 1], table, seq_lens, head_dim**-0.5)
+    assert (out.double() - want).abs().max() < 2e-5
+    finite = want_lse.isfinite()
+    assert (lse.double()[finite] - want_lse[finite]).abs().max() < 2e-5
+    twin, _ = _kivi_parts(q, views, table, seq_lens, None, None)
+    assert (out - twin).abs().max() < 2e-5
+
+
+def test_a_table_naming_a_block_outside_the_pool_is_an_error_not_a_read():
+    q, kv, table, seq_lens = case(3, [20, 40])
+    table = table.clone()
+    table[1, 2] = kv.shape[0] + 10**6
+    with pytest.raises(IndexError, match="sequence 1"):
+        paged_attention_full(q, kv[:, 0], kv[:, 1], table, seq_lens)
+    table[1, 2] = -3
+    with pytest.raises(IndexError, match="sequence 1"):
+        paged_attention_full(q, kv[:, 0], kv[:, 1], table, seq_lens)
+    with pytest.raises(ValueError, match="table columns"):
+        paged_attention_full(q, kv[:, 0], kv[:, 1], table[:, :1], seq_lens)
+    # entries past a sequence's end are never read, whatever they hold
+    table = torch.full_like(table, -1)
+    table[:, 0] = torch.tensor([0, 1])
+    short = torch.tensor([3, 16], dtype=torch.int32)
+    out, _ = paged_attention_full(q, kv[:, 0], kv[:, 1], table, short)
+    assert out.isfinite().all()
+
+
+def test_an_empty_batch_and_turning_the_kernels_off():
+    q, kv, table, seq_lens = case(4, [5])
+    out, lse = paged_attention_full(q[:0], kv[:, 0], kv[:, 1], table[:0], seq_lens[:0])
+    assert out.shape == (0, q.shape[1], q.shape[2]) and lse.shape == (0, q.shape[1])
+    code = "import kernels; s = kernels.native_status(); print(s.available, s.detail)"
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env={"HALFMOON_NATIVE": "0", "PATH": "/usr/bin:/bin"},
+        check=True,
+    )
+    assert done.stdout.startswith("False turned off by HALFMOON_NATIVE=0")
+    assert "using the torch path" in done.stderr
