@@ -28,7 +28,7 @@ from typing import NamedTuple
 
 import torch
 
-from kernels.kivi import KiviPacked, kivi_layout
+from kernels.kivi import KiviPacked
 from kernels.paged_attention_torch import (
     check_window_shapes,
     merge_attention,
@@ -102,6 +102,12 @@ def _library() -> tuple[ctypes.CDLL | None, str]:
     lib.hm_paged_attention_full.restype = ctypes.c_int
     lib.hm_paged_attention_full.argtypes = [
         _ptr, _ptr, _ptr, _i32, _i64, _i64, _i64, _i64, _ptr, _i64, _ptr,
+        _i32, _i32, _i32, _i32, _i32, _f32, _i32, _ptr, _ptr,
+    ]  # fmt: skip
+    lib.hm_paged_attention_kivi_window.restype = ctypes.c_int
+    lib.hm_paged_attention_kivi_window.argtypes = [
+        _ptr, _ptr, _ptr, _i64, _i32, _i32, _i32, _i32, _ptr, _i64, _ptr,
+        _ptr, _ptr, _i32, _i64, _i64, _i64, _i64, _ptr, _i64, _ptr, _i32,
         _i32, _i32, _i32, _i32, _i32, _f32, _i32, _ptr, _ptr,
     ]  # fmt: skip
     lib.hm_paged_attention_kivi.restype = ctypes.c_int
@@ -185,24 +191,92 @@ def paged_attention_full(q, k_cache, v_cache, block_tables, seq_lens, scale=None
     return out, lse
 
 
+class _KiviArgs(NamedTuple):
+    """A KIVI pool layer as the C kernel takes it."""
+
+    num_blocks: int
+    block_size: int
+    kv_heads: int
+    head_dim: int
+    bits: int
+    gk: int  # tokens per key group
+    vg: int  # value groups per row
+    gv: int  # channels per value group
+    ptrs: ctypes.Array  # each field's base pointer
+    strides: ctypes.Array  # each field's bytes from one block to the next
+
+
+def _kivi_args(pool: KiviPacked) -> _KiviArgs:
+    """The C kernel's view of `pool`, read from shapes and strides alone (no tensor ops: this
+    runs once per layer per step); ValueError unless every field is contiguous within a block."""
+    num_blocks, block_size, kv_heads, packed = pool.k_codes.shape
+    kg, head_dim, vg = pool.k_scale.shape[1], pool.k_scale.shape[-1], pool.v_scale.shape[-1]
+    bits = packed * 8 // head_dim
+    for f in pool:
+        inner, want = f.stride()[1:], []
+        size = 1
+        for dim in reversed(f.shape[1:]):
+            want.insert(0, size)
+            size *= dim
+        if f.shape[0] != num_blocks or list(inner) != want:
+            raise ValueError("each KIVI field needs num_blocks rows, contiguous within a block")
+    if bits not in (2, 4, 8) or packed * 8 != bits * head_dim:
+        raise ValueError(f"kivi codes of {packed} bytes do not fit head_dim {head_dim}")
+    return _KiviArgs(
+        num_blocks,
+        block_size,
+        kv_heads,
+        head_dim,
+        bits,
+        -(-block_size // kg),
+        vg,
+        -(-head_dim // vg),
+        (ctypes.c_void_p * 6)(*(f.data_ptr() for f in pool)),
+        (ctypes.c_int64 * 6)(*(f.stride(0) * f.element_size() for f in pool)),
+    )
+
+
 def paged_attention_kivi(q, pool: KiviPacked, block_tables, seq_lens, scale=None):
     """(out fp32 [B, QH, D], lse fp32 [B, QH]) of decode attention over KIVI blocks: pool's
     fields carry a leading num_blocks dim and may be strided views of a packed pool (each field
     contiguous within a block)."""
     lib, _ = _library()
-    block_size, kv_heads, head_dim, bits, gk, gv = kivi_layout(KiviPacked(*(f[0] for f in pool)))
-    num_blocks = pool.k_codes.shape[0]
-    for f in pool:
-        if f.shape[0] != num_blocks or not f[0].is_contiguous():
-            raise ValueError("each KIVI field needs num_blocks rows, contiguous within a block")
-    qf, tables, lens, scale, out, lse = _common(q, block_tables, seq_lens, block_size, scale)
-    ptrs = (ctypes.c_void_p * 6)(*(f.data_ptr() for f in pool))
-    strides = (ctypes.c_int64 * 6)(*(f.stride(0) * f.element_size() for f in pool))
-    vg = pool.v_scale.shape[-1]
+    a = _kivi_args(pool)
+    qf, tables, lens, scale, out, lse = _common(q, block_tables, seq_lens, a.block_size, scale)
     bad = lib.hm_paged_attention_kivi(
-        qf.data_ptr(), ptrs, strides, num_blocks, bits, gk, vg, gv,
+        qf.data_ptr(), a.ptrs, a.strides, a.num_blocks, a.bits, a.gk, a.vg, a.gv,
         tables.data_ptr(), tables.stride(0), lens.data_ptr(),
-        q.shape[0], q.shape[1], kv_heads, head_dim, block_size, scale,
+        q.shape[0], q.shape[1], a.kv_heads, a.head_dim, a.block_size, scale,
+        torch.get_num_threads(), out.data_ptr(), lse.data_ptr(),
+    )  # fmt: skip
+    _check_bad(bad)
+    return out, lse
+
+
+def paged_attention_kivi_window(
+    q, pool: KiviPacked, tables, lens, k_window, v_window, window_tables, window_lens, scale=None
+):
+    """(out fp32, lse fp32) of attention over each sequence's KIVI blocks and then its
+    full-precision window blocks, in one online softmax (the exact merge of the two parts)."""
+    lib, _ = _library()
+    a = _kivi_args(pool)
+    if k_window.stride() != v_window.stride() or k_window.stride(3) != 1:
+        raise ValueError("window K and V views need equal strides and a contiguous head_dim")
+    if k_window.dtype != v_window.dtype or k_window.dtype not in _DTYPE_CODES:
+        raise ValueError(f"unsupported window dtype {k_window.dtype}/{v_window.dtype}")
+    w_block = k_window.shape[1]
+    if w_block > MAX_BLOCK_SIZE:
+        raise ValueError(f"window blocks of {w_block} tokens exceed {MAX_BLOCK_SIZE}")
+    qf, tables, lens, scale, out, lse = _common(q, tables, lens, a.block_size, scale)
+    _, wtables, wlens, _, _, _ = _common(q, window_tables, window_lens, w_block, scale)
+    w = k_window.stride()
+    bad = lib.hm_paged_attention_kivi_window(
+        qf.data_ptr(), a.ptrs, a.strides, a.num_blocks, a.bits, a.gk, a.vg, a.gv,
+        tables.data_ptr(), tables.stride(0), lens.data_ptr(),
+        k_window.data_ptr(), v_window.data_ptr(), _DTYPE_CODES[k_window.dtype],
+        k_window.shape[0], w[0], w[1], w[2], wtables.data_ptr(), wtables.stride(0),
+        wlens.data_ptr(), w_block,
+        q.shape[0], q.shape[1], a.kv_heads, a.head_dim, a.block_size, scale,
         torch.get_num_threads(), out.data_ptr(), lse.data_ptr(),
     )  # fmt: skip
     _check_bad(bad)
@@ -247,14 +321,29 @@ def paged_decode_attention_kivi_window_native(
     q, packed_pool, packed_tables, packed_lens, k_window, v_window, window_tables, window_lens,
     scale=None, split_bytes=None,
 ):  # fmt: skip
-    """`paged_decode_attention_kivi_window_torch`'s contract: both parts on the fused kernel,
-    merged exactly."""
+    """`paged_decode_attention_kivi_window_torch`'s contract on one fused kernel call: each
+    sequence's packed blocks, then its window, in one online softmax."""
     check_window_shapes(q, packed_pool, k_window, v_window)
-    packed = paged_decode_attention_kivi_native(
-        q, packed_pool, packed_tables, packed_lens, scale, split_bytes, return_lse=True
+    _, block_size, kv_heads, _ = packed_pool.k_codes.shape
+    fits = (
+        native_status().available
+        and supports(q, kv_heads, max(block_size, k_window.shape[1]))
+        and k_window.stride() == v_window.stride()
+        and k_window.stride(3) == 1
     )
-    window = paged_decode_attention_native(
-        q, k_window, v_window, window_tables, window_lens, scale, split_bytes, return_lse=True
-    )
-    out, _ = merge_attention(*packed, *window)
+    if not fits:
+        out, _ = merge_attention(
+            *paged_decode_attention_kivi_native(
+                q, packed_pool, packed_tables, packed_lens, scale, split_bytes, return_lse=True
+            ),
+            *paged_decode_attention_native(
+                q, k_window, v_window, window_tables, window_lens, scale, split_bytes,
+                return_lse=True,
+            ),
+        )  # fmt: skip
+        return out.to(q.dtype)
+    out, _ = paged_attention_kivi_window(
+        q, packed_pool, packed_tables, packed_lens, k_window, v_window, window_tables,
+        window_lens, scale,
+    )  # fmt: skip
     return out.to(q.dtype)

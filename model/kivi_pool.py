@@ -37,6 +37,10 @@ class KiviPool:
             layout=layout.window_layout,
         )
         self.device = self.packed.device
+        # per layer, the packed pool's fields as views (what attention reads each step)
+        self.packed_layers = [
+            layout.layer_views(self.packed.kv, layer) for layer in range(layout.num_layers)
+        ]
 
     @property
     def window_blocks_per_seq(self) -> int:

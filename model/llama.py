@@ -431,7 +431,7 @@ class LlamaModel(nn.Module):
         slot_block = window_tables.gather(1, (in_window // bs)[:, None]).squeeze(1).long()
         slot_off = in_window % bs
         window_lens = (in_window + 1).to(torch.int32)
-        layout, window = pool.layout, pool.window
+        window = pool.window
 
         rope = self._rope_table(positions)
         x = self.embed_tokens[token_ids]
@@ -442,7 +442,7 @@ class LlamaModel(nn.Module):
             v_win[slot_block, slot_off] = v.to(window.dtype)
             attn = kernels.paged_decode_attention_kivi_window(
                 q,
-                layout.layer_views(pool.packed.kv, li),
+                pool.packed_layers[li],
                 packed_tables,
                 packed_lens,
                 k_win,

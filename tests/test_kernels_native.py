@@ -127,6 +127,23 @@ def test_a_table_naming_a_block_outside_the_pool_is_an_error_not_a_read():
     assert out.isfinite().all()
 
 
+def test_the_fused_window_kernel_checks_both_tables():
+    from kernels.native import paged_attention_kivi_window
+
+    q, kv, table, seq_lens = case(5, [20, 40])
+    layout = KiviKVLayout(1, 3, 64, 16, 4, 32, 0, torch.float32)
+    views = layout.layer_views(layout.pack(kv[:, None]), 0)
+    win = torch.randn(4, 16, 3, 64)
+    wtable = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
+    wlens = torch.tensor([5, 17], dtype=torch.int32)
+    out, lse = paged_attention_kivi_window(q, views, table, seq_lens, win, win, wtable, wlens)
+    assert out.isfinite().all() and lse.isfinite().all()
+    bad = wtable.clone()
+    bad[1, 1] = 4  # outside the 4-block window pool
+    with pytest.raises(IndexError, match="sequence 1"):
+        paged_attention_kivi_window(q, views, table, seq_lens, win, win, bad, wlens)
+
+
 def test_an_empty_batch_and_turning_the_kernels_off():
     q, kv, table, seq_lens = case(4, [5])
     out, lse = paged_attention_full(q[:0], kv[:, 0], kv[:, 1], table[:0], seq_lens[:0])

@@ -281,121 +281,155 @@ static void hm_block_values(hm_state *st, int h, int g, int n, const float *cons
     hm_accumulate(st->acc + (size_t)r * st->d, st->s + (size_t)r * HM_MAX_BS, v, n, st->d);
 }
 
-/* Full-precision blocks: k and v are [num_blocks, block_size, kv_heads, head_dim] views with
- * element strides (blk_stride, tok_stride, head_stride) and unit stride along head_dim.
- * One work item is one sequence, all its heads: a block is read whole while it is in cache.
- * Returns 0, 1 + the index of a sequence whose table names a block outside [0, num_blocks), or
- * -1 when out of memory. */
+/* A pool of full-precision blocks: k and v are [num_blocks, block_size, kv_heads, head_dim]
+ * views with element strides (blk, tok, head) and unit stride along head_dim. */
+typedef struct {
+  const void *k, *v;
+  int dtype;
+  int64_t num_blocks, blk_stride, tok_stride, head_stride;
+} hm_full_pool;
+
+/* A layer of a KIVI pool: six fields, each `ptr[f] + block * blk_bytes[f]` then C-contiguous:
+ * k_scale, k_zero [kg, kv_heads, head_dim] f16; v_scale, v_zero [block_size, kv_heads, vg] f16;
+ * k_codes, v_codes [block_size, kv_heads, head_dim * bits / 8] u8. Key groups hold gk tokens,
+ * value groups gv channels (see kernels/kivi.py). */
+typedef struct {
+  const void *const *ptr;
+  const int64_t *blk_bytes;
+  int64_t num_blocks;
+  int bits, gk, vg, gv;
+} hm_kivi_pool;
+
+/* Sequence b's `len` tokens of a full pool, block by block, all heads per block (a block is read
+ * whole while it is in cache). 0, or 1 if its table names a block outside the pool. */
+static int hm_full_blocks(hm_state *st, const hm_full_pool *p, const int32_t *table, int len,
+                          int kv_heads, int g, int block_size) {
+  const int d = st->d;
+  const int64_t esize = p->dtype == HM_F32 ? 4 : 2;
+  const float *krow[HM_MAX_BS], *vrow[HM_MAX_BS];
+  for (int j = 0; j * block_size < len; j++) {
+    const int64_t blk = table[j];
+    if (blk < 0 || blk >= p->num_blocks) return 1;
+    const int n = len - j * block_size < block_size ? len - j * block_size : block_size;
+    for (int h = 0; h < kv_heads; h++) {
+      const int64_t base = blk * p->blk_stride + (int64_t)h * p->head_stride;
+      for (int t = 0; t < n; t++) {
+        const int64_t off = (base + t * p->tok_stride) * esize;
+        krow[t] = hm_row((const char *)p->k + off, p->dtype, d, st->kbuf + (size_t)t * d);
+        vrow[t] = hm_row((const char *)p->v + off, p->dtype, d, st->vbuf + (size_t)t * d);
+      }
+      for (int r = h * g; r < h * g + g; r++)
+        hm_scores(st->q + (size_t)r * d, krow, n, d, 0.0f, st->s + (size_t)r * HM_MAX_BS);
+      hm_block_values(st, h, g, n, vrow);
+    }
+  }
+  return 0;
+}
+
+/* Sequence b's `len` tokens of a KIVI pool. Keys: q . k = (q * scale) . code + q . zero, per
+ * key group, so keys are never dequantized; values are rebuilt a row at a time. */
+static int hm_kivi_blocks(hm_state *st, const hm_kivi_pool *p, const int32_t *table, int len,
+                          int kv_heads, int g, int block_size) {
+  const int d = st->d, packed = d * p->bits / 8, gk = p->gk, vg = p->vg;
+  const float *krow[HM_MAX_BS], *vrow[HM_MAX_BS];
+  float *sc = st->scratch, *zr = st->scratch + d;
+  for (int j = 0; j * block_size < len; j++) {
+    const int64_t blk = table[j];
+    if (blk < 0 || blk >= p->num_blocks) return 1;
+    const int n = len - j * block_size < block_size ? len - j * block_size : block_size;
+    const uint16_t *ks = (const uint16_t *)((const char *)p->ptr[0] + blk * p->blk_bytes[0]);
+    const uint16_t *kz = (const uint16_t *)((const char *)p->ptr[1] + blk * p->blk_bytes[1]);
+    const uint16_t *vsc = (const uint16_t *)((const char *)p->ptr[2] + blk * p->blk_bytes[2]);
+    const uint16_t *vze = (const uint16_t *)((const char *)p->ptr[3] + blk * p->blk_bytes[3]);
+    const uint8_t *kc = (const uint8_t *)p->ptr[4] + blk * p->blk_bytes[4];
+    const uint8_t *vc = (const uint8_t *)p->ptr[5] + blk * p->blk_bytes[5];
+    for (int h = 0; h < kv_heads; h++) {
+      for (int t = 0; t < n; t++) {
+        float *kr = st->kbuf + (size_t)t * d, *vr = st->vbuf + (size_t)t * d;
+        hm_unpack(kc + ((int64_t)t * kv_heads + h) * packed, p->bits, d, kr);
+        krow[t] = kr;
+        hm_unpack(vc + ((int64_t)t * kv_heads + h) * packed, p->bits, d, vr);
+        const int64_t goff = ((int64_t)t * kv_heads + h) * vg;
+        hm_halves(vsc + goff, vg, sc);
+        hm_halves(vze + goff, vg, zr);
+        hm_affine(vr, sc, zr, d, p->gv);
+        vrow[t] = vr;
+      }
+      for (int t0 = 0; t0 < n; t0 += gk) { /* one key group: rescale q by its scales */
+        const int64_t off = ((int64_t)(t0 / gk) * kv_heads + h) * d;
+        const int m = n - t0 < gk ? n - t0 : gk;
+        hm_halves(ks + off, d, sc);
+        hm_halves(kz + off, d, zr);
+        for (int r = h * g; r < h * g + g; r++) {
+          const float *qr = st->q + (size_t)r * d;
+          float *qs = st->qs + (size_t)(r - h * g) * d;
+          for (int i = 0; i < d; i++) qs[i] = qr[i] * sc[i];
+          hm_scores(qs, krow + t0, m, d, hm_dot(qr, zr, d), st->s + (size_t)r * HM_MAX_BS + t0);
+        }
+      }
+      hm_block_values(st, h, g, n, vrow);
+    }
+  }
+  return 0;
+}
+
+/* The three entry points: over a full pool, a KIVI pool, or a KIVI pool then each sequence's
+ * full-precision window (one online softmax over both: the exact merge, in place). One work item
+ * is one sequence with all its heads. Outputs out [B, QH, D], lse [B, QH] fp32. Returns 0, 1 + the
+ * index of a sequence whose table names a block outside its pool, or -1 when out of memory. */
+#define HM_SEQUENCES(BODY)                                                                   \
+  const int g = q_heads / kv_heads;                                                          \
+  int bad = 0;                                                                               \
+  _Pragma("omp parallel for num_threads(threads) schedule(dynamic)")                         \
+  for (int b = 0; b < batch; b++) {                                                          \
+    hm_state st;                                                                             \
+    if (!hm_begin(&st, q + (int64_t)b * q_heads * head_dim, q_heads, g, head_dim, scale)) {  \
+      _Pragma("omp atomic write") bad = -1;                                                  \
+      continue;                                                                              \
+    }                                                                                        \
+    int fail = 0;                                                                            \
+    BODY                                                                                     \
+    if (fail) {                                                                              \
+      _Pragma("omp atomic write") bad = b + 1;                                               \
+    }                                                                                        \
+    hm_finish(&st, out + (int64_t)b * q_heads * head_dim, lse + (int64_t)b * q_heads);       \
+  }                                                                                          \
+  return bad;
+
 int hm_paged_attention_full(const float *q, const void *k, const void *v, int dtype,
                             int64_t num_blocks, int64_t blk_stride, int64_t tok_stride,
                             int64_t head_stride, const int32_t *tables, int64_t table_stride,
                             const int32_t *lens, int batch, int q_heads, int kv_heads,
                             int head_dim, int block_size, float scale, int threads, float *out,
                             float *lse) {
-  const int g = q_heads / kv_heads, d = head_dim;
-  const int64_t esize = dtype == HM_F32 ? 4 : 2;
-  int bad = 0;
-#pragma omp parallel for num_threads(threads) schedule(dynamic)
-  for (int b = 0; b < batch; b++) {
-    hm_state st;
-    const float *krow[HM_MAX_BS], *vrow[HM_MAX_BS];
-    if (!hm_begin(&st, q + (int64_t)b * q_heads * d, q_heads, g, d, scale)) {
-#pragma omp atomic write
-      bad = -1;
-      continue;
-    }
-    const int len = lens[b];
-    for (int j = 0; j * block_size < len; j++) {
-      const int64_t blk = tables[(int64_t)b * table_stride + j];
-      if (blk < 0 || blk >= num_blocks) {
-#pragma omp atomic write
-        bad = b + 1;
-        break;
-      }
-      const int n = len - j * block_size < block_size ? len - j * block_size : block_size;
-      for (int h = 0; h < kv_heads; h++) {
-        const int64_t base = blk * blk_stride + (int64_t)h * head_stride;
-        for (int t = 0; t < n; t++) {
-          krow[t] = hm_row((const char *)k + (base + t * tok_stride) * esize, dtype, d,
-                           st.kbuf + (size_t)t * d);
-          vrow[t] = hm_row((const char *)v + (base + t * tok_stride) * esize, dtype, d,
-                           st.vbuf + (size_t)t * d);
-        }
-        for (int r = h * g; r < h * g + g; r++)
-          hm_scores(st.q + (size_t)r * d, krow, n, d, 0.0f, st.s + (size_t)r * HM_MAX_BS);
-        hm_block_values(&st, h, g, n, vrow);
-      }
-    }
-    hm_finish(&st, out + (int64_t)b * q_heads * d, lse + (int64_t)b * q_heads);
-  }
-  return bad;
+  const hm_full_pool pool = {k, v, dtype, num_blocks, blk_stride, tok_stride, head_stride};
+  HM_SEQUENCES(fail = hm_full_blocks(&st, &pool, tables + (int64_t)b * table_stride, lens[b],
+                                     kv_heads, g, block_size);)
 }
 
-/* KIVI blocks, one layer: six fields, each `ptr[f] + block * blk_bytes[f]` then C-contiguous:
- * k_scale, k_zero [kg, kv_heads, head_dim] f16; v_scale, v_zero [block_size, kv_heads, vg] f16;
- * k_codes, v_codes [block_size, kv_heads, head_dim * bits / 8] u8. Key groups hold gk tokens,
- * value groups gv channels (see kernels/kivi.py). Keys: q . k = (q * scale) . code + q . zero,
- * per key group. Returns as hm_paged_attention_full. */
 int hm_paged_attention_kivi(const float *q, const void *const *ptr, const int64_t *blk_bytes,
                             int64_t num_blocks, int bits, int gk, int vg, int gv,
                             const int32_t *tables, int64_t table_stride, const int32_t *lens,
                             int batch, int q_heads, int kv_heads, int head_dim, int block_size,
                             float scale, int threads, float *out, float *lse) {
-  const int g = q_heads / kv_heads, d = head_dim, packed = head_dim * bits / 8;
-  int bad = 0;
-#pragma omp parallel for num_threads(threads) schedule(dynamic)
-  for (int b = 0; b < batch; b++) {
-    hm_state st;
-    const float *krow[HM_MAX_BS], *vrow[HM_MAX_BS];
-    if (!hm_begin(&st, q + (int64_t)b * q_heads * d, q_heads, g, d, scale)) {
-#pragma omp atomic write
-      bad = -1;
-      continue;
-    }
-    float *sc = st.scratch, *zr = st.scratch + d;
-    const int len = lens[b];
-    for (int j = 0; j * block_size < len; j++) {
-      const int64_t blk = tables[(int64_t)b * table_stride + j];
-      if (blk < 0 || blk >= num_blocks) {
-#pragma omp atomic write
-        bad = b + 1;
-        break;
-      }
-      const int n = len - j * block_size < block_size ? len - j * block_size : block_size;
-      const uint16_t *ks = (const uint16_t *)((const char *)ptr[0] + blk * blk_bytes[0]);
-      const uint16_t *kz = (const uint16_t *)((const char *)ptr[1] + blk * blk_bytes[1]);
-      const uint16_t *vsc = (const uint16_t *)((const char *)ptr[2] + blk * blk_bytes[2]);
-      const uint16_t *vze = (const uint16_t *)((const char *)ptr[3] + blk * blk_bytes[3]);
-      const uint8_t *kc = (const uint8_t *)ptr[4] + blk * blk_bytes[4];
-      const uint8_t *vc = (const uint8_t *)ptr[5] + blk * blk_bytes[5];
-      for (int h = 0; h < kv_heads; h++) {
-        for (int t = 0; t < n; t++) {
-          float *kr = st.kbuf + (size_t)t * d, *vr = st.vbuf + (size_t)t * d;
-          hm_unpack(kc + ((int64_t)t * kv_heads + h) * packed, bits, d, kr);
-          krow[t] = kr;
-          hm_unpack(vc + ((int64_t)t * kv_heads + h) * packed, bits, d, vr);
-          const int64_t goff = ((int64_t)t * kv_heads + h) * vg;
-          hm_halves(vsc + goff, vg, sc);
-          hm_halves(vze + goff, vg, zr);
-          hm_affine(vr, sc, zr, d, gv);
-          vrow[t] = vr;
-        }
-        for (int t0 = 0; t0 < n; t0 += gk) { /* one key group: rescale q by its scales */
-          const int64_t off = ((int64_t)(t0 / gk) * kv_heads + h) * d;
-          const int m = n - t0 < gk ? n - t0 : gk;
-          hm_halves(ks + off, d, sc);
-          hm_halves(kz + off, d, zr);
-          for (int r = h * g; r < h * g + g; r++) {
-            const float *qr = st.q + (size_t)r * d;
-            float *qs = st.qs + (size_t)(r - h * g) * d;
-            for (int i = 0; i < d; i++) qs[i] = qr[i] * sc[i];
-            hm_scores(qs, krow + t0, m, d, hm_dot(qr, zr, d), st.s + (size_t)r * HM_MAX_BS + t0);
-          }
-        }
-        hm_block_values(&st, h, g, n, vrow);
-      }
-    }
-    hm_finish(&st, out + (int64_t)b * q_heads * d, lse + (int64_t)b * q_heads);
-  }
-  return bad;
+  const hm_kivi_pool pool = {ptr, blk_bytes, num_blocks, bits, gk, vg, gv};
+  HM_SEQUENCES(fail = hm_kivi_blocks(&st, &pool, tables + (int64_t)b * table_stride, lens[b],
+                                     kv_heads, g, block_size);)
+}
+
+int hm_paged_attention_kivi_window(
+    const float *q, const void *const *ptr, const int64_t *blk_bytes, int64_t num_blocks, int bits,
+    int gk, int vg, int gv, const int32_t *tables, int64_t table_stride, const int32_t *lens,
+    const void *wk, const void *wv, int wdtype, int64_t w_num_blocks, int64_t w_blk_stride,
+    int64_t w_tok_stride, int64_t w_head_stride, const int32_t *w_tables, int64_t w_table_stride,
+    const int32_t *w_lens, int w_block_size, int batch, int q_heads, int kv_heads, int head_dim,
+    int block_size, float scale, int threads, float *out, float *lse) {
+  const hm_kivi_pool pool = {ptr, blk_bytes, num_blocks, bits, gk, vg, gv};
+  const hm_full_pool window = {wk,           wv,           wdtype,       w_num_blocks,
+                               w_blk_stride, w_tok_stride, w_head_stride};
+  HM_SEQUENCES(
+      fail = hm_kivi_blocks(&st, &pool, tables + (int64_t)b * table_stride, lens[b], kv_heads, g,
+                            block_size) ||
+             hm_full_blocks(&st, &window, w_tables + (int64_t)b * w_table_stride, w_lens[b],
+                            kv_heads, g, w_block_size);)
 }
