@@ -10,6 +10,7 @@ from kernels.dispatch import (
     paged_decode_attention,
     paged_decode_attention_kivi,
     paged_decode_attention_kivi_window,
+    paged_mla_decode_attention,
     scatter_blocks,
 )
 from kernels.kivi import (
@@ -22,7 +23,7 @@ from kernels.kivi import (
     kivi_packed_nbytes,
     kivi_to_bytes,
 )
-from kernels.layout import KV_LAYOUTS, FullKVLayout, KiviKVLayout, KVLayout
+from kernels.layout import KV_LAYOUTS, FullKVLayout, KiviKVLayout, KVLayout, MlaKVLayout
 from kernels.native import NativeStatus, native_status
 from kernels.paged_attention_ref import paged_decode_attention_ref
 from kernels.paged_attention_torch import merge_attention
@@ -36,6 +37,7 @@ __all__ = [
     "KVLayout",
     "KiviKVLayout",
     "KiviPacked",
+    "MlaKVLayout",
     "NativeStatus",
     "available_backends",
     "gather_blocks",
@@ -53,5 +55,6 @@ __all__ = [
     "paged_decode_attention_kivi",
     "paged_decode_attention_kivi_window",
     "paged_decode_attention_ref",
+    "paged_mla_decode_attention",
     "scatter_blocks",
 ]

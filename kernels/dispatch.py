@@ -12,6 +12,7 @@ import torch
 
 from kernels.blocks import gather_blocks_torch, scatter_blocks_torch
 from kernels.kivi import KiviPacked, kivi_dequantize_blocks_torch, kivi_quantize_torch
+from kernels.mla_attention import paged_mla_decode_attention_torch
 from kernels.native import (
     native_status,
     paged_decode_attention_kivi_native,
@@ -28,6 +29,7 @@ from kernels.paged_attention_torch import (
 try:
     from kernels.blocks import gather_blocks_triton, scatter_blocks_triton
     from kernels.kivi_triton import kivi_dequantize_triton, kivi_quantize_triton
+    from kernels.mla_attention_triton import paged_mla_decode_attention_triton
     from kernels.paged_attention_triton import (
         paged_decode_attention_kivi_triton,
         paged_decode_attention_kivi_window_triton,
@@ -53,6 +55,7 @@ _IMPLS: dict[str, dict[str, object]] = {
         "torch": paged_decode_attention_kivi_window_torch,
         "native": paged_decode_attention_kivi_window_native,
     },
+    "paged_mla_decode_attention": {"torch": paged_mla_decode_attention_torch},
     "kivi_quantize": {"torch": kivi_quantize_torch},
     "kivi_dequantize": {"torch": kivi_dequantize_blocks_torch},
     "gather_blocks": {"torch": gather_blocks_torch},
@@ -64,6 +67,7 @@ if HAS_TRITON:
     _IMPLS["paged_decode_attention_kivi_window"]["triton"] = (
         paged_decode_attention_kivi_window_triton
     )
+    _IMPLS["paged_mla_decode_attention"]["triton"] = paged_mla_decode_attention_triton
     _IMPLS["kivi_quantize"]["triton"] = kivi_quantize_triton
     _IMPLS["kivi_dequantize"]["triton"] = kivi_dequantize_triton
     _IMPLS["gather_blocks"]["triton"] = gather_blocks_triton
@@ -145,6 +149,26 @@ def paged_decode_attention_kivi_window(
         window_lens,
         scale,
     )
+
+
+def paged_mla_decode_attention(
+    q_latent,
+    q_rope,
+    latent_cache,
+    block_tables,
+    seq_lens,
+    scale,
+    *,
+    backend=None,
+    return_lse=False,
+):
+    """Absorbed MLA decode attention over paged latent rows (kernels/mla_attention.py):
+    q_latent [B, H, kv_lora_rank], q_rope [B, H, rope_dim], latent_cache [num_blocks, block_size,
+    kv_lora_rank + rope_dim] -> out_latent [B, H, kv_lora_rank] fp32 (0 for an empty sequence).
+    return_lse=True -> (out, lse fp32 [B, H]), as `paged_decode_attention`."""
+    impl = pick("paged_mla_decode_attention", q_latent.device, backend)
+    args = (q_latent, q_rope, latent_cache, block_tables, seq_lens, scale)
+    return impl(*args, return_lse=True) if return_lse else impl(*args)
 
 
 def kivi_quantize(kv: torch.Tensor, bits: int, group_size: int = 32, *, backend=None) -> KiviPacked:

@@ -48,7 +48,8 @@ class KVLayout(abc.ABC):
     @abc.abstractmethod
     def layer_views(self, kv: torch.Tensor, layer: int):
         """Views of one layer of pool `kv`, as this layout's attention kernels read them
-        ((k_cache, v_cache) for full precision, a KiviPacked for KIVI)."""
+        ((k_cache, v_cache) for full precision, a KiviPacked for KIVI, the latent rows for
+        MLA)."""
         ...
 
     @property
@@ -217,5 +218,56 @@ class KiviKVLayout(KVLayout):
         return (packed_tokens * per_packed + window * per_window) / max(1, context_tokens)
 
 
-# registry name -> layout class; MLA-latent layouts join it as a subclass
-KV_LAYOUTS: dict[str, type[KVLayout]] = {"full": FullKVLayout, "kivi": KiviKVLayout}
+@dataclass(frozen=True)
+class MlaKVLayout(KVLayout):
+    """Multi-head latent attention (DeepSeek-V2 family): a block is `[num_layers, block_size,
+    kv_lora_rank + rope_dim]`, each token's row the normalised latent `c_kv` then the rotated key
+    shared by every head. There is no per-head K/V and no K|V split: attention up-projects (or
+    absorbs into the query) the latent, so one row serves as key and value of all heads."""
+
+    num_layers: int
+    kv_lora_rank: int
+    rope_dim: int  # qk_rope_head_dim
+    block_size: int
+    dtype: torch.dtype
+
+    name: ClassVar[str] = "mla"
+    store_codec: ClassVar[str] = "raw"
+
+    def __post_init__(self) -> None:
+        for field_name in ("num_layers", "kv_lora_rank", "rope_dim", "block_size"):
+            value = getattr(self, field_name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"MlaKVLayout: {field_name} must be positive, not {value!r}")
+        if not isinstance(self.dtype, torch.dtype) or not self.dtype.is_floating_point:
+            raise ValueError(f"MlaKVLayout: dtype must be a float torch.dtype, not {self.dtype!r}")
+
+    @property
+    def latent_dim(self) -> int:
+        """Width of one token's row: kv_lora_rank + rope_dim."""
+        return self.kv_lora_rank + self.rope_dim
+
+    @property
+    def block_shape(self) -> tuple[int, ...]:
+        return (self.num_layers, self.block_size, self.latent_dim)
+
+    @property
+    def fingerprint_id(self) -> str:
+        dtype_name = str(self.dtype).removeprefix("torch.")
+        return (
+            f"{self.name}/{dtype_name}/L{self.num_layers}/R{self.kv_lora_rank}"
+            f"/P{self.rope_dim}/B{self.block_size}"
+        )
+
+    def layer_views(self, kv: torch.Tensor, layer: int) -> torch.Tensor:
+        """The latent rows of one layer, [num_blocks, block_size, latent_dim] (a view: writes go
+        to the pool), as `paged_mla_decode_attention` reads them."""
+        return kv[:, layer]
+
+
+# registry name -> layout class
+KV_LAYOUTS: dict[str, type[KVLayout]] = {
+    "full": FullKVLayout,
+    "kivi": KiviKVLayout,
+    "mla": MlaKVLayout,
+}

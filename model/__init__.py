@@ -1,7 +1,8 @@
-"""Model engine: config, loaders (GGUF, HF safetensors), tokenizer, Llama-family forward,
-sampling."""
+"""Model engine: config, loaders (GGUF, HF safetensors), tokenizer, Llama-family and
+DeepSeek-V2-family (MLA) forwards, sampling."""
 
 from model.config import ModelConfig
+from model.deepseek import DeepseekModel
 from model.engine import Engine, Timing
 from model.kivi_pool import KiviPool
 from model.kv_pool import KVPool, PoolExhausted
@@ -22,6 +23,7 @@ from model.tokenizer import Tokenizer
 
 __all__ = [
     "DTYPES",
+    "DeepseekModel",
     "MODEL_NAMES",
     "Engine",
     "KVPool",

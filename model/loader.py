@@ -20,6 +20,7 @@ import torch
 from kernels import KVLayout
 from model import fetch
 from model.config import ModelConfig
+from model.deepseek import DeepseekModel, mla_rope
 from model.llama import LlamaModel, rope_inv_freq
 from model.tokenizer import Tokenizer, from_gguf_fields, from_hf_dir, tiny_byte_tokenizer
 
@@ -28,12 +29,13 @@ DEFAULT_BLOCK_SIZE = 16
 
 
 class LoadedModel(NamedTuple):
-    model: LlamaModel  # eval mode, weights in the asked dtype
+    model: LlamaModel | DeepseekModel  # eval mode, weights in the asked dtype
     tokenizer: Tokenizer  # the checkpoint's own vocabulary and chat template
     config: ModelConfig  # the architecture
     # kv_fingerprint(weights_id, config.kv_layout(DEFAULT_BLOCK_SIZE, dtype the model was loaded
-    # in)): the fingerprint of the default 16-token full KV layout; goes into block keys and
-    # block headers. A pool of another layout or dtype must use kv_fingerprint with its own.
+    # in)): the fingerprint of the default 16-token KV layout (full K/V, or MLA latent rows);
+    # goes into block keys and block headers. A pool of another layout or dtype must use
+    # kv_fingerprint with its own.
     fingerprint: str
     name: str  # registry name, or the path it was loaded from
     weights_id: str  # stable id of architecture + weights (hex), whatever the dtype
@@ -76,30 +78,68 @@ TINY_CONFIG = dict(
     bos_token_id=0,
     eos_token_ids=[0, 2],
 )
+# The DeepSeek-V2 family in miniature: MLA with a query low-rank projection, one dense layer then
+# a DeepSeekMoE layer (shared expert, group-limited top-2 of 8 routed experts).
+TINY_MLA_CONFIG = dict(
+    vocab_size=259,
+    hidden_size=64,
+    intermediate_size=160,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=4,  # MLA: one key per head
+    kv_lora_rank=32,
+    q_lora_rank=48,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=8,
+    v_head_dim=16,
+    n_routed_experts=8,
+    n_shared_experts=1,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    first_k_dense_replace=1,
+    topk_method="group_limited_greedy",
+    n_group=2,
+    topk_group=1,
+    rope_theta=10000.0,
+    rms_norm_eps=1e-6,
+    max_position_embeddings=2048,
+    tie_word_embeddings=False,
+    bos_token_id=0,
+    eos_token_ids=[0, 2],
+    architecture="deepseek_v2",
+)
+TINY_CONFIGS = {"tiny-random": TINY_CONFIG, "tiny-random-mla": TINY_MLA_CONFIG}
 TINY_SEED = 0
+
+
+def model_class(config: ModelConfig) -> type[LlamaModel] | type[DeepseekModel]:
+    """The forward that runs `config`: DeepseekModel for MLA, else LlamaModel."""
+    return DeepseekModel if config.is_mla else LlamaModel
 
 
 def tiny_random_weights(config: ModelConfig, seed: int = TINY_SEED) -> dict[str, torch.Tensor]:
     """Seeded weights (HF names) large enough that logits are well separated (few near-ties)."""
     g = torch.Generator().manual_seed(seed)
-    model = LlamaModel(config)
+    model = model_class(config)(config)
     sd = {}
     for name, t in model.hf_state_dict().items():
         if "norm" in name:
             sd[name] = 1.0 + 0.1 * torch.randn(t.shape, generator=g)
         elif "embed" in name:
             sd[name] = torch.randn(t.shape, generator=g)
+        elif t.dim() == 1:  # a router's score-correction bias
+            sd[name] = 0.1 * torch.randn(t.shape, generator=g)
         else:
             sd[name] = torch.randn(t.shape, generator=g) * (1.5 / t.shape[1] ** 0.5)
     return sd
 
 
-def _tiny_info() -> ModelInfo:
-    config = ModelConfig(**TINY_CONFIG)
+def _tiny_info(name: str) -> ModelInfo:
+    config = ModelConfig(**TINY_CONFIGS[name])
     # The weights are a pure function of config and seed, so those identify them.
-    ident = f"tiny-random/seed={TINY_SEED}/{config.architecture_id()}"
+    ident = f"{name}/seed={TINY_SEED}/{config.architecture_id()}"
     weights_id = hashlib.blake2b(ident.encode(), digest_size=16).hexdigest()
-    return ModelInfo("tiny-random", config, tiny_byte_tokenizer(), weights_id)
+    return ModelInfo(name, config, tiny_byte_tokenizer(), weights_id)
 
 
 # ---- GGUF ----
@@ -337,7 +377,7 @@ def read_hf_meta(path: Path) -> HfMeta:
         config = ModelConfig.from_hf(json.loads(cfg_path.read_text()))
     except (KeyError, json.JSONDecodeError) as exc:
         raise ValueError(
-            f"{cfg_path}: not a usable Llama config ({type(exc).__name__}: {exc})"
+            f"{cfg_path}: not a usable Llama or DeepSeek-V2 config ({type(exc).__name__}: {exc})"
         ) from None
     files = sorted(path.glob("*.safetensors"))
     if not files:
@@ -389,7 +429,7 @@ class _Checkpoint(NamedTuple):
     """A name or path resolved to where its weights come from; nothing read yet."""
 
     name: str  # registry name, or the path
-    kind: str  # "tiny-random" | "gguf" | "hf"
+    kind: str  # "tiny-random" (seeded, the name says which) | "gguf" | "hf"
     path: Path | None  # None for tiny-random
 
 
@@ -409,6 +449,7 @@ def _smollm2_checkpoint() -> _Checkpoint:
 REGISTRY: dict[str, Callable[[], _Checkpoint]] = {
     "smollm2-135m": _smollm2_checkpoint,
     "tiny-random": lambda: _Checkpoint("tiny-random", "tiny-random", None),
+    "tiny-random-mla": lambda: _Checkpoint("tiny-random-mla", "tiny-random", None),
 }
 MODEL_NAMES = tuple(REGISTRY)
 DTYPES = {
@@ -437,7 +478,7 @@ def _resolve(name_or_path: str) -> _Checkpoint:
 def _open(ckpt: _Checkpoint) -> tuple[ModelInfo, Callable[[], dict[str, torch.Tensor]]]:
     """The checkpoint's info, and a function that reads its fp32 weights (load_model calls it)."""
     if ckpt.kind == "tiny-random":
-        info = _tiny_info()
+        info = _tiny_info(ckpt.name)
         return info, lambda: tiny_random_weights(info.config)
     if ckpt.kind == "gguf":
         gguf_meta = read_gguf_meta(ckpt.path)
@@ -465,14 +506,15 @@ def _torch_dtype(dtype: torch.dtype | str) -> torch.dtype:
 
 def _build(
     config: ModelConfig, sd: dict[str, torch.Tensor], dtype: torch.dtype, device: str
-) -> LlamaModel:
+) -> LlamaModel | DeepseekModel:
     with torch.device("meta"):
-        model = LlamaModel(config)
+        model = model_class(config)(config)
     model = model.to_empty(device="cpu")
     model.load_hf_state_dict(sd)
     model = model.to(device=device, dtype=dtype).eval().requires_grad_(False)
     # Not in the checkpoint, and stays fp32 whatever the dtype.
-    model.inv_freq = rope_inv_freq(config).to(device)
+    inv_freq = mla_rope(config)[0] if config.is_mla else rope_inv_freq(config)
+    model.inv_freq = inv_freq.to(device)
     return model
 
 
