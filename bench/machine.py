@@ -1,7 +1,9 @@
-"""What every benchmark records about the machine it ran on."""
+"""What every benchmark records about the machine it ran on, and how it times a call."""
 
 from __future__ import annotations
 
+import statistics
+import time
 from pathlib import Path
 
 
@@ -18,3 +20,16 @@ def cpu_flags() -> dict[str, bool]:
         "avx512_bf16": "avx512_bf16" in flags,
         "amx": any(f.startswith("amx") for f in flags),
     }
+
+
+def median_s(fn, repeats: int, warmup: bool = True) -> float:
+    """Median wall seconds of `repeats` calls of fn (after one untimed call when `warmup`): this
+    machine is shared and noisy, so medians, not means."""
+    if warmup:
+        fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)

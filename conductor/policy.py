@@ -27,6 +27,9 @@ class PrefillCandidate(NamedTuple):
     queue_ms: float  # predicted wait before a new request starts computing
     coef: tuple[float, ...]  # fitted prefill model: ms = c0 + c1*tokens + c2*tokens*context
     healthy: bool = True
+    # bytes per block its last CacheGen fetch moved (0 = it fetches raw blocks): what a fetch
+    # costs on the link, at the level its link allowed
+    fetch_block_bytes: float = 0.0
 
 
 class DecodeCandidate(NamedTuple):
@@ -158,9 +161,8 @@ class MooncakePolicy(Policy):
             longer = best_blocks > own and best_blocks > self.kvcache_balancing_threshold * own
             if longer and best_node not in w.nodes:
                 reuse, fetch_from, fetch_blocks = best_blocks, best_node, best_blocks
-                transfer_ms = (
-                    (best_blocks - own) * state.block_bytes / (self.transfer_mb_per_ms * 1e6)
-                )
+                per_block = w.fetch_block_bytes or state.block_bytes
+                transfer_ms = (best_blocks - own) * per_block / (self.transfer_mb_per_ms * 1e6)
             compute_ms = predict(
                 w.coef, prefill_features(request.num_tokens - reuse * bs, request.num_tokens)
             )

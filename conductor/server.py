@@ -96,6 +96,7 @@ class Routed(NamedTuple):
     use_cache: bool  # False: compute everything (cache_off)
     predicted_ttft_ms: float  # the policy's TTFT estimate
     predicted_prefill_ms: float  # the compute this request adds to the prefill worker's queue
+    ttft_slo_ms: float = 0.0  # the request's TTFT objective (0 = none): the prefill's budget
 
 
 class Conductor(GrpcServer, pb_grpc.ConductorServicer):
@@ -331,6 +332,10 @@ class Conductor(GrpcServer, pb_grpc.ConductorServicer):
             fetch_from=routed.fetch_from,
             fetch_blocks=routed.fetch_blocks,
             no_cache=not routed.use_cache,
+            # what is left of the TTFT budget: the prefill streams CacheGen chunks within it
+            deadline_ms=max(1.0, routed.ttft_slo_ms - s.elapsed_ms())
+            if routed.ttft_slo_ms > 0
+            else 0.0,
         )
         with self._lock:
             routed.prefill.inflight_ms += routed.predicted_prefill_ms
@@ -543,7 +548,12 @@ class Conductor(GrpcServer, pb_grpc.ConductorServicer):
                     queue_ms = ld.predicted_queue_ms + w.inflight_ms
                     prefill.append(
                         PrefillCandidate(
-                            ld.worker_id, nodes, queue_ms, tuple(ld.prefill_coef), w.healthy
+                            ld.worker_id,
+                            nodes,
+                            queue_ms,
+                            tuple(ld.prefill_coef),
+                            w.healthy,
+                            ld.fetch_block_bytes,
                         )
                     )
                 else:
@@ -590,6 +600,7 @@ class Conductor(GrpcServer, pb_grpc.ConductorServicer):
             d.use_cache,
             d.predicted_ttft_ms,
             d.predicted_prefill_ms,
+            info.ttft_slo_ms,
         )
 
     # ---- Status ----

@@ -15,6 +15,7 @@ from kernels.kivi import KiviPacked, kivi_dequantize_blocks_torch, kivi_quantize
 from kernels.mla_attention import paged_mla_decode_attention_torch
 from kernels.native import (
     native_status,
+    paged_mla_decode_attention_native,
     paged_decode_attention_kivi_native,
     paged_decode_attention_kivi_window_native,
     paged_decode_attention_native,
@@ -55,7 +56,10 @@ _IMPLS: dict[str, dict[str, object]] = {
         "torch": paged_decode_attention_kivi_window_torch,
         "native": paged_decode_attention_kivi_window_native,
     },
-    "paged_mla_decode_attention": {"torch": paged_mla_decode_attention_torch},
+    "paged_mla_decode_attention": {
+        "torch": paged_mla_decode_attention_torch,
+        "native": paged_mla_decode_attention_native,
+    },
     "kivi_quantize": {"torch": kivi_quantize_torch},
     "kivi_dequantize": {"torch": kivi_dequantize_blocks_torch},
     "gather_blocks": {"torch": gather_blocks_torch},

@@ -347,3 +347,26 @@ def paged_decode_attention_kivi_window_native(
         window_lens, scale,
     )  # fmt: skip
     return out.to(q.dtype)
+
+
+def paged_mla_decode_attention_native(
+    q_latent, q_rope, latent_cache, block_tables, seq_lens, scale, split_bytes=None, *,
+    return_lse=False,
+):  # fmt: skip
+    """`paged_mla_decode_attention_torch`'s contract on the fused full-precision kernel: absorbed
+    MLA is attention with every head on one KV head whose key is the row [c_kv | k_rope] and
+    whose value is the same row (the output's rope columns are dropped)."""
+    from kernels.mla_attention import check_mla_shapes, paged_mla_decode_attention_torch
+
+    check_mla_shapes(q_latent, q_rope, latent_cache, block_tables, seq_lens)
+    rows = latent_cache.unsqueeze(2)  # [num_blocks, block_size, 1 KV head, rank + rope]
+    fits = supports(q_latent, 1, latent_cache.shape[1]) and rows.stride(3) == 1
+    if not (native_status().available and fits and latent_cache.dtype in _DTYPE_CODES):
+        return paged_mla_decode_attention_torch(
+            q_latent, q_rope, latent_cache, block_tables, seq_lens, scale, split_bytes,
+            return_lse=return_lse,
+        )  # fmt: skip
+    q = torch.cat([q_latent.float(), q_rope.float()], dim=-1)
+    out, lse = paged_attention_full(q, rows, rows, block_tables, seq_lens, scale)
+    out = out[..., : q_latent.shape[-1]]
+    return (out, lse) if return_lse else out

@@ -18,6 +18,7 @@ import torch
 from kvstore.block_format import (
     BlockCorrupt,
     BlockHeader,
+    check_block,
     checksum,
     decode_layers,
     dtype_name,
@@ -128,7 +129,7 @@ class StoreClient:
         except grpc.RpcError as e:
             _raise(e)
         tiers = list(reply.tiers) if reply else []
-        return LookupResult(len(tiers), tiers)
+        return LookupResult(len(tiers), tiers, tuple(reply.sizes) if reply else ())
 
     # ------------------------------------------------------------------ reads
 
@@ -304,6 +305,41 @@ class StoreClient:
         if corrupt:
             self._release_later(0, corrupt)
         return k
+
+    def get_record(self, key: bytes, fingerprint: str = "") -> bytes | None:
+        """One encoded block of any shape, whole, over gRPC (what crosses a link, even on one
+        host): checked (header, length, every checksum, the fingerprint when given); None when
+        the node does not hold it or it fails a check (a miss, released as corrupt)."""
+        try:
+            stream = self._get(pb.KVGetRequest(keys=[key]), timeout=self.timeout)
+            raw = next(stream, None)
+            first = pb.KVGetChunk.FromString(raw) if raw is not None else None
+            if first is None or not first.headers:
+                for _ in stream:  # drain: the server ends the stream itself
+                    pass
+                return None
+            try:
+                h = parse_header(first.headers[0])
+            except BlockCorrupt:
+                h = None
+            buf = bytearray(h.total_len if h is not None else 0)
+            if h is not None:
+                buf[: h.header_len] = first.headers[0][: h.header_len]
+            for raw in stream:
+                for p in parse_parts(raw, 3):
+                    if h is not None and p.block == 0 and p.offset + len(p.data) <= len(buf):
+                        buf[p.offset : p.offset + len(p.data)] = p.data
+        except grpc.RpcError as e:
+            _raise(e)
+        try:
+            if h is None:
+                raise BlockCorrupt("bad header")
+            check_block(buf, fingerprint)
+        except BlockCorrupt as exc:
+            log.warning("record %s failed its checks (%s): a miss", key.hex()[:12], exc)
+            self._release_later(0, [key])
+            return None
+        return bytes(buf)
 
     # ------------------------------------------------------------------ writes
 

@@ -138,9 +138,45 @@ class KiviCodec(Codec):
         out.copy_(kernels.kivi_dequantize(packed, out.dtype))
 
 
+class CachegenRecordCodec(Codec):
+    """A CacheGen bitstream (kvstore/cachegen.py) carried whole as a block's one record:
+    [1, bytes] uint8. The payload is already encoded; this codec copies it and names its level in
+    the header (cachegen_encode/cachegen_decode turn KV into the bitstream and back)."""
+
+    lossless = False
+
+    def __init__(self, level: int):
+        self.level = level
+        self.name = f"cachegen{level}"
+
+    def layer_nbytes(self, layer_shape, dtype):
+        if len(layer_shape) != 1 or dtype != torch.uint8:
+            raise ValueError(f"{self.name} records are [1, bytes] uint8, got {list(layer_shape)}")
+        return int(layer_shape[0])
+
+    def encode_layer(self, layer, out):
+        copy_bytes(out, layer.reshape(-1))
+
+    def decode_layer(self, data, out):
+        copy_bytes(out.reshape(-1), data)
+
+
+def _cachegen_levels() -> list[int]:
+    from kvstore.cachegen import LEVELS  # the codec's own module: numpy + constriction
+
+    return sorted(LEVELS)
+
+
 # name -> codec; the name is what the block header records.
 CODECS: dict[str, Codec] = {
-    c.name: c for c in (RawCodec(), Int8Codec(), KiviCodec(4), KiviCodec(2))
+    c.name: c
+    for c in (
+        RawCodec(),
+        Int8Codec(),
+        KiviCodec(4),
+        KiviCodec(2),
+        *(CachegenRecordCodec(level) for level in _cachegen_levels()),
+    )
 }
 
 

@@ -22,12 +22,18 @@ class StoreConfig:
     chunk_bytes: int = 1 << 20  # gRPC Get/Put payload per message (1 MiB measured best here)
     grpc_workers: int = 16  # gRPC server threads
     shm_dir: str = "/dev/shm"  # where the dram slab's file lives
+    # Pace each gRPC Get stream to this many Gbit/s (a token bucket per stream; 0 = unlimited): a
+    # thin cross-host link on one machine, for tests and benchmarks. StoreNode.set_link_gbps
+    # changes it while transfers run.
+    link_gbps: float = 0.0
 
     def __post_init__(self) -> None:
         if self.dram_bytes < 0 or self.ssd_bytes < 0:
             raise ValueError("dram_bytes and ssd_bytes must be >= 0")
         if self.ssd_bytes and not self.ssd_dir:
             raise ValueError("ssd_bytes > 0 needs ssd_dir")
+        if self.link_gbps < 0:
+            raise ValueError(f"link_gbps must be >= 0, got {self.link_gbps}")
         if self.heartbeat_s <= 0 or self.lease_s <= 0:
             raise ValueError("heartbeat_s and lease_s must be positive")
         if self.chunk_bytes <= 0 or self.chunk_bytes > self.max_message_bytes - (1 << 16):

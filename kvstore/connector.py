@@ -22,7 +22,16 @@ from typing import Callable, NamedTuple, Sequence
 import torch
 from prometheus_client import CollectorRegistry, Counter
 
-from kvstore.block_format import BlockCorrupt, decode_block, encode_block
+from kvstore.block_format import BlockCorrupt, decode_block, encode_block, parse_header
+from kvstore.cachegen_stream import (
+    Throughput,
+    choose_level,
+    chunk_key,
+    chunk_keys,
+    decode_chunk_record,
+    encode_chunk,
+    tokens_to_blocks,
+)
 from kvstore.client import BlockWriter, StoreClient, StoreUnavailable
 from kvstore.device import DeviceTier
 from kvstore.index import Index
@@ -32,6 +41,9 @@ from kvstore.types import NodeInfo
 log = logging.getLogger(__name__)
 
 TIERS = ("device", "dram", "ssd", "remote")
+# What a CacheGen chunk is assumed to decode at (pool bytes a second) until it is measured: about
+# what kvstore/cachegen.py does on one core of this project's CPUs.
+DECODE_PRIOR_BYTES_PER_S = 60e6
 
 
 class PrefixLoad(NamedTuple):
@@ -41,6 +53,25 @@ class PrefixLoad(NamedTuple):
     pinned: list[bytes]  # device-tier keys pinned for the request: give them to `keep`/`drop`
     counts: dict[str, int]  # blocks by tier they came from: device, dram, ssd, remote
     transfer_ms: float  # time spent moving blocks into the pool
+
+
+class ChunkPlan(NamedTuple):
+    """How one prefix load streams CacheGen chunks from another node."""
+
+    levels: tuple[int, ...]  # levels to consider (those the node may hold)
+    chunk_blocks: int  # blocks per chunk
+    deadline: float  # time.perf_counter() by which the fetch must be done
+    recompute_s_per_chunk: float  # predicted time to recompute one chunk instead
+    prior_bytes_per_s: float  # assumed throughput before a transfer to the node is measured
+
+
+class ChunkFetch(NamedTuple):
+    """What `fetch_chunks` did."""
+
+    levels: list[int]  # the level of each chunk fetched, in order
+    blocks: int  # pool blocks it added
+    bytes: int  # bytes that crossed the link
+    ms: float  # time it took (lookups, transfers, decoding)
 
 
 def _failure_kind(exc: BaseException) -> str:
@@ -54,15 +85,21 @@ def _failure_kind(exc: BaseException) -> str:
     return "error"
 
 
+def _token_axis(block_shape: Sequence[int]) -> int:
+    """Where tokens run in a block: [L, 2, T, H, D] (K and V) or [L, T, C] (an MLA latent)."""
+    return 2 if len(block_shape) == 5 else 1
+
+
 def write_tokens(kv: torch.Tensor, block_ids: list[int], tokens: torch.Tensor) -> None:
-    """Write `tokens` [L, 2, T, heads, head_dim] into the first T token slots across the
-    full-precision pool blocks `block_ids` of `kv`, in order."""
-    bs = kv.shape[3]
+    """Write `tokens` ([L, 2, T, heads, head_dim], or [L, T, C] for a latent cache) into the first
+    T token slots across the full-precision pool blocks `block_ids` of `kv`, in order."""
+    axis = _token_axis(kv.shape[1:])
+    bs = kv.shape[1 + axis]
     for i, b in enumerate(block_ids):
-        part = tokens[:, :, i * bs : (i + 1) * bs]
-        if part.shape[2] == 0:
+        n = min(bs, tokens.shape[axis] - i * bs)
+        if n <= 0:
             break
-        kv[b, :, :, : part.shape[2]] = part
+        kv[b].narrow(axis, 0, n).copy_(tokens.narrow(axis, i * bs, n))
 
 
 class LayerPublisher:
@@ -142,6 +179,10 @@ class KVConnector:
         self.device = DeviceTier() if device_node else None
         self._clients: dict[str, StoreClient] = {}
         self._clients_lock = threading.Lock()
+        self._links: dict[str, Throughput] = {}  # node id -> measured throughput (CacheGen)
+        self._decode_rates: dict[int, float] = {}  # CacheGen level -> pool bytes decoded a second
+        # CacheGen: the next chunk crosses the link on this thread while the last one decodes
+        self._fetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{worker}-fetch")
         self._index = Index(index_url) if index_url else None
         self._publisher = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{self.worker}-kv")
         self._init_metrics(registry or CollectorRegistry())
@@ -174,6 +215,18 @@ class KVConnector:
             ["worker", "op", "kind"],
             registry=r,
         )
+        self.m_cachegen_bytes = Counter(
+            "halfmoon_kv_cachegen_bytes",
+            "Bytes of CacheGen chunks fetched (what crossed the link)",
+            ["worker"],
+            registry=r,
+        ).labels(self.worker)
+        self.m_cachegen_blocks = Counter(
+            "halfmoon_kv_cachegen_blocks",
+            "Blocks loaded from CacheGen chunks",
+            ["worker"],
+            registry=r,
+        ).labels(self.worker)
         self.m_published = Counter(
             "halfmoon_kv_published_blocks",
             "Blocks written to the store",
@@ -327,18 +380,26 @@ class KVConnector:
 
     def encode_tail(self, block_ids: Sequence[int], tokens: int) -> bytes:
         """The first `tokens` token slots across full-precision pool blocks `block_ids`, as one
-        block in the block format (checksummed): `[L, 2, tokens, heads, head_dim]`."""
+        block in the block format (checksummed): `[L, 2, tokens, heads, head_dim]`, or
+        `[L, tokens, C]` for an MLA latent cache."""
         blocks = self.kv[torch.tensor(list(block_ids), dtype=torch.long, device=self.kv.device)]
-        n, layers, two, bs, heads, dim = blocks.shape
-        tail = blocks.permute(1, 2, 0, 3, 4, 5).reshape(layers, two, n * bs, heads, dim)
-        return encode_block(tail[:, :, :tokens].contiguous().to("cpu"), self.fingerprint)
+        if blocks.dim() == 4:  # MLA latent blocks [n, L, bs, C]
+            n, layers, bs, width = blocks.shape
+            tail = blocks.permute(1, 0, 2, 3).reshape(layers, n * bs, width)[:, :tokens]
+        else:
+            n, layers, two, bs, heads, dim = blocks.shape
+            tail = blocks.permute(1, 2, 0, 3, 4, 5).reshape(layers, two, n * bs, heads, dim)
+            tail = tail[:, :, :tokens]
+        return encode_block(tail.contiguous().to("cpu"), self.fingerprint)
 
     def decode_tail(self, data: bytes, tokens: int, shape: tuple[int, ...]) -> torch.Tensor | None:
-        """An inline tail `[L, 2, tokens, heads, head_dim]` (`shape`: a full-precision block's);
+        """An inline tail `[L, 2, tokens, heads, head_dim]` or `[L, tokens, C]` (`shape`: a
+        full-precision block's);
         None (counted and logged) when it is corrupt, of another model or of the wrong shape."""
         try:
             tail = decode_block(data, model_fingerprint=self.fingerprint)
-            if tuple(tail.shape) != (*shape[:2], tokens, *shape[3:]):
+            axis = _token_axis(shape)
+            if tuple(tail.shape) != (*shape[:axis], tokens, *shape[axis + 1 :]):
                 raise BlockCorrupt(f"tail block is {list(tail.shape)}, expected {tokens} tokens")
         except Exception as exc:  # noqa: BLE001 - recomputed by the caller
             self._error("tail", exc)
@@ -425,6 +486,172 @@ class KVConnector:
             blocks = self.store_layout.pack(blocks)
         return self.put_blocks(keys, blocks, parent, op)
 
+    # ---- CacheGen chunks (kvstore/cachegen_stream.py) ----
+
+    def publish_chunks(
+        self, keys: Sequence[bytes], ids: Sequence[int], levels: Sequence[int], chunk_blocks: int
+    ) -> Future | None:
+        """Encode every whole chunk of the run `keys` (from block 0; pool blocks `ids`, full
+        precision) that this host's store lacks at any of `levels`, and put it there. The chunks
+        are copied out of the pool now and encoded in the background: the Future gives the
+        records written (None: nothing to do). Failures are counted and logged; the raw blocks
+        serve the prefix anyway."""
+        n_chunks = len(keys) // chunk_blocks
+        if not levels or not n_chunks:
+            return None
+        todo: dict[int, list[int]] = {}  # level -> chunks the store lacks
+        try:
+            for level in levels:
+                held = self._local.lookup(chunk_keys(list(keys), chunk_blocks, level)).num_blocks
+                if held < n_chunks:
+                    todo[level] = list(range(held, n_chunks))
+        except Exception as exc:  # noqa: BLE001
+            self._error("publish_chunks", exc)
+            return None
+        chunks = sorted({c for cs in todo.values() for c in cs})
+        if not chunks:
+            return None
+        copies = {}
+        for c in chunks:
+            idx = torch.tensor(
+                list(ids[c * chunk_blocks : (c + 1) * chunk_blocks]),
+                dtype=torch.long,
+                device=self.kv.device,
+            )
+            copies[c] = self.kv[idx].float().cpu()
+        return self._publisher.submit(self._put_chunks, list(keys), todo, copies, chunk_blocks)
+
+    def _put_chunks(self, keys, todo, copies, chunk_blocks) -> int:
+        written = 0
+        for level, cs in todo.items():
+            for c in cs:
+                try:
+                    payload = encode_chunk(copies[c], level)
+                    written += self._local.put(
+                        [chunk_key(keys[(c + 1) * chunk_blocks - 1], level)],
+                        payload[None],
+                        self.fingerprint,
+                        codec=f"cachegen{level}",
+                    )
+                except Exception as exc:  # noqa: BLE001 - the raw blocks still serve the prefix
+                    self._error("publish_chunks", exc)
+        self.m_published.labels(self.worker, "cachegen").inc(written)
+        return written
+
+    def fetch_chunks(
+        self,
+        fetch_from: str,
+        keys: Sequence[bytes],
+        table: list[int],
+        want: int,
+        allocate: Callable[[int], list[int]],
+        free: Callable[[list[int]], None],
+        plan: "ChunkPlan",
+    ) -> ChunkFetch:
+        """Adaptive streaming from node `fetch_from`: extend `table` (the prefix loaded so far)
+        towards `want` blocks chunk by chunk, each at the level CacheGen's rule picks from the
+        measured link throughput, the measured decode time of each level and the remaining
+        budget. Chunk c+1 crosses the link while chunk c decodes, so a chunk costs the larger of
+        the two. Stops at the first chunk that is not held, fails its checks, or is better
+        recomputed."""
+        c_blocks = plan.chunk_blocks
+        first, last = len(table) // c_blocks, want // c_blocks  # chunks [first, last)
+        levels, moved, added, t0 = [], 0, 0, time.perf_counter()
+        client = self._node_client(fetch_from) if last > first else None
+        if client is None:
+            return ChunkFetch(levels, 0, 0, 0.0)
+        # what the node holds at each level: the sizes CacheGen's rule weighs
+        sizes: dict[int, list[int]] = {}
+        for level in plan.levels:
+            try:
+                found = client.lookup(chunk_keys(list(keys[: last * c_blocks]), c_blocks, level))
+            except Exception as exc:  # noqa: BLE001 - that level is unavailable
+                self._error("fetch_chunks", exc)
+                continue
+            sizes[level] = list(found.sizes)
+        link = self._links.setdefault(fetch_from, Throughput(plan.prior_bytes_per_s))
+        chunk_bytes = c_blocks * self.layout.block_bytes
+
+        def start(c: int) -> tuple[int, Future] | None:
+            """Choose chunk c's level and start its transfer; None: recompute from here."""
+            costs = {
+                lv: max(sz[c] / max(link.bytes_per_s, 1.0), self._decode_s(lv, chunk_bytes))
+                for lv, sz in sizes.items()
+                if c < len(sz)
+            }
+            remaining = plan.deadline - time.perf_counter()
+            choice = choose_level(costs, remaining, last - c, plan.recompute_s_per_chunk)
+            if choice.level == 0:
+                return None
+            key = chunk_key(keys[(c + 1) * c_blocks - 1], choice.level)
+            return choice.level, self._fetcher.submit(self._timed_get, client, key, link)
+
+        pending = start(first)
+        for c in range(first, last):
+            if pending is None:
+                break
+            level, fut = pending
+            record = fut.result()
+            pending = start(c + 1) if record is not None and c + 1 < last else None
+            if record is None:
+                break
+            moved += len(record)
+            try:
+                t = time.perf_counter()
+                blocks = self._decode_chunk(record, c_blocks)
+                self._decoded(level, time.perf_counter() - t, chunk_bytes)
+            except Exception as exc:  # noqa: BLE001 - corrupt or foreign: a miss, never wrong KV
+                self._error("fetch_chunks", exc)
+                break
+            skip = len(table) - c * c_blocks  # blocks of this chunk loaded already
+            ids = allocate(c_blocks - skip)
+            idx = torch.tensor(ids, dtype=torch.long, device=self.kv.device)
+            self.kv[idx] = blocks[skip:].to(self.kv.device, self.kv.dtype)
+            table.extend(ids)
+            added += len(ids)
+            levels.append(level)
+        if pending is not None:  # a transfer started for a chunk that will not be used
+            pending[1].result()
+        self._miss("fetch_chunks", want - len(table) if last > first else 0)
+        if added:
+            self.m_blocks.labels(self.worker, "remote").inc(added)
+            self.m_cachegen_bytes.inc(moved)
+            self.m_cachegen_blocks.inc(added)
+        return ChunkFetch(levels, added, moved, (time.perf_counter() - t0) * 1000.0)
+
+    def _timed_get(self, client: StoreClient, key: bytes, link: Throughput) -> bytes | None:
+        """One chunk record over the link, its throughput measured; None (counted) on failure."""
+        t = time.perf_counter()
+        try:
+            record = client.get_record(key, self.fingerprint)
+        except Exception as exc:  # noqa: BLE001 - a failed transfer is a miss
+            self._error("fetch_chunks", exc)
+            record = None
+        link.add(len(record) if record else 0, time.perf_counter() - t)
+        return record
+
+    def _decode_chunk(self, record: bytes, c_blocks: int) -> torch.Tensor:
+        """A checked chunk record decoded into pool blocks [C, L, 2, bs, H, D]."""
+        h = parse_header(record)
+        blocks = tokens_to_blocks(
+            decode_chunk_record(record, h, self.kv.dtype), self.layout.block_size
+        )
+        if blocks.shape[0] != c_blocks or tuple(blocks.shape[1:]) != tuple(self.kv.shape[1:]):
+            raise BlockCorrupt(f"chunk decodes to {list(blocks.shape)}")
+        return blocks
+
+    def _decode_s(self, level: int, chunk_bytes: int) -> float:
+        """Predicted seconds to decode one chunk at `level`: measured here, else a prior."""
+        rate = self._decode_rates.get(level, DECODE_PRIOR_BYTES_PER_S)
+        return chunk_bytes / rate
+
+    def _decoded(self, level: int, seconds: float, chunk_bytes: int) -> None:
+        """Record one chunk's decode time (pool bytes per second, smoothed, per level)."""
+        if seconds > 0:
+            rate = chunk_bytes / seconds
+            old = self._decode_rates.get(level)
+            self._decode_rates[level] = rate if old is None else 0.7 * rate + 0.3 * old
+
     # ---- the device tier ----
 
     def keep(
@@ -496,6 +723,7 @@ class KVConnector:
         if self._index_thread is not None:
             self._index_thread.join(timeout=5)
         self._publisher.shutdown(wait=True)
+        self._fetcher.shutdown(wait=True)
         if self._index is not None:
             if self.device is not None:
                 try:

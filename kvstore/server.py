@@ -92,10 +92,33 @@ class _Servicer:
     # ------------------------------------------------------------------ RPCs
 
     def Lookup(self, req, ctx):
-        tiers = self.store.lookup(list(req.keys))
-        return pb.KVLookupReply(num_blocks=len(tiers), tiers=tiers)
+        found = self.store.lookup_sizes(list(req.keys))
+        return pb.KVLookupReply(
+            num_blocks=len(found), tiers=[t for t, _ in found], sizes=[n for _, n in found]
+        )
 
     def Get(self, req, ctx):
+        inner = self._get(req)
+        try:
+            yield from self._paced(inner)
+        finally:
+            inner.close()  # a cancelled stream still releases its lease
+
+    def _paced(self, messages):
+        """Yield `messages` no faster than the node's link_gbps (read per message, so a change
+        takes effect mid-stream): a token bucket of one message's depth."""
+        due = time.perf_counter()
+        for msg in messages:
+            gbps = self.node.link_gbps
+            if gbps > 0:
+                now = time.perf_counter()
+                size = len(msg) if isinstance(msg, bytes) else msg.ByteSize()
+                due = max(due, now - 0.001) + size * 8 / (gbps * 1e9)
+                if due > now:
+                    time.sleep(due - now)
+            yield msg
+
+    def _get(self, req):
         t0 = time.perf_counter()
         lease_id, refs = self.store.acquire(list(req.keys), self.cfg.lease_s)
         self.node.flush()
@@ -331,6 +354,7 @@ class StoreNode:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._flush_lock = threading.Lock()
+        self.link_gbps = cfg.link_gbps
         try:
             if cfg.dram_bytes:
                 for path in remove_stale(cfg.shm_dir):
@@ -345,6 +369,12 @@ class StoreNode:
             self._close_tiers()
             raise
         self.metrics = StoreMetrics(self.store)
+
+    def set_link_gbps(self, gbps: float) -> None:
+        """Pace Get streams to `gbps` Gbit/s from their next message on (0 = unlimited)."""
+        if gbps < 0:
+            raise ValueError(f"link_gbps must be >= 0, got {gbps}")
+        self.link_gbps = gbps
 
     @property
     def info(self) -> NodeInfo:

@@ -108,14 +108,18 @@ class BlockStore:
 
     def lookup(self, keys: list[bytes]) -> list[str]:
         """Tiers of the leading held keys (no lease, no LRU touch)."""
+        return [tier for tier, _ in self.lookup_sizes(keys)]
+
+    def lookup_sizes(self, keys: list[bytes]) -> list[tuple[str, int]]:
+        """(tier, encoded bytes) of the leading held keys (no lease, no LRU touch)."""
         with self._lock:
-            tiers = []
+            found = []
             for key in keys:
                 e = self._entries.get(key)
                 if e is None or e.tier == _PENDING:
                     break
-                tiers.append(e.tier)
-            return tiers
+                found.append((e.tier, e.size))
+            return found
 
     def count_held(self, keys: list[bytes]) -> int:
         with self._lock:

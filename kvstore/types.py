@@ -8,6 +8,7 @@ from typing import NamedTuple
 class LookupResult(NamedTuple):
     num_blocks: int  # leading keys held
     tiers: list[str]  # tier of each held block: device | dram | ssd
+    sizes: tuple[int, ...] = ()  # encoded bytes of each held block (what fetching it moves)
 
 
 class NodeInfo(NamedTuple):

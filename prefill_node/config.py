@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from kvstore import CACHEGEN_LEVELS
 from servekit import check_dtype_device, check_kv_cache
 
 
@@ -35,6 +36,13 @@ class PrefillConfig:
     )
     device_cache: bool = True  # keep computed blocks resident in the pool as the top cache tier
     layerwise: bool = True  # publish each layer of new full blocks while later layers compute
+    # CacheGen (kvstore/cachegen.py): encode each whole chunk of a prompt at these levels and
+    # store them beside its blocks (e.g. [1, 2, 3]; [] = off), and fetch another node's prefix
+    # as chunks, each at the level the measured throughput and the TTFT budget allow
+    cachegen_levels: list[int] = field(default_factory=list)
+    cachegen_fetch: bool = False
+    cachegen_chunk_blocks: int = 16  # blocks per CacheGen chunk
+    cachegen_prior_gbps: float = 1.0  # assumed link throughput until one is measured
     max_queue: int = 256  # queued requests beyond this are refused (RESOURCE_EXHAUSTED)
     torch_threads: int = 0  # torch intra-op threads; 0 = torch's default
     grpc_workers: int = 32
@@ -49,3 +57,12 @@ class PrefillConfig:
             )
         check_dtype_device("PrefillConfig", self.dtype, self.device)
         check_kv_cache("PrefillConfig", self)
+        bad = [lv for lv in self.cachegen_levels if lv not in CACHEGEN_LEVELS]
+        if bad:
+            raise ValueError(
+                f"PrefillConfig: cachegen_levels {bad} unknown; levels are {list(CACHEGEN_LEVELS)}"
+            )
+        if self.cachegen_chunk_blocks < 1 or self.cachegen_prior_gbps <= 0:
+            raise ValueError(
+                "PrefillConfig: cachegen_chunk_blocks and cachegen_prior_gbps must be positive"
+            )

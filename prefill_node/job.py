@@ -36,6 +36,8 @@ class PrefillJob:
         self.pinned: list[bytes] = []  # device-tier keys held while the job runs
         self.counts = {"device": 0, "dram": 0, "ssd": 0, "remote": 0}  # reused blocks by tier
         self.transfer_ms = 0.0
+        self.cachegen_levels: list[int] = []  # level of each CacheGen chunk fetched
+        self.fetched_bytes = 0  # bytes those chunks moved
         self.pos = 0  # next position to compute
         self.logits: torch.Tensor | None = None  # the last computed position's logits
         self.prefill_ms = 0.0  # from the round's first forward to this job's last

@@ -3,6 +3,7 @@ runs batched forwards, and builds a job's answer."""
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from typing import Sequence
@@ -10,13 +11,22 @@ from typing import Sequence
 import grpc
 import torch
 
-from kvstore import KVConnector, block_keys
+from kvstore import CACHEGEN_LEVELS, ChunkPlan, KVConnector, block_keys
 from model import KVPool, sample
 from prefill_node.config import PrefillConfig
 from prefill_node.job import Failure, PrefillJob
 from prefill_node.metrics import PrefillMetrics
 from protos import halfmoon_pb2 as pb
-from servekit import load_worker_model, reusable_blocks, sampling_params
+from servekit import (
+    LinearTimeModel,
+    load_worker_model,
+    prefill_features,
+    predict,
+    reusable_blocks,
+    sampling_params,
+)
+
+log = logging.getLogger(__name__)
 
 
 class PrefillRunner:
@@ -43,6 +53,15 @@ class PrefillRunner:
             layout=wm.layout if full else None,
         )
         self._pool_lock = threading.Lock()
+        self.fetch_block_bytes = 0.0  # bytes per block the last CacheGen fetch moved
+        # CacheGen codes K and V blocks [L, 2, T, H, D]: not KIVI-packed or MLA-latent pools
+        self.cachegen = full and wm.layout.name == "full" and self.pool.kv.dim() == 6
+        if (config.cachegen_levels or config.cachegen_fetch) and not self.cachegen:
+            log.warning(
+                "%s: CacheGen is off: it codes per-head K/V blocks, this pool holds %s blocks",
+                config.worker_id,
+                wm.layout.name,
+            )
         self.kv = KVConnector(
             self.pool.kv,
             self.pool.layout,
@@ -104,18 +123,67 @@ class PrefillRunner:
             return 0
         return reusable_blocks(len(keys), len(job.ids), self.config.block_size)
 
-    def prepare(self, job: PrefillJob) -> None:
+    def prepare(self, job: PrefillJob, timing: LinearTimeModel) -> None:
         """The prefix the decision names into the pool (own tiers; `fetch_from` for
-        `fetch_blocks`, nothing else remote), and pool blocks for the rest."""
-        bs, r = self.config.block_size, job.request
+        `fetch_blocks`, nothing else remote: as raw blocks, or with cachegen_fetch as CacheGen
+        chunks at the levels the link and the TTFT budget allow), and pool blocks for the rest."""
+        cfg, bs, r = self.config, self.config.block_size, job.request
         keys = job.keys = self.keys_of(job)
+        cap = self.reusable(job, keys)
+        chunked = self.cachegen and cfg.cachegen_fetch and r.fetch_from
         loaded = self.kv.load_prefix(
-            keys, self.reusable(job, keys), r.fetch_from, r.fetch_blocks, self.allocate, self.free
+            keys,
+            cap,
+            "" if chunked else r.fetch_from,
+            0 if chunked else r.fetch_blocks,
+            self.allocate,
+            self.free,
         )
         job.table, job.pinned = loaded.table, loaded.pinned
         job.counts, job.transfer_ms = loaded.counts, loaded.transfer_ms
+        if chunked:
+            try:
+                self._fetch_chunks(job, min(cap, r.fetch_blocks), timing)
+            except BaseException:
+                self.kv.drop(job.table, job.pinned, self.free)
+                job.table, job.pinned = [], []
+                raise
         job.pos = len(job.table) * bs
         job.table.extend(self.allocate(-(-len(job.ids) // bs) - len(job.table)))
+
+    def _fetch_chunks(self, job: PrefillJob, want: int, timing: LinearTimeModel) -> None:
+        """CacheGen streaming of blocks [len(job.table), want) from the decision's node. The
+        budget: the request's TTFT budget left, less the predicted compute of what follows the
+        fetched prefix; no budget sent = no deadline."""
+        cfg, bs, r = self.config, self.config.block_size, job.request
+        n = len(job.ids)
+        rest_ms = predict(timing.coef, prefill_features(n - want * bs, n))
+        chunk_tokens = cfg.cachegen_chunk_blocks * bs
+        deadline = (
+            job.arrived + (r.deadline_ms - rest_ms) / 1000.0
+            if r.deadline_ms > 0
+            else float("inf")
+        )
+        plan = ChunkPlan(
+            levels=tuple(CACHEGEN_LEVELS),
+            chunk_blocks=cfg.cachegen_chunk_blocks,
+            deadline=deadline,
+            # the marginal cost of one more chunk in the forward that runs anyway (no fixed part)
+            recompute_s_per_chunk=predict(
+                timing.coef, [0.0, *prefill_features(chunk_tokens, want * bs)[1:]]
+            )
+            / 1000.0,
+            prior_bytes_per_s=cfg.cachegen_prior_gbps * 1e9 / 8,
+        )
+        before = len(job.table)
+        got = self.kv.fetch_chunks(
+            r.fetch_from, job.keys, job.table, want, self.allocate, self.free, plan
+        )
+        job.counts["remote"] += len(job.table) - before
+        job.transfer_ms += got.ms
+        job.cachegen_levels, job.fetched_bytes = got.levels, got.bytes
+        if got.blocks:
+            self.fetch_block_bytes = got.bytes / got.blocks
 
     @torch.inference_mode()
     def compute_step(self, step: list[PrefillJob], spans: list[tuple[int, int]]) -> list:
@@ -160,6 +228,10 @@ class PrefillRunner:
         t1 = time.perf_counter()
         self.kv.ensure_stored(job.keys, job.table)
         job.transfer_ms += (time.perf_counter() - t1) * 1000.0
+        if self.cachegen and cfg.cachegen_levels:  # copied now, encoded in the background
+            self.kv.publish_chunks(
+                job.keys, job.table, cfg.cachegen_levels, cfg.cachegen_chunk_blocks
+            )
         sp = sampling_params(r.sampling)
         first = int(sample(job.logits, [sp], [sp.generator()])[0])
         # Inline, in full precision: the partial block and, with KIVI, the residual window's
@@ -197,4 +269,6 @@ class PrefillRunner:
             queue_ms=job.queue_ms,
             prefill_ms=job.prefill_ms,
             transfer_ms=job.transfer_ms,
+            cachegen_levels=job.cachegen_levels,
+            fetched_bytes=job.fetched_bytes,
         )

@@ -113,7 +113,7 @@ class PrefillScheduler:
                 continue
             job.started = time.perf_counter()
             try:
-                self.runner.prepare(job)
+                self.runner.prepare(job, self.timing)
             except Failure as exc:
                 self.runner.release(job)
                 if exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED and jobs:

@@ -82,6 +82,7 @@ class PrefillWorker(WorkerServer, pb_grpc.PrefillWorkerServicer):
             device_node=device_node,
             kv_cache_dtype=cfg.kv_cache_dtype,
             capacity_tokens=pool.num_blocks * pool.block_size,
+            fetch_block_bytes=self.runner.fetch_block_bytes,
         )
 
     def _validate(self, request: pb.PrefillRequest) -> str:

@@ -215,7 +215,7 @@ class StatusReply(_message.Message):
     def __init__(self, model: _Optional[str] = ..., block_size: _Optional[int] = ..., default_policy: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., stores: _Optional[_Iterable[_Union[StoreStatus, _Mapping]]] = ..., requests_total: _Optional[int] = ..., requests_rejected: _Optional[int] = ..., prompt_tokens_total: _Optional[int] = ..., cached_tokens_total: _Optional[int] = ..., vocab_size: _Optional[int] = ..., conductor_rss_bytes: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., kv_dtype: _Optional[str] = ...) -> None: ...
 
 class WorkerLoad(_message.Message):
-    __slots__ = ("worker_id", "queued_requests", "queued_tokens", "predicted_queue_ms", "running", "free_blocks", "total_blocks", "prefill_coef", "decode_coef", "total_context_tokens", "kind", "nodes", "block_bytes", "block_size", "model_fingerprint", "waiting", "max_batch_seen", "requests_done", "device", "device_node", "kv_cache_dtype", "capacity_tokens")
+    __slots__ = ("worker_id", "queued_requests", "queued_tokens", "predicted_queue_ms", "running", "free_blocks", "total_blocks", "prefill_coef", "decode_coef", "total_context_tokens", "kind", "nodes", "block_bytes", "block_size", "model_fingerprint", "waiting", "max_batch_seen", "requests_done", "device", "device_node", "kv_cache_dtype", "capacity_tokens", "fetch_block_bytes")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     QUEUED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     QUEUED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -238,6 +238,7 @@ class WorkerLoad(_message.Message):
     DEVICE_NODE_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FETCH_BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     queued_requests: int
     queued_tokens: int
@@ -260,7 +261,8 @@ class WorkerLoad(_message.Message):
     device_node: str
     kv_cache_dtype: str
     capacity_tokens: int
-    def __init__(self, worker_id: _Optional[str] = ..., queued_requests: _Optional[int] = ..., queued_tokens: _Optional[int] = ..., predicted_queue_ms: _Optional[float] = ..., running: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., prefill_coef: _Optional[_Iterable[float]] = ..., decode_coef: _Optional[_Iterable[float]] = ..., total_context_tokens: _Optional[int] = ..., kind: _Optional[str] = ..., nodes: _Optional[_Iterable[str]] = ..., block_bytes: _Optional[int] = ..., block_size: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., waiting: _Optional[int] = ..., max_batch_seen: _Optional[int] = ..., requests_done: _Optional[int] = ..., device: _Optional[str] = ..., device_node: _Optional[str] = ..., kv_cache_dtype: _Optional[str] = ..., capacity_tokens: _Optional[int] = ...) -> None: ...
+    fetch_block_bytes: float
+    def __init__(self, worker_id: _Optional[str] = ..., queued_requests: _Optional[int] = ..., queued_tokens: _Optional[int] = ..., predicted_queue_ms: _Optional[float] = ..., running: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., prefill_coef: _Optional[_Iterable[float]] = ..., decode_coef: _Optional[_Iterable[float]] = ..., total_context_tokens: _Optional[int] = ..., kind: _Optional[str] = ..., nodes: _Optional[_Iterable[str]] = ..., block_bytes: _Optional[int] = ..., block_size: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., waiting: _Optional[int] = ..., max_batch_seen: _Optional[int] = ..., requests_done: _Optional[int] = ..., device: _Optional[str] = ..., device_node: _Optional[str] = ..., kv_cache_dtype: _Optional[str] = ..., capacity_tokens: _Optional[int] = ..., fetch_block_bytes: _Optional[float] = ...) -> None: ...
 
 class LoadRequest(_message.Message):
     __slots__ = ()
@@ -285,7 +287,7 @@ class KVHandle(_message.Message):
     def __init__(self, block_keys: _Optional[_Iterable[bytes]] = ..., store_node: _Optional[str] = ..., store_address: _Optional[str] = ..., num_tokens: _Optional[int] = ..., tail: _Optional[bytes] = ..., tail_tokens: _Optional[int] = ..., window_blocks: _Optional[int] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids", "sampling", "cache_salt", "fetch_from", "fetch_blocks", "no_cache")
+    __slots__ = ("request_id", "token_ids", "sampling", "cache_salt", "fetch_from", "fetch_blocks", "no_cache", "deadline_ms")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -293,6 +295,7 @@ class PrefillRequest(_message.Message):
     FETCH_FROM_FIELD_NUMBER: _ClassVar[int]
     FETCH_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NO_CACHE_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_MS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
@@ -300,10 +303,11 @@ class PrefillRequest(_message.Message):
     fetch_from: str
     fetch_blocks: int
     no_cache: bool
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., fetch_from: _Optional[str] = ..., fetch_blocks: _Optional[int] = ..., no_cache: _Optional[bool] = ...) -> None: ...
+    deadline_ms: float
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., fetch_from: _Optional[str] = ..., fetch_blocks: _Optional[int] = ..., no_cache: _Optional[bool] = ..., deadline_ms: _Optional[float] = ...) -> None: ...
 
 class PrefillReply(_message.Message):
-    __slots__ = ("first_token", "handle", "cached_device_tokens", "cached_dram_tokens", "cached_ssd_tokens", "cached_remote_tokens", "computed_tokens", "queue_ms", "prefill_ms", "transfer_ms")
+    __slots__ = ("first_token", "handle", "cached_device_tokens", "cached_dram_tokens", "cached_ssd_tokens", "cached_remote_tokens", "computed_tokens", "queue_ms", "prefill_ms", "transfer_ms", "cachegen_levels", "fetched_bytes")
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     HANDLE_FIELD_NUMBER: _ClassVar[int]
     CACHED_DEVICE_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -314,6 +318,8 @@ class PrefillReply(_message.Message):
     QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_MS_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_MS_FIELD_NUMBER: _ClassVar[int]
+    CACHEGEN_LEVELS_FIELD_NUMBER: _ClassVar[int]
+    FETCHED_BYTES_FIELD_NUMBER: _ClassVar[int]
     first_token: int
     handle: KVHandle
     cached_device_tokens: int
@@ -324,7 +330,9 @@ class PrefillReply(_message.Message):
     queue_ms: float
     prefill_ms: float
     transfer_ms: float
-    def __init__(self, first_token: _Optional[int] = ..., handle: _Optional[_Union[KVHandle, _Mapping]] = ..., cached_device_tokens: _Optional[int] = ..., cached_dram_tokens: _Optional[int] = ..., cached_ssd_tokens: _Optional[int] = ..., cached_remote_tokens: _Optional[int] = ..., computed_tokens: _Optional[int] = ..., queue_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., transfer_ms: _Optional[float] = ...) -> None: ...
+    cachegen_levels: _containers.RepeatedScalarFieldContainer[int]
+    fetched_bytes: int
+    def __init__(self, first_token: _Optional[int] = ..., handle: _Optional[_Union[KVHandle, _Mapping]] = ..., cached_device_tokens: _Optional[int] = ..., cached_dram_tokens: _Optional[int] = ..., cached_ssd_tokens: _Optional[int] = ..., cached_remote_tokens: _Optional[int] = ..., computed_tokens: _Optional[int] = ..., queue_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., transfer_ms: _Optional[float] = ..., cachegen_levels: _Optional[_Iterable[int]] = ..., fetched_bytes: _Optional[int] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
     __slots__ = ("request_id", "prompt_ids", "first_token", "handle", "sampling", "cache_salt")

@@ -26,12 +26,14 @@ class KVLookupRequest(_message.Message):
     def __init__(self, keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class KVLookupReply(_message.Message):
-    __slots__ = ("num_blocks", "tiers")
+    __slots__ = ("num_blocks", "tiers", "sizes")
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     TIERS_FIELD_NUMBER: _ClassVar[int]
+    SIZES_FIELD_NUMBER: _ClassVar[int]
     num_blocks: int
     tiers: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, num_blocks: _Optional[int] = ..., tiers: _Optional[_Iterable[str]] = ...) -> None: ...
+    sizes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, num_blocks: _Optional[int] = ..., tiers: _Optional[_Iterable[str]] = ..., sizes: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class KVGetRequest(_message.Message):
     __slots__ = ("keys",)

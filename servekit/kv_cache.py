@@ -60,6 +60,14 @@ def kv_cache_layout(model_config, config, dtype: torch.dtype) -> KVLayout:
     named."""
     kind = KV_CACHE_DTYPES[config.kv_cache_dtype]
     c = model_config
+    if getattr(c, "is_mla", False):
+        # one latent row per token: keys-per-channel / values-per-token has no meaning there
+        if isinstance(kind, int):
+            raise ValueError(
+                f"kv_cache_dtype {config.kv_cache_dtype} (KIVI) does not apply to an MLA model's "
+                "latent cache; use auto, fp16 or bf16"
+            )
+        return c.kv_layout(config.block_size, dtype if kind is None else kind)
     if not isinstance(kind, int):
         store = dtype if kind is None else kind
         return FullKVLayout(c.num_layers, c.num_kv_heads, c.head_dim, config.block_size, store)

@@ -116,3 +116,23 @@ def test_kv_cache_type_reaches_every_server_and_is_checked():
         cluster_config_from_dict({"kv_cache_dtype": "int3"})
     with pytest.raises(ValueError, match="kivi_residual"):
         cluster_config_from_dict({"kv_cache_dtype": "kivi4", "kivi_residual": 20})
+    cfg = cluster_config_from_dict({"kv_cache_dtype": "fp16", "kivi_window_dtype": "bf16"})
+    for section in (cfg.prefill, cfg.decode, cfg.conductor):
+        assert (section.kv_cache_dtype, section.kivi_window_dtype) == ("fp16", "bf16")
+    with pytest.raises(ValueError, match="kivi_window_dtype"):
+        cluster_config_from_dict({"kivi_window_dtype": "fp8"})
+
+
+def test_cachegen_and_link_settings_are_checked():
+    cfg = cluster_config_from_dict(
+        {
+            "prefill": {"cachegen_levels": [1, 2], "cachegen_fetch": True},
+            "store": {"link_gbps": 0.5},
+        }
+    )
+    assert cfg.prefill.cachegen_levels == [1, 2] and cfg.prefill.cachegen_fetch
+    assert cfg.store.link_gbps == 0.5
+    with pytest.raises(ValueError, match="cachegen_levels"):
+        cluster_config_from_dict({"prefill": {"cachegen_levels": [9]}})
+    with pytest.raises(ValueError, match="link_gbps"):
+        cluster_config_from_dict({"store": {"link_gbps": -1}})

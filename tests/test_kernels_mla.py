@@ -134,3 +134,24 @@ def test_triton_at_deepseek_v2_sizes_on_gpu(batch, seq_len, dtype, tol):
     want = paged_mla_decode_attention_torch(q_latent, q_rope, cache, tables, lens, scale)
     assert got.dtype == torch.float32 and not got.isnan().any()
     assert (got - want).abs().max().item() <= tol
+
+
+def test_the_fused_cpu_kernel_matches_the_reference():
+    # CPU dispatch runs absorbed MLA on the fused C kernel: one KV head whose key is the whole
+    # latent row and whose value is the same row (its rope columns dropped from the output).
+    q_latent, q_rope, cache, tables, lens = _case(5, [17, 0, 9, 1, 24], heads=16)
+    cache[tables[1]] = float("nan")  # an empty sequence's blocks are never read
+    ref = mla_decode_attention_reference(q_latent, q_rope, cache, tables, lens, 0.3)
+    out, lse = kernels.paged_mla_decode_attention(
+        q_latent, q_rope, cache, tables, lens, 0.3, backend="native", return_lse=True
+    )
+    assert out.shape == q_latent.shape and (out - ref).abs().max() < 1e-5
+    assert torch.all(out[1] == 0) and torch.all(lse[1] == float("-inf"))
+    twin, twin_lse = paged_mla_decode_attention_torch(
+        q_latent, q_rope, cache, tables, lens, 0.3, return_lse=True
+    )
+    finite = twin_lse.isfinite()
+    assert (lse[finite] - twin_lse[finite]).abs().max() < 1e-5
+    assert torch.equal(
+        kernels.paged_mla_decode_attention(q_latent, q_rope, cache, tables, lens, 0.3), out
+    )

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import threading
+import time
 
 import grpc
 import pytest
@@ -72,7 +74,7 @@ def test_put_get_round_trip(make_node, transport):
         assert c.transport == transport
         keys, x = chain(5), blocks(5)
         assert c.put(keys, x, FP) == 5
-        assert c.lookup(keys) == LookupResult(5, ["dram"] * 5)
+        assert c.lookup(keys) == LookupResult(5, ["dram"] * 5, (BLOCK,) * 5)
         out = torch.zeros(6, *SHAPE)
         assert c.get_into(keys + chain(1, start=999), out) == 5
         assert torch.equal(out[:5], x) and not out[5].any()
@@ -576,3 +578,58 @@ def test_standard_protobuf_clients_read_the_get_stream(make_node):
         for p in m.parts:
             encoded[p.block][p.offset : p.offset + len(p.data)] = p.data
     assert torch.equal(torch.stack([decode_block(bytes(b)) for b in encoded]), x)
+
+
+def test_lookup_reports_sizes_and_get_record_returns_any_shape_whole(make_node):
+    node = make_node(dram_blocks=8)
+    keys = chain(3)
+    with StoreClient(node.address, transport="grpc") as c:
+        assert c.put(keys[:2], blocks(2), FP) == 2
+        record = torch.arange(1000, dtype=torch.uint8).reshape(1, 1, 1000) % 251
+        odd = block_keys(list(range(900, 904)), 4, FP)[0]
+        assert c.put([odd], record, FP) == 1
+        found = c.lookup(keys)
+        assert found.num_blocks == 2 and list(found.sizes) == [BLOCK, BLOCK]
+        got = c.get_record(odd, FP)
+        assert got is not None and len(got) == c.lookup([odd]).sizes[0]
+        assert torch.equal(decode_block(got), record[0])
+        assert c.get_record(keys[2], FP) is None  # not held: a miss
+        assert c.get_record(odd, "another-model") is None  # foreign fingerprint: a miss
+
+
+def test_link_gbps_paces_gets_and_changes_mid_transfer():
+    # A thin link on one machine: Get streams are paced to link_gbps, read per message, so a
+    # change lands mid-transfer (what CacheGen's adaptive streaming reacts to).
+    cfg = StoreConfig(
+        node_id="paced", dram_bytes=16 << 20, model_fingerprint=FP, link_gbps=0.4,
+        chunk_bytes=1 << 16,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="link_gbps"):
+        StoreConfig(link_gbps=-1)
+    node = StoreNode(cfg)
+    node.start()
+    try:
+        with pytest.raises(ValueError, match="link_gbps"):
+            node.set_link_gbps(-0.5)
+        g = torch.Generator().manual_seed(3)
+        record = torch.randint(0, 255, (1, 1, 2 << 20), dtype=torch.uint8, generator=g)
+        key = block_keys(list(range(4)), 4, FP)[0]
+
+        def timed_get(c) -> float:
+            t0 = time.perf_counter()
+            got = c.get_record(key, FP)
+            assert got is not None and torch.equal(decode_block(got), record[0])
+            return time.perf_counter() - t0
+
+        with StoreClient(node.address, transport="grpc") as c:
+            assert c.put([key], record, FP) == 1
+            wire_s = (2 << 20) * 8 / 0.4e9  # 42 ms at 0.4 Gbit/s
+            assert timed_get(c) >= 0.9 * wire_s
+            node.set_link_gbps(0)
+            assert timed_get(c) < 0.9 * wire_s  # unlimited: loopback speed
+            node.set_link_gbps(0.4)
+            threading.Timer(0.01, node.set_link_gbps, args=(0.04,)).start()
+            # most of the 2 MiB now crosses at 0.04 Gbit/s: several times the 0.4 Gbit/s time
+            assert timed_get(c) > 3 * wire_s
+    finally:
+        node.stop()

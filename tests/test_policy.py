@@ -74,6 +74,19 @@ def test_transfer_decision_around_the_threshold():
     assert above.predicted_ttft_ms == pytest.approx(48 + 3)
 
 
+def test_the_transfer_estimate_uses_the_bytes_a_cachegen_fetch_moved():
+    # Worker a's last CacheGen fetch moved 0.1 MB per block (1 MB raw): the same 3-block fetch
+    # is predicted at 0.3 ms, not 3 ms; worker b (raw blocks) still costs 3 ms.
+    a = PrefillCandidate("a", ("a-node",), 0.0, (0.0, 1.0, 0.0), True, 100_000.0)
+    s = state([a], [decode("d")], {"a-node": 4, "x": 7})
+    d = make_policy("mooncake", kvcache_balancing_threshold=1.5).choose(req(), s)
+    assert (d.fetch_from, d.fetch_blocks) == ("x", 7)
+    assert d.predicted_ttft_ms == pytest.approx(48 + 0.3)
+    s = state([prefill("a")], [decode("d")], {"a-node": 4, "x": 7})
+    d = make_policy("mooncake", kvcache_balancing_threshold=1.5).choose(req(), s)
+    assert d.predicted_ttft_ms == pytest.approx(48 + 3)
+
+
 def test_a_device_pool_is_never_a_fetch_source():
     # Each worker lists its own device pool among its nodes; a's holds the longest prefix.
     a = PrefillCandidate("a", ("a-node", "a-dev"), 10_000.0, (0.0, 1.0, 0.0))
