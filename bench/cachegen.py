@@ -46,7 +46,7 @@ def main(argv=None) -> int:
     ap.add_argument("--context", type=int, default=4096, help="cached prompt tokens")
     ap.add_argument("--suffix", type=int, default=16, help="new prompt tokens after the prefix")
     ap.add_argument("--gbps", default="0.1,0.5,1,5", help="link speeds, Gbit/s")
-    ap.add_argument("--chunk-blocks", type=int, default=16, help="blocks per CacheGen chunk")
+    ap.add_argument("--chunk-blocks", type=int, default=64, help="blocks per CacheGen chunk")
     ap.add_argument("--slo-ms", type=float, default=0.0, help="CacheGen's TTFT budget")
     ap.add_argument(
         "--slo-fraction",
