@@ -19,8 +19,9 @@ class DecodeConfig:
     num_blocks: int = 1024  # KV pool size in blocks: admission never exceeds it
     block_size: int = 16  # tokens per block; must match the store's and the prefill workers'
     # KV cache type: auto (full precision, the compute dtype) | fp16 | bf16 (full precision kept
-    # in 16 bits) | kivi4 | kivi2 (KIVI-packed blocks, keys per channel, values per token, with
-    # the most recent kivi_residual tokens kept in full precision)
+    # in 16 bits) | int8 (pools in the compute dtype, blocks stored and moved as int8) | kivi4 |
+    # kivi2 (KIVI-packed blocks, keys per channel, values per token, with the most recent
+    # kivi_residual tokens kept in full precision)
     kv_cache_dtype: str = "auto"
     kivi_group_size: int = 32  # KIVI quantization group (tokens for keys, channels for values)
     kivi_residual: int = 32  # KIVI's full-precision window, a multiple of block_size

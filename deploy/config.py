@@ -58,7 +58,7 @@ class ClusterConfig:
     model: str = "smollm2-135m"  # load_model name or path, for every server that loads the model
     dtype: str = "float32"
     block_size: int = 16
-    kv_cache_dtype: str = "auto"  # auto | fp16 | bf16 | kivi4 | kivi2 (see the workers' configs)
+    kv_cache_dtype: str = "auto"  # auto|fp16|bf16|int8|kivi4|kivi2 (see the workers' configs)
     kivi_group_size: int = 32
     kivi_residual: int = 32
     kivi_window_dtype: str = "auto"

@@ -66,6 +66,13 @@ class KVLayout(abc.ABC):
         return torch.zeros((num_blocks, *self.block_shape), dtype=self.dtype, device=device)
 
 
+def _codec_tag(codec: str) -> str:
+    """A layout id's codec part: nothing for raw blocks (the ids they always had)."""
+    if codec not in ("raw", "int8"):
+        raise ValueError(f"a full-precision layout stores blocks raw or int8, not {codec!r}")
+    return "" if codec == "raw" else f"/{codec}"
+
+
 @dataclass(frozen=True)
 class FullKVLayout(KVLayout):
     """Full-precision K and V: a block is `[num_layers, 2 (k|v), block_size, heads, head_dim]`."""
@@ -75,9 +82,11 @@ class FullKVLayout(KVLayout):
     head_dim: int
     block_size: int
     dtype: torch.dtype
+    # the kvstore codec blocks travel and rest in: "raw", or "int8" (one fp32 scale per token and
+    # head; kv_cache_dtype int8) to halve what a 16-bit block moves, at a measured quality cost
+    store_codec: str = "raw"
 
     name: ClassVar[str] = "full"
-    store_codec: ClassVar[str] = "raw"
 
     def __post_init__(self) -> None:
         for field_name in ("num_layers", "num_kv_heads", "head_dim", "block_size"):
@@ -96,7 +105,7 @@ class FullKVLayout(KVLayout):
         dtype_name = str(self.dtype).removeprefix("torch.")
         return (
             f"{self.name}/{dtype_name}/L{self.num_layers}/H{self.num_kv_heads}"
-            f"/D{self.head_dim}/B{self.block_size}"
+            f"/D{self.head_dim}/B{self.block_size}{_codec_tag(self.store_codec)}"
         )
 
     def layer_views(self, kv: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -230,9 +239,9 @@ class MlaKVLayout(KVLayout):
     rope_dim: int  # qk_rope_head_dim
     block_size: int
     dtype: torch.dtype
+    store_codec: str = "raw"  # as FullKVLayout's: int8 scales each token's latent row
 
     name: ClassVar[str] = "mla"
-    store_codec: ClassVar[str] = "raw"
 
     def __post_init__(self) -> None:
         for field_name in ("num_layers", "kv_lora_rank", "rope_dim", "block_size"):
@@ -256,7 +265,7 @@ class MlaKVLayout(KVLayout):
         dtype_name = str(self.dtype).removeprefix("torch.")
         return (
             f"{self.name}/{dtype_name}/L{self.num_layers}/R{self.kv_lora_rank}"
-            f"/P{self.rope_dim}/B{self.block_size}"
+            f"/P{self.rope_dim}/B{self.block_size}{_codec_tag(self.store_codec)}"
         )
 
     def layer_views(self, kv: torch.Tensor, layer: int) -> torch.Tensor:

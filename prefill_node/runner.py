@@ -43,7 +43,7 @@ class PrefillRunner:
         self.window_blocks = getattr(wm.layout, "residual", 0) // config.block_size
         # A full-precision cache is computed into in its own dtype (fp16/bf16 under fp32 compute);
         # KIVI's prefill pool holds the compute dtype and packs on the way out.
-        full = wm.layout.name == "full"
+        full = wm.layout.name != "kivi"  # full K/V or an MLA latent: the pool is the layout
         self.pool = KVPool(
             wm.lm.config,
             config.num_blocks,
@@ -55,7 +55,7 @@ class PrefillRunner:
         self._pool_lock = threading.Lock()
         self.fetch_block_bytes = 0.0  # bytes per block the last CacheGen fetch moved
         # CacheGen codes K and V blocks [L, 2, T, H, D]: not KIVI-packed or MLA-latent pools
-        self.cachegen = full and wm.layout.name == "full" and self.pool.kv.dim() == 6
+        self.cachegen = wm.layout.name == "full" and self.pool.kv.dim() == 6
         if (config.cachegen_levels or config.cachegen_fetch) and not self.cachegen:
             log.warning(
                 "%s: CacheGen is off: it codes per-head K/V blocks, this pool holds %s blocks",

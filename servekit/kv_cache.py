@@ -4,17 +4,22 @@ fingerprint their keys chain from: blocks of different types never share keys.""
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from kernels import FullKVLayout, KiviKVLayout, KVLayout
 
 # kv_cache_dtype name -> what blocks hold: None = the compute dtype; a torch dtype = full
 # precision stored in that 16-bit type (computing in fp32 on a CPU whose fast dtype is fp32, with
-# the memory of a 16-bit cache); an int = KIVI bits.
-KV_CACHE_DTYPES: dict[str, torch.dtype | int | None] = {
+# the memory of a 16-bit cache); a str = the compute dtype in the pools, blocks stored and moved
+# in that store codec (int8: one scale per token and head, or per latent row for MLA); an int =
+# KIVI bits.
+KV_CACHE_DTYPES: dict[str, torch.dtype | int | str | None] = {
     "auto": None,
     "fp16": torch.float16,
     "bf16": torch.bfloat16,
+    "int8": "int8",
     "kivi4": 4,
     "kivi2": 2,
 }
@@ -65,10 +70,16 @@ def kv_cache_layout(model_config, config, dtype: torch.dtype) -> KVLayout:
         if isinstance(kind, int):
             raise ValueError(
                 f"kv_cache_dtype {config.kv_cache_dtype} (KIVI) does not apply to an MLA model's "
-                "latent cache; use auto, fp16 or bf16"
+                "latent cache; use auto, fp16, bf16 or int8"
             )
-        return c.kv_layout(config.block_size, dtype if kind is None else kind)
+        pool_dtype = kind if isinstance(kind, torch.dtype) else dtype
+        layout = c.kv_layout(config.block_size, pool_dtype)
+        return dataclasses.replace(layout, store_codec=kind) if isinstance(kind, str) else layout
     if not isinstance(kind, int):
+        if isinstance(kind, str):
+            return FullKVLayout(
+                c.num_layers, c.num_kv_heads, c.head_dim, config.block_size, dtype, kind
+            )
         store = dtype if kind is None else kind
         return FullKVLayout(c.num_layers, c.num_kv_heads, c.head_dim, config.block_size, store)
     window = KIVI_WINDOW_DTYPES[config.kivi_window_dtype]

@@ -124,20 +124,22 @@ def test_a_thin_link_drops_the_level_and_an_impossible_budget_recomputes(cluster
     assert r.computed_tokens == len(ids) - r.cached_remote_tokens
     assert took_ms < budget_ms * 1.25  # the deadline held (with slack for this shared machine)
 
-    # a budget no level can meet, on a link where recomputing is faster: nothing is fetched
-    # (a fresh prompt: host 1's store holds the last one now)
-    ids = rand_ids(rng, n_blocks * BS + 3)
+    # A budget no level can meet, on a link where recomputing is faster: nothing is fetched. The
+    # rule knows a link only by what crossed it, so one chunk of another prompt goes first (fresh
+    # prompts: host 1's store holds every prompt it prefilled).
+    warm_ids, ids = rand_ids(rng, 2 * CHUNK * BS + 3), rand_ids(rng, n_blocks * BS + 3)
+    publish(c, warm_ids, 2 * CHUNK)
     publish(c, ids, n_blocks)
-    c.stores[0].set_link_gbps(gbps / 1000)
+    node = c.stores[0].cfg.node_id
+    c.stores[0].set_link_gbps(gbps / 20)
     try:
-        r = prefill(
-            c, 1, ids, fetch_from=c.stores[0].cfg.node_id, fetch_blocks=n_blocks, deadline_ms=1.0
-        )
-        assert r.fetched_bytes == 0
+        warm = prefill(c, 1, warm_ids, fetch_from=node, fetch_blocks=CHUNK)
+        assert len(warm.cachegen_levels) == 1
+        r = prefill(c, 1, ids, fetch_from=node, fetch_blocks=n_blocks, deadline_ms=1.0)
     finally:
         c.stores[0].set_link_gbps(0)
-    assert list(r.cachegen_levels) == [] and r.cached_remote_tokens == 0
-    assert r.computed_tokens == len(ids)
+    assert list(r.cachegen_levels) == [] and r.fetched_bytes == 0
+    assert r.cached_remote_tokens == 0 and r.computed_tokens == len(ids)
 
 
 def test_the_per_chunk_rule():

@@ -95,3 +95,30 @@ def test_kivi_is_refused_for_a_latent_cache(lm):
         kv_cache_layout(lm.config, Cfg, torch.float32)
     Cfg.kv_cache_dtype = "fp16"
     assert kv_cache_layout(lm.config, Cfg, torch.float32).dtype == torch.float16
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["fp16", "int8"])
+def test_a_16_bit_or_int8_latent_cache(lm, engine, kv_cache_dtype):
+    # fp16: the latent pools and blocks hold 16 bits under fp32 compute. int8: the pools hold
+    # the compute dtype and blocks travel and rest as int8 (one fp32 scale per latent row), a
+    # quarter of fp32's bytes: the store's records are smaller, the answers stay close.
+    rng = random.Random(6)
+    prefix = rand_ids(rng, 4 * BS)
+    a, b = prefix + rand_ids(rng, 5), prefix + rand_ids(rng, 6)
+    with Cluster(
+        lm, prefill={"device_cache": False}, cluster={"kv_cache_dtype": kv_cache_dtype}
+    ) as c:
+        first, _, _ = c.generate(token_ids=a, max_tokens=8)
+        assert first[:3] == solo(engine, a, 3)
+        again, _, u = c.generate(token_ids=b, max_tokens=8)
+        assert u.usage.cached_tokens == 4 * BS and u.usage.computed_prompt_tokens == 6
+        runner = c.decodes[0].runner
+        keys = block_keys(prefix, BS, runner.fingerprint)
+        stored = c.stores[0].store.lookup_sizes(keys)
+        raw = runner.layout.block_bytes
+        assert len(stored) == 4
+        if kv_cache_dtype == "int8":
+            assert runner.layout.store_codec == "int8" and runner.layout.dtype == torch.float32
+            assert all(size < 0.3 * raw + 4096 for _, size in stored)
+        else:
+            assert runner.layout.dtype == torch.float16 and runner.pool.kv.dtype == torch.float16
