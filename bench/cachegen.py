@@ -186,7 +186,6 @@ def main(argv=None) -> int:
                     table,
                     n_blocks,
                     lambda n: [free_ids.pop(0) for _ in range(n)],  # noqa: B023
-                    lambda ids_: None,
                     plan,
                 )
                 fetch_s = time.perf_counter() - t0

@@ -545,7 +545,6 @@ class KVConnector:
         table: list[int],
         want: int,
         allocate: Callable[[int], list[int]],
-        free: Callable[[list[int]], None],
         plan: "ChunkPlan",
     ) -> ChunkFetch:
         """Adaptive streaming from node `fetch_from`: extend `table` (the prefix loaded so far)

@@ -160,9 +160,7 @@ class PrefillRunner:
         rest_ms = predict(timing.coef, prefill_features(n - want * bs, n))
         chunk_tokens = cfg.cachegen_chunk_blocks * bs
         deadline = (
-            job.arrived + (r.deadline_ms - rest_ms) / 1000.0
-            if r.deadline_ms > 0
-            else float("inf")
+            job.arrived + (r.deadline_ms - rest_ms) / 1000.0 if r.deadline_ms > 0 else float("inf")
         )
         plan = ChunkPlan(
             levels=tuple(CACHEGEN_LEVELS),
@@ -176,9 +174,7 @@ class PrefillRunner:
             prior_bytes_per_s=cfg.cachegen_prior_gbps * 1e9 / 8,
         )
         before = len(job.table)
-        got = self.kv.fetch_chunks(
-            r.fetch_from, job.keys, job.table, want, self.allocate, self.free, plan
-        )
+        got = self.kv.fetch_chunks(r.fetch_from, job.keys, job.table, want, self.allocate, plan)
         job.counts["remote"] += len(job.table) - before
         job.transfer_ms += got.ms
         job.cachegen_levels, job.fetched_bytes = got.levels, got.bytes

@@ -8,7 +8,7 @@ import dataclasses
 
 import torch
 
-from kernels import FullKVLayout, KiviKVLayout, KVLayout
+from kernels import KiviKVLayout, KVLayout
 
 # kv_cache_dtype name -> what blocks hold: None = the compute dtype; a torch dtype = full
 # precision stored in that 16-bit type (computing in fp32 on a CPU whose fast dtype is fp32, with
@@ -65,23 +65,17 @@ def kv_cache_layout(model_config, config, dtype: torch.dtype) -> KVLayout:
     named."""
     kind = KV_CACHE_DTYPES[config.kv_cache_dtype]
     c = model_config
-    if getattr(c, "is_mla", False):
-        # one latent row per token: keys-per-channel / values-per-token has no meaning there
-        if isinstance(kind, int):
-            raise ValueError(
-                f"kv_cache_dtype {config.kv_cache_dtype} (KIVI) does not apply to an MLA model's "
-                "latent cache; use auto, fp16, bf16 or int8"
-            )
-        pool_dtype = kind if isinstance(kind, torch.dtype) else dtype
-        layout = c.kv_layout(config.block_size, pool_dtype)
-        return dataclasses.replace(layout, store_codec=kind) if isinstance(kind, str) else layout
     if not isinstance(kind, int):
-        if isinstance(kind, str):
-            return FullKVLayout(
-                c.num_layers, c.num_kv_heads, c.head_dim, config.block_size, dtype, kind
-            )
-        store = dtype if kind is None else kind
-        return FullKVLayout(c.num_layers, c.num_kv_heads, c.head_dim, config.block_size, store)
+        # the architecture's own layout (per-head K/V, or an MLA latent row), in the compute
+        # dtype or the 16-bit one named, stored raw or in the codec named
+        layout = c.kv_layout(config.block_size, kind if isinstance(kind, torch.dtype) else dtype)
+        return dataclasses.replace(layout, store_codec=kind) if isinstance(kind, str) else layout
+    if c.is_mla:
+        # one latent row per token: keys-per-channel / values-per-token has no meaning there
+        raise ValueError(
+            f"kv_cache_dtype {config.kv_cache_dtype} (KIVI) does not apply to an MLA model's "
+            "latent cache; use auto, fp16, bf16 or int8"
+        )
     window = KIVI_WINDOW_DTYPES[config.kivi_window_dtype]
     return KiviKVLayout(
         c.num_layers,
