@@ -4,9 +4,15 @@ conductor).
 Two workloads, each beside vLLM's CPU build on the same workload and dtype when it is installed:
 - TTFT of a 1024-token prompt cold, and with its first 960 tokens already cached;
 - decode throughput (generated tokens per second, end to end) of 16 concurrent requests versus 1.
-The last line printed is one JSON object.
+Every figure is a median of --repeats runs (3 prompts for each TTFT), taken the same way for both
+systems. The dtype is the machine's fastest (`auto`: bf16 with avx512_bf16, else fp32), the same
+for both. Each halfmoon server's resident memory is sampled through the run: its peak RSS, and
+its peak PSS (shared pages split among their mappers, so the store's slab, which the workers map
+too, counts once) against what it was configured to hold (weights, pools, in-memory tiers).
+The last line printed is one JSON object, with the CPU's flags, the load and the pinning used.
 
-    .venv/bin/python bench/e2e.py [--dtype bfloat16] [--vllm-python /tmp/vllm-venv/bin/python]
+    .venv/bin/python bench/e2e.py [--dtype auto] [--repeats 3] [--vllm-python PATH]
+        [--prefill-cpus 0-1 --decode-cpus 0-1]
 """
 
 from __future__ import annotations
@@ -51,20 +57,28 @@ def token_prompts(vocab: int, seed: int) -> dict:
 # ---------------------------------------------------------------- halfmoon
 
 
-def process_cluster(model: str, dtype: str, fingerprint: str, threads: int, device_cache: bool):
+def process_cluster(
+    model: str, dtype: str, fingerprint: str, threads: int, device_cache: bool, cpus: tuple
+):
     """Store node, prefill worker, decode worker and conductor, each in its own process, as a
     deployment runs them (one interpreter each, no shared GIL), with an embedded Redis index:
     deploy.LocalCluster, wired as the Ray launcher wires a cluster."""
     from deploy import LocalCluster, cluster_config_from_dict
 
     workers = {"num_blocks": 512, "torch_threads": threads}
+    prefill_cpus, decode_cpus = cpus
     cfg = cluster_config_from_dict(
         {
             "model": model,
             "dtype": dtype,
             "store": {"dram_bytes": 512 << 20, "model_fingerprint": fingerprint},
-            "prefill": {**workers, "chunk_size": 512, "device_cache": device_cache},
-            "decode": {**workers, "max_batch": 32},
+            "prefill": {
+                **workers,
+                "chunk_size": 512,
+                "device_cache": device_cache,
+                "cpus": prefill_cpus,
+            },
+            "decode": {**workers, "max_batch": 32, "cpus": decode_cpus},
             "conductor": {"load_poll_s": 0.05},
         }
     )
@@ -73,7 +87,54 @@ def process_cluster(model: str, dtype: str, fingerprint: str, threads: int, devi
     return cluster
 
 
-def run_halfmoon(lm, prompts: dict, dtype: str, threads: int, device_cache: bool) -> dict:
+class MemorySampler:
+    """Peak RSS and PSS of each server process, sampled every `every_s` seconds in a thread."""
+
+    def __init__(self, servers, every_s: float = 1.0):
+        import psutil
+
+        self.procs = {s.name: psutil.Process(s.pid) for s in servers}
+        self.rss = dict.fromkeys(self.procs, 0)
+        self.pss = dict.fromkeys(self.procs, 0)
+        self.every_s = every_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def sample(self) -> None:
+        for name, proc in self.procs.items():
+            try:
+                m = proc.memory_full_info()
+            except Exception:  # noqa: BLE001 - a server that ended is no longer sampled
+                continue
+            self.rss[name] = max(self.rss[name], m.rss)
+            self.pss[name] = max(self.pss[name], getattr(m, "pss", m.uss))
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every_s):
+            self.sample()
+
+    def __enter__(self) -> "MemorySampler":
+        self.sample()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.sample()
+
+
+def configured_bytes(stub) -> dict[str, int]:
+    """What each server is configured to hold, from the conductor's Status."""
+    from client.status_cmd import memory_rows
+    from protos import halfmoon_pb2 as pb
+
+    return {name: m.configured_bytes for name, m in memory_rows(stub.Status(pb.StatusRequest()))}
+
+
+def run_halfmoon(
+    lm, prompts: dict, dtype: str, threads: int, device_cache: bool, cpus: tuple, repeats: int
+) -> dict:
     import grpc
 
     from protos import halfmoon_pb2 as pb
@@ -94,8 +155,10 @@ def run_halfmoon(lm, prompts: dict, dtype: str, threads: int, device_cache: bool
 
     out: dict = {}
     say("halfmoon: starting the store node, the workers and the conductor (one process each)")
-    cluster = process_cluster(lm.name, dtype, lm.fingerprint, threads, device_cache)
+    cluster = process_cluster(lm.name, dtype, lm.fingerprint, threads, device_cache, cpus)
+    sampler = MemorySampler(cluster.servers)
     try:
+        sampler.__enter__()
         channel = grpc.insecure_channel(cluster.address)
         stub = pb_grpc.ConductorStub(channel)
         say("halfmoon: warming up (first forward passes, timing models)")
@@ -125,34 +188,61 @@ def run_halfmoon(lm, prompts: dict, dtype: str, threads: int, device_cache: bool
         out["ttft_warm_ms"] = statistics.median(warm)
         out["warm_tier"] = "device" if u.cached_device_tokens else "dram"
 
-        _, n, wall, _ = one(stub, prompts["decode"][0], NEW_TOKENS)
-        out["decode_1_tok_s"] = n / wall
-        say(f"halfmoon: 1 x {NEW_TOKENS} tokens: {n / wall:7.1f} tok/s")
+        rates = []
+        for _ in range(repeats):
+            _, n, wall, _ = one(stub, prompts["decode"][0], NEW_TOKENS)
+            rates.append(n / wall)
+        out["decode_1_tok_s"] = statistics.median(rates)
+        say(f"halfmoon: 1 x {NEW_TOKENS} tokens: {out['decode_1_tok_s']:7.1f} tok/s (median)")
 
-        results: list = [None] * CONCURRENCY
-        barrier = threading.Barrier(CONCURRENCY + 1)
+        rates, batches = [], []
+        for _ in range(repeats):
+            results: list = [None] * CONCURRENCY
+            barrier = threading.Barrier(CONCURRENCY + 1)
 
-        def worker_fn(i):
+            def worker_fn(i):
+                barrier.wait()
+                results[i] = one(stub, prompts["decode"][i + 1], NEW_TOKENS)
+
+            ths = [threading.Thread(target=worker_fn, args=(i,)) for i in range(CONCURRENCY)]
+            for t in ths:
+                t.start()
             barrier.wait()
-            results[i] = one(stub, prompts["decode"][i + 1], NEW_TOKENS)
-
-        ths = [threading.Thread(target=worker_fn, args=(i,)) for i in range(CONCURRENCY)]
-        for t in ths:
-            t.start()
-        barrier.wait()
-        t0 = time.perf_counter()
-        for t in ths:
-            t.join()
-        wall = time.perf_counter() - t0
-        total = sum(r[1] for r in results)
-        out["decode_16_tok_s"] = total / wall
-        out["decode_16_max_batch"] = max(r[3].max_decode_batch for r in results)
+            t0 = time.perf_counter()
+            for t in ths:
+                t.join()
+            wall = time.perf_counter() - t0
+            rates.append(sum(r[1] for r in results) / wall)
+            batches.append(max(r[3].max_decode_batch for r in results))
+        out["decode_16_tok_s"] = statistics.median(rates)
+        out["decode_16_max_batch"] = max(batches)
         say(
-            f"halfmoon: {CONCURRENCY} x {NEW_TOKENS} tokens: {total / wall:7.1f} tok/s "
-            f"(largest decode batch {out['decode_16_max_batch']})"
+            f"halfmoon: {CONCURRENCY} x {NEW_TOKENS} tokens: {out['decode_16_tok_s']:7.1f} tok/s "
+            f"(median of {repeats}; largest decode batch {out['decode_16_max_batch']})"
+        )
+        sampler.__exit__()
+        configured = configured_bytes(stub)
+        names = [s.name for s in cluster.servers]
+        for name in names:
+            out[f"rss_peak_mb_{name}"] = round(sampler.rss[name] / 2**20, 1)
+            out[f"pss_peak_mb_{name}"] = round(sampler.pss[name] / 2**20, 1)
+            out[f"configured_mb_{name}"] = round(configured.get(name, 0) / 2**20, 1)
+        total_pss = sum(sampler.pss.values())
+        total_cfg = sum(configured.values())
+        # resident memory (PSS: the shared slab once) over weights + configured pools and tiers
+        out["rss_vs_configured"] = round(total_pss / total_cfg, 3) if total_cfg else None
+        say(
+            "halfmoon memory (peak RSS / peak PSS / configured, MiB): "
+            + ", ".join(
+                f"{n} {out[f'rss_peak_mb_{n}']:.0f}/{out[f'pss_peak_mb_{n}']:.0f}/"
+                f"{out[f'configured_mb_{n}']:.0f}"
+                for n in names
+            )
+            + f"; PSS over configured {out['rss_vs_configured']}"
         )
         channel.close()
     finally:
+        sampler._stop.set()
         cluster.stop()
     return out
 
@@ -179,19 +269,20 @@ def main():
     cold = [timed([ids], first)[0] * 1000 for ids in p["cold"]]
     timed([p["seed"]], first)
     warm = [timed([ids], first)[0] * 1000 for ids in p["warm"]]
-    w1, n1 = timed([p["decode"][0]], gen)
-    w16, n16 = timed(p["decode"][1:], gen)
-    cold.sort(); warm.sort()
-    print("VLLM_RESULT " + json.dumps({"ttft_cold_ms": cold[len(cold) // 2], \
-"ttft_warm_ms": warm[len(warm) // 2],
-                                        "decode_1_tok_s": n1 / w1, \
-"decode_16_tok_s": n16 / w16}), flush=True)
+    med = lambda xs: sorted(xs)[len(xs) // 2]
+    r1 = [(lambda w, n: n / w)(*timed([p["decode"][0]], gen)) for _ in range(p["repeats"])]
+    r16 = [(lambda w, n: n / w)(*timed(p["decode"][1:], gen)) for _ in range(p["repeats"])]
+    print("VLLM_RESULT " + json.dumps({"ttft_cold_ms": med(cold), "ttft_warm_ms": med(warm),
+                                      "decode_1_tok_s": med(r1), "decode_16_tok_s": med(r16)}),
+          flush=True)
 if __name__ == "__main__":
     main()
 """
 
 
-def run_vllm(python: str, lm, prompts: dict, dtype: str) -> tuple[dict | None, str]:
+def run_vllm(
+    python: str, lm, prompts: dict, dtype: str, repeats: int
+) -> tuple[dict | None, str]:
     """vLLM's figures on the same prompts, or (None, why not)."""
     if not python or not Path(python).exists():
         return (
@@ -204,7 +295,9 @@ def run_vllm(python: str, lm, prompts: dict, dtype: str) -> tuple[dict | None, s
     with tempfile.TemporaryDirectory(prefix="halfmoon-vllm-") as tmp:
         model_dir = save_hf_dir(lm, Path(tmp) / "model")  # a safetensors copy of the same weights
         prompts_path = Path(tmp) / "prompts.json"
-        prompts_path.write_text(json.dumps(dict(prompts, new_tokens=NEW_TOKENS)))
+        prompts_path.write_text(
+            json.dumps(dict(prompts, new_tokens=NEW_TOKENS, repeats=repeats))
+        )
         script = Path(tmp) / "run_vllm.py"
         script.write_text(VLLM_SCRIPT)
         env = dict(
@@ -284,10 +377,19 @@ def main(argv=None) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    ap.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16"],
+        help="both systems' dtype (auto: bfloat16 where the CPU has avx512_bf16, else float32: "
+        "bf16 is emulated, 5-7x slower, without it)",
+    )
     ap.add_argument(
         "--threads", type=int, default=0, help="torch threads per worker (0 = torch's default)"
     )
+    ap.add_argument("--repeats", type=int, default=3, help="runs per decode figure (median)")
+    ap.add_argument("--prefill-cpus", default="", help='the prefill worker\'s CPUs ("" = any)')
+    ap.add_argument("--decode-cpus", default="", help='the decode worker\'s CPUs ("" = any)')
     ap.add_argument(
         "--vllm-python",
         default=os.environ.get("VLLM_PYTHON", DEFAULT_VLLM),
@@ -304,19 +406,35 @@ def main(argv=None) -> int:
 
     import torch
 
+    from bench.machine import cpu_flags
     from model import load_model
 
+    flags = cpu_flags()
+    if args.dtype == "auto":
+        args.dtype = "bfloat16" if flags.get("avx512_bf16") else "float32"
+    load_start = os.getloadavg()[0]
     say(
         f"loading {args.model} ({args.dtype}); {os.cpu_count()} CPUs, "
-        f"load average {os.getloadavg()[0]:.1f}"
+        f"load average {load_start:.1f}, flags {flags}"
     )
     lm = load_model(args.model, dtype=args.dtype)
     prompts = token_prompts(lm.config.vocab_size, seed=0)
-    ours = run_halfmoon(lm, prompts, args.dtype, args.threads, not args.no_device_cache)
+    cpus = (args.prefill_cpus, args.decode_cpus)
+    ours = run_halfmoon(
+        lm, prompts, args.dtype, args.threads, not args.no_device_cache, cpus, args.repeats
+    )
     result = {
         "model": args.model,
         "dtype": args.dtype,
-        "torch_threads": torch.get_num_threads(),
+        "torch_threads": args.threads or torch.get_num_threads(),
+        "repeats": args.repeats,
+        "pinning": {
+            "halfmoon_prefill_cpus": args.prefill_cpus or "any",
+            "halfmoon_decode_cpus": args.decode_cpus or "any",
+            "vllm_omp_threads_bind": f"0-{os.cpu_count() - 1}",
+        },
+        "cpu_flags": flags,
+        "load_average_start": round(load_start, 2),
         **ours,
     }
     result["ttft_warm_vs_cold"] = ours["ttft_warm_ms"] / ours["ttft_cold_ms"]
@@ -327,7 +445,7 @@ def main(argv=None) -> int:
     )
 
     vllm, why = (
-        run_vllm(args.vllm_python, lm, prompts, args.dtype)
+        run_vllm(args.vllm_python, lm, prompts, args.dtype, args.repeats)
         if args.vllm_python
         else (None, "skipped (--vllm-python '')")
     )

@@ -4,7 +4,9 @@ prefill worker, decode worker, conductor: one process each, as bench/e2e.py runs
 
 The decode worker's `kv_cache_bytes` is sized so that full precision holds only --fp-sequences
 whole sequences (prompt + answer); --requests requests of --prompt-tokens random ordinary tokens,
-each asking for --new-tokens tokens (ignore_eos), are sent at once through the conductor. Per
+each asking for --new-tokens tokens (ignore_eos), are sent at once through the conductor. The
+prompts share their first --shared-prefix-tokens tokens (cached in the store before the burst,
+like a system prompt), so the prefill worker keeps up and the decode pool bounds the batch. Per
 setting: the pool's capacity (Load.capacity_tokens), the largest decode batch reached, generated
 tokens/s end to end (all tokens / wall time from the first send to the last token), and the mean
 decode step time at that batch (from the decode worker's Prometheus metrics).
@@ -19,7 +21,8 @@ the comparison KIVI's paper makes. With `auto` and --dtype float32 the baseline 
 16-bit cache's bytes and the *_vs_fp ratios would flatter KIVI by up to 2x.
 The last line printed is one JSON object.
 
-    .venv/bin/python bench/kivi_capacity.py [--requests 48 --prompt-tokens 1024 --new-tokens 64]
+    .venv/bin/python bench/kivi_capacity.py [--requests 32 --prompt-tokens 2048
+        --shared-prefix-tokens 1984 --new-tokens 128 --fp-sequences 4]
 """
 
 from __future__ import annotations
@@ -77,11 +80,23 @@ def layout_of(model_config, setting: str, args, dtype):
     return kv_cache_layout(model_config, cfg, dtype)
 
 
-def pool_fit(layout, budget: int, need: int, block_size: int, max_batch: int) -> tuple[int, int]:
-    """(whole sequences of `need` blocks a decode pool of `budget` bytes holds at this max_batch,
-    its capacity in tokens), as DecodeRunner / KiviDecodeRunner size their pools."""
+def reserved_blocks(layout, tokens: int, block_size: int) -> int:
+    """Pool blocks the decode worker reserves for a sequence of `tokens` tokens
+    (DecodeRunner.blocks_to_reserve): all of them in full precision; with KIVI only the packed
+    ones, since its last `residual` tokens stay in the window it reserves apart."""
     from kernels import KiviKVLayout
 
+    if isinstance(layout, KiviKVLayout):
+        return max(0, (tokens - layout.residual) // block_size)
+    return -(-tokens // block_size)
+
+
+def pool_fit(layout, budget: int, tokens: int, block_size: int, max_batch: int) -> tuple[int, int]:
+    """(whole sequences of `tokens` tokens a decode pool of `budget` bytes holds at this
+    max_batch, its capacity in tokens), as DecodeRunner / KiviDecodeRunner size their pools."""
+    from kernels import KiviKVLayout
+
+    need = max(1, reserved_blocks(layout, tokens, block_size))
     if not isinstance(layout, KiviKVLayout):
         blocks = budget // layout.block_bytes
         return min(max_batch, blocks // need), blocks * block_size
@@ -92,11 +107,11 @@ def pool_fit(layout, budget: int, need: int, block_size: int, max_batch: int) ->
     return min(max_batch, blocks // need), blocks * block_size
 
 
-def best_kivi_batch(layout, budget: int, need: int, block_size: int, cap: int) -> int:
+def best_kivi_batch(layout, budget: int, tokens: int, block_size: int, cap: int) -> int:
     """The max_batch (<= cap) at which a KIVI pool of `budget` bytes holds the most sequences."""
     best, best_n = 1, 0
     for m in range(1, cap + 1):
-        n, _ = pool_fit(layout, budget, need, block_size, m)
+        n, _ = pool_fit(layout, budget, tokens, block_size, m)
         if n > best_n:
             best, best_n = m, n
     return best
@@ -232,6 +247,9 @@ def run_setting(args, setting: str, prompts: list, budget: int, max_batch: int, 
         for _ in range(2):
             warm = [rng.randrange(100, args.vocab - 100) for _ in range(2 * args.block_size + 3)]
             one(-1, warm, 4, time.perf_counter())
+        if args.shared_prefix:  # the shared prefix's blocks in the store before the burst
+            say(f"{name}: caching the {len(args.shared_prefix)}-token shared prefix")
+            one(-1, args.shared_prefix + warm[:3], 2, time.perf_counter())
 
         samples: list[dict] = []
         done = threading.Event()
@@ -392,13 +410,21 @@ def main(argv=None) -> int:
         choices=["fp16", "bf16", "auto"],
         help="KIVI's full-precision window (auto: the compute dtype)",
     )
-    ap.add_argument("--requests", type=int, default=48, help="concurrent requests")
-    ap.add_argument("--prompt-tokens", type=int, default=1024, help="prompt tokens per request")
-    ap.add_argument("--new-tokens", type=int, default=64, help="new tokens per request")
+    ap.add_argument("--requests", type=int, default=32, help="concurrent requests")
+    ap.add_argument("--prompt-tokens", type=int, default=2048, help="prompt tokens per request")
+    ap.add_argument(
+        "--shared-prefix-tokens",
+        type=int,
+        default=1984,
+        help="leading prompt tokens every request shares (a system prompt, cached in the store "
+        "before the burst), so that prefill keeps up and the decode pool, not the prefill "
+        "worker, bounds the batch; 0: every prompt distinct",
+    )
+    ap.add_argument("--new-tokens", type=int, default=128, help="new tokens per request")
     ap.add_argument(
         "--fp-sequences",
         type=int,
-        default=8,
+        default=4,
         help="whole sequences the decode pool holds in full precision (sizes kv_cache_bytes)",
     )
     ap.add_argument("--kivi-residual", type=int, default=32, help="KIVI full-precision window")
@@ -435,6 +461,7 @@ def main(argv=None) -> int:
     dtype = DTYPE_NAMES[args.dtype]
     bs = args.block_size
     need = blocks_needed(args.prompt_tokens, args.new_tokens, bs)
+    seq_tokens = args.prompt_tokens + args.new_tokens
     full = layout_of(mc, "fp", args, dtype)
     budget = args.fp_sequences * need * full.block_bytes
     say(
@@ -445,11 +472,16 @@ def main(argv=None) -> int:
         f"load average {load_start:.1f}, flags {flags}"
     )
 
+    if not 0 <= args.shared_prefix_tokens < args.prompt_tokens:
+        ap.error("--shared-prefix-tokens must be at least 0 and below --prompt-tokens")
     rng = random.Random(args.seed)
-    prompts = [
-        [rng.randrange(100, mc.vocab_size - 100) for _ in range(args.prompt_tokens)]
-        for _ in range(args.requests)
-    ]
+
+    def tokens(n: int) -> list[int]:
+        return [rng.randrange(100, mc.vocab_size - 100) for _ in range(n)]
+
+    args.shared_prefix = tokens(args.shared_prefix_tokens)
+    distinct = args.prompt_tokens - args.shared_prefix_tokens
+    prompts = [args.shared_prefix + tokens(distinct) for _ in range(args.requests)]
     # the store holds every prompt's blocks (they are all prefilled before most are decoded)
     dram = max(256 << 20, int(args.requests * need * full.block_bytes * 1.25))
 
@@ -458,6 +490,7 @@ def main(argv=None) -> int:
         "dtype": args.dtype,
         "requests": args.requests,
         "prompt_tokens": args.prompt_tokens,
+        "shared_prefix_tokens": args.shared_prefix_tokens,
         "new_tokens": args.new_tokens,
         "fp_sequences": args.fp_sequences,
         "fp_kv_cache_dtype": args.fp_kv_cache_dtype,
@@ -478,12 +511,12 @@ def main(argv=None) -> int:
         if s == "fp":
             max_batches[s] = args.max_batch
         else:
-            max_batches[s] = best_kivi_batch(layout, budget, need, bs, args.max_batch)
+            max_batches[s] = best_kivi_batch(layout, budget, seq_tokens, bs, args.max_batch)
             result[f"{p}_window_block_bytes"] = layout.window_layout.block_bytes
             result[f"{p}_bytes_per_token_vs_fp"] = layout.bytes_per_token(
                 args.prompt_tokens + args.new_tokens
             ) / (full.block_bytes / bs)
-        result[f"{p}_sequences_fit"] = pool_fit(layout, budget, need, bs, max_batches[s])[0]
+        result[f"{p}_sequences_fit"] = pool_fit(layout, budget, seq_tokens, bs, max_batches[s])[0]
         say(
             f"{p}: max_batch {max_batches[s]}, holds {result[f'{p}_sequences_fit']} sequences "
             f"(block {layout.block_bytes} bytes)"

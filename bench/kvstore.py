@@ -2,7 +2,18 @@
 the shared-memory path and the gRPC path, beside a plain memcpy and Mooncake's store (TCP), all
 measured in this run. Ends with one JSON line.
 
-    .venv/bin/python bench/kvstore.py [--total-mib 64] [--repeats 5] [--mooncake-python PATH]
+    .venv/bin/python bench/kvstore.py [--total-mib 64] [--repeats 7] [--mooncake-python PATH]
+
+Every figure is the median of --repeats timed calls after one untimed warm-up, and every system is
+timed the same way: one call moves --total-mib MiB as a batch of values of one size (Mooncake's
+batch API), and whatever a put needs to start from an empty store (halfmoon's Clear, Mooncake's
+remove_all) and fresh keys happens outside the timed call. Store rates count value bytes once
+(`put_gbps`, `get_gbps`). A copy reads and writes its bytes, so copy bandwidth is counted both ways
+(`memcpy_rw_gbps`), and the shared-memory path, one copy per value, is put beside it on the same
+convention (`put_rw_gbps`, `get_rw_gbps`, twice its value rate). Mooncake's put is the better of
+its put_batch and its zero-copy batch_put_from, its get the better of get_batch and
+batch_get_into. The JSON records the load average at start and end, the CPU pressure and the CPU
+flags: on a shared machine the figures compare only at like load.
 
 Mooncake runs from its own venv (default /tmp/mooncake-venv, or $MOONCAKE_PYTHON):
 python3 -m venv /tmp/mooncake-venv &&
@@ -16,6 +27,7 @@ import argparse
 import json
 import os
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -28,6 +40,8 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.kernels import cpu_pressure  # noqa: E402
+from bench.machine import cpu_flags  # noqa: E402
 from kvstore import StoreClient, block_keys  # noqa: E402
 
 FP = "bench-model"
@@ -47,23 +61,33 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def timed(fn, repeats: int) -> float:
-    """Best seconds of fn() over repeats, after one warm-up: on a machine shared with other work,
-    the least disturbed run is the stable estimate (every subject and baseline uses it)."""
+def call_times(fn, repeats: int, setup=None) -> list[float]:
+    """Seconds of `repeats` calls of fn() after one untimed warm-up; setup() runs untimed before
+    each call. Every subject and baseline here is timed through this (Mooncake's driver has its
+    twin)."""
+    if setup is not None:
+        setup()
     fn()
     times = []
     for _ in range(repeats):
+        if setup is not None:
+            setup()
         t = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t)
-    return min(times)
+    return times
 
 
-def bench_memcpy(total: int, repeats: int) -> float:
-    """One plain single-threaded memcpy of the bytes one call moves (numpy.copyto)."""
+def timed(fn, repeats: int, setup=None) -> float:
+    """Median seconds of fn() (see call_times): the machine is shared, so medians, not bests."""
+    return statistics.median(call_times(fn, repeats, setup))
+
+
+def memcpy_times(total: int, repeats: int) -> list[float]:
+    """Seconds of plain single-threaded memcpys (numpy.copyto) of the bytes one call moves."""
     src = np.random.randint(0, 255, total, dtype=np.uint8)
     dst = np.empty_like(src)
-    return total / timed(lambda: np.copyto(dst, src), repeats) / 1e9
+    return call_times(lambda: np.copyto(dst, src), repeats)
 
 
 def bench_store(address: str, transport: str, total: int, repeats: int, tag: int) -> dict:
@@ -76,15 +100,17 @@ def bench_store(address: str, transport: str, total: int, repeats: int, tag: int
             dst = torch.empty_like(x)
             rounds = iter(range(10**6))
 
-            def put():  # fresh keys each time: a put of held keys writes nothing
-                r = next(rounds)
-                keys = block_keys(
+            def empty_store():  # untimed: fresh keys (a put of held keys writes nothing), no
+                r = next(rounds)  # eviction inside the timed put (Mooncake's run does the same)
+                c.clear()
+                put.keys = block_keys(
                     list(range(r * 10**6 + tag, r * 10**6 + tag + n)), 1, f"{FP}-{name}"
                 )
-                assert c.put(keys, x, FP) == n
-                put.keys = keys
 
-            t_put = timed(put, repeats)
+            def put():
+                assert c.put(put.keys, x, FP) == n
+
+            t_put = timed(put, repeats, setup=empty_store)
 
             def get():
                 assert c.get_into(put.keys, dst) == n
@@ -97,6 +123,9 @@ def bench_store(address: str, transport: str, total: int, repeats: int, tag: int
                 "get_gbps": nbytes / t_get / 1e9,
                 "values": n,
             }
+            if transport == "shm":  # one copy per value: read and write, as memcpy_rw_gbps
+                out[name]["put_rw_gbps"] = 2 * out[name]["put_gbps"]
+                out[name]["get_rw_gbps"] = 2 * out[name]["get_gbps"]
             print(
                 f"  {transport:4s} {name:>4s}: put {out[name]['put_gbps']:.2f} GB/s, "
                 f"get {out[name]['get_gbps']:.2f} GB/s ({n} values per call)",
@@ -120,38 +149,50 @@ if role == "holder":
     print(json.dumps({"ready": True}), flush=True)
     sys.stdin.read()
     sys.exit(0)
-def timed(fn):
+def timed(fn, setup=None):  # bench/kvstore.py's timed: median after one warm-up, setup untimed
+    setup() if setup else None
     fn(); ts = []
     for _ in range(repeats):
+        setup() if setup else None
         t = time.perf_counter(); fn(); ts.append(time.perf_counter() - t)
-    return min(ts)
+    return statistics.median(ts)
 out = {}
 buf = np.zeros(total + (1 << 20), dtype=np.uint8)
 assert s.register_buffer(buf.ctypes.data, buf.nbytes) == 0
 for name, size in sizes.items():
     n = max(1, total // size)
     vals = [np.random.randint(0, 255, size, dtype=np.uint8).tobytes() for _ in range(n)]
+    ptrs = [buf.ctypes.data + i * size for i in range(n)]
     r = [0]
-    def put():
+    def empty_store():
         r[0] += 1
-        keys = [f"{name}-{r[0]}-{i}" for i in range(n)]
-        s.remove_all() if r[0] > 2 else None
-        assert s.put_batch(keys, vals) == 0
-        put.keys = keys
-    t_put = timed(put)
+        s.remove_all(True)
+        put.keys = [f"{name}-{r[0]}-{i}" for i in range(n)]
+    def put():
+        assert s.put_batch(put.keys, vals) == 0
+    t_put = timed(put, empty_store)
+    def stage():  # batch_put_from sends from the registered buffer: the values go there first
+        empty_store()
+        for i, v in enumerate(vals):
+            buf[i * size : (i + 1) * size] = np.frombuffer(v, dtype=np.uint8)
+    def put_from():
+        res = s.batch_put_from(put.keys, ptrs, [size] * n)
+        assert all(x == 0 for x in res), res
+    t_put_from = timed(put_from, stage)
     def get():
         got = s.get_batch(put.keys)
         assert all(len(g) == size for g in got)
     t_get = timed(get)
-    ptrs = [buf.ctypes.data + i * size for i in range(n)]
+    buf[:] = 0
     def get_into():
         res = s.batch_get_into(put.keys, ptrs, [size] * n)
         assert all(x == size for x in res), res
     t_into = timed(get_into)
     assert buf[:size].tobytes() == vals[0]
     nbytes = n * size
-    out[name] = {"put_gbps": nbytes / t_put / 1e9, "get_gbps": nbytes / t_get / 1e9,
-                 "get_into_gbps": nbytes / t_into / 1e9, "values": n}
+    out[name] = {"put_gbps": nbytes / t_put / 1e9, "put_from_gbps": nbytes / t_put_from / 1e9,
+                 "get_gbps": nbytes / t_get / 1e9, "get_into_gbps": nbytes / t_into / 1e9,
+                 "values": n}
 print(json.dumps({"results": out}), flush=True)
 s.close()
 """
@@ -202,6 +243,7 @@ def bench_mooncake(python: str, total: int, repeats: int) -> dict:
                         for name, r in rec["results"].items():
                             print(
                                 f"  mooncake {name:>4s}: put {r['put_gbps']:.2f} GB/s, "
+                                f"put_from {r['put_from_gbps']:.2f} GB/s, "
                                 f"get {r['get_gbps']:.2f} GB/s, "
                                 f"get_into {r['get_into_gbps']:.2f} GB/s",
                                 flush=True,
@@ -312,10 +354,18 @@ def plot(results: dict, path: Path) -> None:
     width = 0.8 / len(series)
     for ax, op in zip(axes, ("put", "get")):
         for i, (label, r) in enumerate(series):
-            # Mooncake's get is the better of its get and its zero-copy get_into, as in the ratios
-            ys = [max(r[s][f"{op}_gbps"], r[s].get(f"{op}_into_gbps", 0.0)) for s in SIZES]
+            # Mooncake's best path (get_into, put_from where faster), as in the ratios
+            ys = [
+                max(
+                    r[s][f"{op}_gbps"],
+                    r[s].get(f"{op}_into_gbps", 0.0),
+                    r[s].get(f"{op}_from_gbps", 0.0),
+                )
+                for s in SIZES
+            ]
             ax.bar([j + i * width for j in range(len(SIZES))], ys, width, label=label)
-        ax.axhline(results["memcpy_gbps"], color="k", ls="--", lw=1, label="memcpy")
+        # the copy as a value rate (bytes once), the scale of the bars
+        ax.axhline(results["memcpy_rw_gbps"] / 2, color="k", ls="--", lw=1, label="memcpy")
         ax.set_xticks([j + width * (len(series) - 1) / 2 for j in range(len(SIZES))], list(SIZES))
         ax.set_title(f"{op} between two processes")
         ax.set_xlabel("value size")
@@ -340,25 +390,29 @@ def main() -> int:
     )
     p.add_argument("--plot", default=str(ROOT / "runs" / "bench_kvstore.png"))
     args = p.parse_args()
+    if args.repeats < 3:
+        print("--repeats must be at least 3 (figures are medians)", file=sys.stderr)
+        return 2
     total = args.total_mib << 20
-    load = os.getloadavg()[0]
+    load_start = os.getloadavg()
     print(
-        f"kvstore bench: {args.total_mib} MiB per call, best of {args.repeats}; "
-        f"load average {load:.2f} on {os.cpu_count()} cores",
+        f"kvstore bench: {args.total_mib} MiB per call, median of {args.repeats}; "
+        f"load average {load_start[0]:.2f} on {os.cpu_count()} cores",
         flush=True,
     )
-    copies = [bench_memcpy(total, args.repeats)]
-    print(f"  memcpy: {copies[-1]:.2f} GB/s", flush=True)
+    # memcpy beside each store run; the baseline is the median of all its calls
+    copies = memcpy_times(total, args.repeats)
+    print(f"  memcpy: {2 * total / statistics.median(copies) / 1e9:.2f} GB/s (read+write)")
     proc, address = start_node(total, args.chunk_kib << 10)
     try:
         shm = bench_store(address, "shm", total, args.repeats, tag=0)
-        copies.append(bench_memcpy(total, args.repeats))
-        print(f"  memcpy: {copies[-1]:.2f} GB/s", flush=True)
+        copies += memcpy_times(total, args.repeats)
+        print(f"  memcpy: {2 * total / statistics.median(copies) / 1e9:.2f} GB/s (read+write)")
         grpc_ = bench_store(address, "grpc", total, args.repeats, tag=500_000)
     finally:
         proc.terminate()
         proc.wait(timeout=30)
-    memcpy = max(copies)
+    memcpy_rw = 2 * total / statistics.median(copies) / 1e9
     ceiling = bench_grpc_ceiling(total, args.chunk_kib << 10, args.repeats)
     print(f"  bare gRPC stream of {args.chunk_kib} KiB messages: {ceiling:.2f} GB/s", flush=True)
     mooncake = (
@@ -366,18 +420,25 @@ def main() -> int:
         if args.skip_mooncake
         else bench_mooncake(args.mooncake_python, total, args.repeats)
     )
-    results = {"memcpy_gbps": memcpy, "shm": shm, "grpc": grpc_, "mooncake": mooncake}
+    results = {"memcpy_rw_gbps": memcpy_rw, "shm": shm, "grpc": grpc_, "mooncake": mooncake}
     summary = {
         "bench": "kvstore",
         "total_mib_per_call": args.total_mib,
-        "load_average": round(load, 2),
-        "memcpy_gbps": round(memcpy, 3),
-        # the headline ratios: the least favourable size for shm, the named size for gRPC
-        "shm_get_vs_memcpy": round(min(shm[s]["get_gbps"] for s in SIZES) / memcpy, 3),
-        "shm_put_vs_memcpy": round(min(shm[s]["put_gbps"] for s in SIZES) / memcpy, 3),
+        "repeats": args.repeats,
+        "statistic": "median",
+        "load_average_start": [round(x, 2) for x in load_start],
+        "load_average_end": [round(x, 2) for x in os.getloadavg()],
+        "cpu_pressure_avg60": cpu_pressure(),
+        "cpus": os.cpu_count(),
+        "cpu_flags": cpu_flags(),
+        "memcpy_rw_gbps": round(memcpy_rw, 3),
+        # shm against memcpy, both counted read+write: the least favourable size, then each size
+        "shm_get_vs_memcpy": round(min(shm[s]["get_rw_gbps"] for s in SIZES) / memcpy_rw, 3),
+        "shm_put_vs_memcpy": round(min(shm[s]["put_rw_gbps"] for s in SIZES) / memcpy_rw, 3),
     }
     for s in SIZES:
-        summary[f"shm_get_vs_memcpy_{s}"] = round(shm[s]["get_gbps"] / memcpy, 3)
+        summary[f"shm_get_vs_memcpy_{s}"] = round(shm[s]["get_rw_gbps"] / memcpy_rw, 3)
+        summary[f"shm_put_vs_memcpy_{s}"] = round(shm[s]["put_rw_gbps"] / memcpy_rw, 3)
     # what gRPC in Python can carry here at all: the gRPC path's ceiling
     summary["grpc_bare_stream_gbps"] = round(ceiling, 3)
     for s in SIZES:
@@ -386,20 +447,24 @@ def main() -> int:
         summary["mooncake"] = "skipped: " + mooncake["skipped"]
         for s in ("1m", "16m"):
             summary[f"grpc_get_vs_mooncake_{s}"] = None
+            summary[f"grpc_put_vs_mooncake_{s}"] = None
     else:
         for s in SIZES:
-            # against Mooncake's better get path (its zero-copy get_into, mostly) ...
-            best = max(mooncake[s]["get_gbps"], mooncake[s]["get_into_gbps"])
-            summary[f"grpc_get_vs_mooncake_{s}"] = round(grpc_[s]["get_gbps"] / best, 3)
-            # ... and against its plain get, which returns a new bytes object as ours fills a tensor
+            m = mooncake[s]
+            # against Mooncake's better path each way (zero-copy get_into / put_from, mostly) ...
+            best_get = max(m["get_gbps"], m["get_into_gbps"])
+            best_put = max(m["put_gbps"], m["put_from_gbps"])
+            summary[f"grpc_get_vs_mooncake_{s}"] = round(grpc_[s]["get_gbps"] / best_get, 3)
+            summary[f"grpc_put_vs_mooncake_{s}"] = round(grpc_[s]["put_gbps"] / best_put, 3)
+            # ... and against its plain get/put, which take and return Python bytes
             summary[f"grpc_get_vs_mooncake_get_{s}"] = round(
-                grpc_[s]["get_gbps"] / mooncake[s]["get_gbps"], 3
+                grpc_[s]["get_gbps"] / m["get_gbps"], 3
             )
-            summary[f"grpc_put_vs_mooncake_{s}"] = round(
-                grpc_[s]["put_gbps"] / mooncake[s]["put_gbps"], 3
+            summary[f"grpc_put_vs_mooncake_put_{s}"] = round(
+                grpc_[s]["put_gbps"] / m["put_gbps"], 3
             )
-            summary[f"shm_get_vs_mooncake_{s}"] = round(shm[s]["get_gbps"] / best, 3)
-    summary["gbps"] = {k: v for k, v in results.items() if k != "memcpy_gbps"}
+            summary[f"shm_get_vs_mooncake_{s}"] = round(shm[s]["get_gbps"] / best_get, 3)
+    summary["gbps"] = {k: v for k, v in results.items() if k != "memcpy_rw_gbps"}
     try:
         plot(results, Path(args.plot))
         summary["plot"] = args.plot

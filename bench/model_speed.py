@@ -1,12 +1,17 @@
-r"""Model speed on SmolLM2: prefill and decode tokens/s beside transformers' `generate`.
+r"""Model speed on SmolLM2: prefill and decode tokens/s beside transformers, and decode at
+batch 16 against the machine's floor for it.
 
-Prefill tokens/s of a 512-token prompt and decode tokens/s at batch 1 and 16, fp32 and bf16, beside
-transformers' `generate` on the same GGUF weights measured in the same run. Last line: one JSON
-object.
-
-Decode tokens/s counts the tokens after each sequence's first one over the time from the first to
-the last step (our engine's own timing; a streamer's timestamps for transformers), so the prompt's
-prefill does not count.
+Like with like, same dtype (--dtype, `auto`: the machine's fastest), same weights (the GGUF),
+medians of --repeats rounds run in turn so that load drifts fall on every system alike:
+- prefill: one forward over a 512-token prompt that writes its KV and returns the last
+  position's logits (ours: `prefill` into a paged pool; transformers: `forward` with a cache and
+  `logits_to_keep=1`);
+- decode: tokens after each sequence's first one over the time from the first to the last step,
+  at batch 1 and 16 (ours: the engine's own step timing; transformers: `generate`'s streamer).
+- roofline: a decode step reads every weight once, so its floor is the weights' bytes plus the
+  step's KV bytes over the read bandwidth measured in this run (a sum over 512 MiB);
+  `decode_16_vs_roofline` is that floor over the achieved step time (1.0 = at the floor).
+Last line: one JSON object, with the CPU's flags and the load.
 
     .venv/bin/python bench/model_speed.py [--threads N] [--new-tokens 33] \
         [--plot runs/bench/model_speed.png]
@@ -17,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -25,6 +31,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.machine import cpu_flags, median_s  # noqa: E402
 from model import Engine, SamplingParams, load_model  # noqa: E402
 from model.fetch import fetch_smollm2  # noqa: E402
 
@@ -111,103 +118,136 @@ def prefill_ours(lm, length: int):
 
 
 def prefill_theirs(hf, length: int, vocab: int):
-    """A run -> prefill tokens/s of transformers' generate for one new token."""
+    """A run -> prefill tokens/s of transformers' forward over the prompt, filling a KV cache and
+    keeping the last position's logits (what our prefill does)."""
     ids = torch.tensor(prompts(1, length, vocab))
 
     def run() -> float:
         t = time.perf_counter()
         with torch.inference_mode():
-            hf.generate(ids, max_new_tokens=1, do_sample=False, eos_token_id=None, pad_token_id=0)
+            hf(ids, use_cache=True, logits_to_keep=1)
         return length / (time.perf_counter() - t)
 
     run()
     return run
 
 
+def read_bandwidth() -> float:
+    """Bytes read per second by a sum over 512 MiB (a read-only pass, as a decode step's weight
+    reads are)."""
+    x = torch.ones(128 << 20, dtype=torch.float32)
+    return x.numel() * 4 / median_s(lambda: x.sum(), 5)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    ap.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16"],
+        help="both systems' dtype (auto: bfloat16 with avx512_bf16, else float32)",
+    )
     ap.add_argument("--prefill-len", type=int, default=512)
     ap.add_argument("--prompt-len", type=int, default=128, help="prompt length before decode")
     ap.add_argument(
         "--new-tokens", type=int, default=33, help="new tokens per sequence in the decode runs"
     )
     ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--repeats", type=int, default=3, help="rounds per workload (best of)")
+    ap.add_argument("--repeats", type=int, default=3, help="rounds per workload (median)")
     ap.add_argument("--plot", default="runs/bench/model_speed.png")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     from transformers import AutoModelForCausalLM
 
+    flags = cpu_flags()
+    if args.dtype == "auto":
+        args.dtype = "bfloat16" if flags.get("avx512_bf16") else "float32"
+    dtype = getattr(torch, args.dtype)
+    load_start = os.getloadavg()[0]
     path = fetch_smollm2(quiet=True)
     print(
-        f"threads={torch.get_num_threads()} load average at start={os.getloadavg()[0]:.2f}",
+        f"threads={torch.get_num_threads()} dtype={args.dtype} load average at start="
+        f"{load_start:.2f} flags={flags}",
         flush=True,
     )
-    hf = AutoModelForCausalLM.from_pretrained(
-        path.parent, gguf_file=path.name, dtype=torch.float32
-    ).eval()
+    hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype).eval()
     vocab = hf.config.vocab_size
-    ours = {
-        "fp32": load_model("smollm2-135m"),
-        "bf16": load_model("smollm2-135m", dtype="bfloat16"),
-    }
+    lm = load_model("smollm2-135m", dtype=args.dtype)
     b = args.batch
     res: dict[str, float] = {}
-    # Each workload runs the three systems in turn, `repeats` rounds, best of each: on a shared
+    # Each workload runs both systems in turn, `repeats` rounds, median of each: on a shared
     # machine the load drifts, and interleaving spreads it evenly over the systems compared.
     workloads = [
         (
             "prefill",
-            lambda m: prefill_theirs(m, args.prefill_len, vocab),
-            lambda m: prefill_ours(m, args.prefill_len),
+            lambda: prefill_theirs(hf, args.prefill_len, vocab),
+            lambda: prefill_ours(lm, args.prefill_len),
         ),
         (
             "decode_b1",
-            lambda m: decode_theirs(m, 1, args.prompt_len, args.new_tokens, vocab),
-            lambda m: decode_ours(m, 1, args.prompt_len, args.new_tokens),
+            lambda: decode_theirs(hf, 1, args.prompt_len, args.new_tokens, vocab),
+            lambda: decode_ours(lm, 1, args.prompt_len, args.new_tokens),
         ),
         (
             f"decode_b{b}",
-            lambda m: decode_theirs(m, b, args.prompt_len, args.new_tokens, vocab),
-            lambda m: decode_ours(m, b, args.prompt_len, args.new_tokens),
+            lambda: decode_theirs(hf, b, args.prompt_len, args.new_tokens, vocab),
+            lambda: decode_ours(lm, b, args.prompt_len, args.new_tokens),
         ),
     ]
     for work, make_theirs, make_ours in workloads:
         t0 = time.perf_counter()
-        runs = {
-            f"hf_{work}_fp32": make_theirs(hf),
-            f"{work}_fp32": make_ours(ours["fp32"]),
-            f"{work}_bf16": make_ours(ours["bf16"]),
-        }
-        best = {k: 0.0 for k in runs}
+        runs = {f"hf_{work}": make_theirs(), work: make_ours()}
+        rates: dict[str, list[float]] = {k: [] for k in runs}
         for r in range(args.repeats):
             print(f"{work}: round {r + 1}/{args.repeats}", flush=True)
             for k, run in runs.items():
-                best[k] = max(best[k], run())
-        for k, v in best.items():
-            res[k] = round(v, 2)
-            print(f"  {k:<24} {v:>9.1f} tok/s", flush=True)
+                rates[k].append(run())
+        for k, v in rates.items():
+            res[f"{k}_tok_s"] = round(statistics.median(v), 2)
+            print(f"  {k:<24} {res[f'{k}_tok_s']:>9.1f} tok/s (median)", flush=True)
         print(f"{work}: {time.perf_counter() - t0:.0f} s", flush=True)
 
+    # the floor of a batch-b decode step: every weight read once, plus the step's KV
+    bw = read_bandwidth()
+    weights = sum(t.numel() * t.element_size() for t in lm.model.parameters())
+    c = lm.config
+    context = args.prompt_len + args.new_tokens // 2  # the mean context over the run
+    kv = b * context * c.num_layers * 2 * c.num_kv_heads * c.head_dim * dtype.itemsize
+    floor_s = (weights + kv) / bw
+    step_s = b / res[f"decode_b{b}_tok_s"]
     summary = {
         "bench": "model_speed",
         "model": "smollm2-135m",
+        "dtype": args.dtype,
         "threads": torch.get_num_threads(),
+        "cpu_flags": flags,
+        "load_average_start": round(load_start, 2),
         "load_average_end": round(os.getloadavg()[0], 2),
         **res,
-        "decode_b1_vs_transformers": round(res["decode_b1_fp32"] / res["hf_decode_b1_fp32"], 3),
-        f"decode_b{b}_vs_transformers": round(
-            res[f"decode_b{b}_fp32"] / res[f"hf_decode_b{b}_fp32"], 3
+        "read_gbps": round(bw / 1e9, 2),
+        "weights_mb": round(weights / 2**20, 1),
+        f"decode_b{b}_floor_ms": round(floor_s * 1e3, 2),
+        f"decode_b{b}_step_ms": round(step_s * 1e3, 2),
+        f"decode_{b}_vs_roofline": round(floor_s / step_s, 3),
+        "prefill_forward_vs_transformers_forward": round(
+            res["prefill_tok_s"] / res["hf_prefill_tok_s"], 3
         ),
-        "prefill_vs_transformers": round(res["prefill_fp32"] / res["hf_prefill_fp32"], 3),
-        f"decode_b{b}_vs_b1": round(res[f"decode_b{b}_fp32"] / res["decode_b1_fp32"], 3),
-        f"decode_b{b}_vs_b1_bf16": round(res[f"decode_b{b}_bf16"] / res["decode_b1_bf16"], 3),
-        "decode_b1_bf16_vs_transformers_fp32": round(
-            res["decode_b1_bf16"] / res["hf_decode_b1_fp32"], 3
+        "decode_b1_steps_vs_transformers_generate": round(
+            res["decode_b1_tok_s"] / res["hf_decode_b1_tok_s"], 3
         ),
+        f"decode_b{b}_steps_vs_transformers_generate": round(
+            res[f"decode_b{b}_tok_s"] / res[f"hf_decode_b{b}_tok_s"], 3
+        ),
+        f"decode_b{b}_vs_b1": round(res[f"decode_b{b}_tok_s"] / res["decode_b1_tok_s"], 3),
     }
+    print(
+        f"decode at batch {b}: step {step_s * 1e3:.1f} ms against a floor of "
+        f"{floor_s * 1e3:.1f} ms ({weights / 2**20:.0f} MiB of weights + {kv / 2**20:.0f} MiB "
+        f"of KV at {bw / 1e9:.1f} GB/s read): {floor_s / step_s:.2f} of the roofline",
+        flush=True,
+    )
     if args.plot:
         plot(summary, b, Path(args.plot))
         print(f"plot: {args.plot}")
@@ -228,9 +268,9 @@ def plot(s: dict, b: int, out: Path) -> None:
     ]
     fig, axes = plt.subplots(1, 3, figsize=(11, 3.5))
     for ax, (title, key) in zip(axes, groups):
-        names = ["transformers fp32", "halfmoon fp32", "halfmoon bf16"]
-        vals = [s[f"hf_{key}_fp32"], s[f"{key}_fp32"], s[f"{key}_bf16"]]
-        ax.bar(names, vals, color=["#999999", "#3b6ea5", "#e0a030"])
+        names = [f"transformers {s['dtype']}", f"halfmoon {s['dtype']}"]
+        vals = [s[f"hf_{key}_tok_s"], s[f"{key}_tok_s"]]
+        ax.bar(names, vals, color=["#999999", "#3b6ea5"])
         ax.set_title(title)
         ax.set_ylabel("tokens/s")
         ax.tick_params(axis="x", labelrotation=20)

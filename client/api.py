@@ -1,8 +1,11 @@
-"""The gRPC client for the conductor: Generate (streaming) and Status, sync and asyncio."""
+"""The gRPC client for the conductor: Generate (streaming) and Status, sync and asyncio; TLS
+and a bearer token when the cluster asks for them."""
 
 from __future__ import annotations
 
+import os
 import time
+from pathlib import Path
 from typing import AsyncIterator, Iterator, NamedTuple, Sequence
 
 import grpc
@@ -141,19 +144,70 @@ class _Gather:
         )
 
 
-class Client:
-    """Blocking client: `with Client(addr) as c: for chunk in c.generate_stream("hi"): ...`."""
+class Access(NamedTuple):
+    """How a client reaches a secured conductor: a bearer token and TLS files ("" = none)."""
 
-    def __init__(self, address: str = DEFAULT_ADDRESS, timeout_s: float = GENERATE_TIMEOUT_S):
+    token: str = ""  # API token (its tenant's cache is the only one the requests reach)
+    tls_ca: str = ""  # PEM CA that signed the conductor's certificate; set = TLS
+    tls_cert: str = ""  # PEM client certificate and key, for a conductor that asks for one
+    tls_key: str = ""
+    tls_server_name: str = ""  # the name checked in the conductor's certificate ("" = the host)
+
+    @classmethod
+    def from_env(cls, token: str | None = None, tls_ca: str | None = None) -> "Access":
+        """Given values, else $HALFMOON_TOKEN and $HALFMOON_TLS_CA."""
+        return cls(
+            token=os.environ.get("HALFMOON_TOKEN", "") if token is None else token,
+            tls_ca=os.environ.get("HALFMOON_TLS_CA", "") if tls_ca is None else tls_ca,
+        )
+
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        return (("authorization", f"Bearer {self.token}"),) if self.token else ()
+
+    def options(self) -> list[tuple]:
+        name = [("grpc.ssl_target_name_override", self.tls_server_name)]
+        return _CHANNEL_OPTIONS + (name if self.tls_server_name else [])
+
+    def credentials(self) -> grpc.ChannelCredentials | None:
+        """TLS credentials (None: plaintext); a file that cannot be read is a ValueError."""
+        if not self.tls_ca:
+            return None
+        files = {}
+        for what in ("tls_ca", "tls_cert", "tls_key"):
+            path = getattr(self, what)
+            try:
+                files[what] = Path(path).read_bytes() if path else None
+            except OSError as exc:
+                raise ValueError(f"{what}: cannot read {path!r}: {exc.strerror}") from None
+        return grpc.ssl_channel_credentials(files["tls_ca"], files["tls_key"], files["tls_cert"])
+
+
+class Client:
+    """Blocking client: `with Client(addr) as c: for chunk in c.generate_stream("hi"): ...`.
+    `access` (default: $HALFMOON_TOKEN, $HALFMOON_TLS_CA) carries a token and TLS files."""
+
+    def __init__(
+        self,
+        address: str = DEFAULT_ADDRESS,
+        timeout_s: float = GENERATE_TIMEOUT_S,
+        access: Access | None = None,
+    ):
         self.address = address
         self.timeout_s = timeout_s
-        self._channel = grpc.insecure_channel(address, options=_CHANNEL_OPTIONS)
+        access = access or Access.from_env()
+        creds = access.credentials()
+        self._channel = (
+            grpc.secure_channel(address, creds, options=access.options())
+            if creds is not None
+            else grpc.insecure_channel(address, options=access.options())
+        )
+        self._metadata = access.metadata()
         self._stub = pb_grpc.ConductorStub(self._channel)
 
     def generate_stream(self, prompt: str | None = None, **kwargs) -> Iterator[Chunk]:
         """Stream the answer; closing the iterator early cancels the request downstream."""
         request = kwargs.pop("request", None) or build_request(prompt, **kwargs)
-        call = self._stub.Generate(request, timeout=self.timeout_s)
+        call = self._stub.Generate(request, timeout=self.timeout_s, metadata=self._metadata)
         try:
             for msg in call:
                 yield _chunk(msg)
@@ -167,11 +221,16 @@ class Client:
         return gather.result()
 
     def status(self) -> pb.StatusReply:
-        return self._stub.Status(pb.StatusRequest(), timeout=STATUS_TIMEOUT_S)
+        return self._stub.Status(
+            pb.StatusRequest(), timeout=STATUS_TIMEOUT_S, metadata=self._metadata
+        )
 
     def clear_cache(self) -> pb.ClearCacheReply:
-        """Empty every KV cache of the cluster (store tiers, index, prefill pools)."""
-        return self._stub.ClearCache(pb.ClearCacheRequest(), timeout=STATUS_TIMEOUT_S)
+        """Empty every KV cache of the cluster (store tiers, index, prefill pools); on a secured
+        cluster this takes the cluster token."""
+        return self._stub.ClearCache(
+            pb.ClearCacheRequest(), timeout=STATUS_TIMEOUT_S, metadata=self._metadata
+        )
 
     def close(self) -> None:
         self._channel.close()
@@ -185,17 +244,29 @@ class Client:
 
 class AsyncClient:
     """asyncio client: `async with AsyncClient(addr) as c: async for chunk in
-    c.generate_stream(...)`."""
+    c.generate_stream(...)`. `access` as for Client."""
 
-    def __init__(self, address: str = DEFAULT_ADDRESS, timeout_s: float = GENERATE_TIMEOUT_S):
+    def __init__(
+        self,
+        address: str = DEFAULT_ADDRESS,
+        timeout_s: float = GENERATE_TIMEOUT_S,
+        access: Access | None = None,
+    ):
         self.address = address
         self.timeout_s = timeout_s
-        self._channel = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
+        access = access or Access.from_env()
+        creds = access.credentials()
+        self._channel = (
+            grpc.aio.secure_channel(address, creds, options=access.options())
+            if creds is not None
+            else grpc.aio.insecure_channel(address, options=access.options())
+        )
+        self._metadata = access.metadata()
         self._stub = pb_grpc.ConductorStub(self._channel)
 
     async def generate_stream(self, prompt: str | None = None, **kwargs) -> AsyncIterator[Chunk]:
         request = kwargs.pop("request", None) or build_request(prompt, **kwargs)
-        call = self._stub.Generate(request, timeout=self.timeout_s)
+        call = self._stub.Generate(request, timeout=self.timeout_s, metadata=self._metadata)
         try:
             async for msg in call:
                 yield _chunk(msg)
@@ -209,10 +280,14 @@ class AsyncClient:
         return gather.result()
 
     async def status(self) -> pb.StatusReply:
-        return await self._stub.Status(pb.StatusRequest(), timeout=STATUS_TIMEOUT_S)
+        return await self._stub.Status(
+            pb.StatusRequest(), timeout=STATUS_TIMEOUT_S, metadata=self._metadata
+        )
 
     async def clear_cache(self) -> pb.ClearCacheReply:
-        return await self._stub.ClearCache(pb.ClearCacheRequest(), timeout=STATUS_TIMEOUT_S)
+        return await self._stub.ClearCache(
+            pb.ClearCacheRequest(), timeout=STATUS_TIMEOUT_S, metadata=self._metadata
+        )
 
     async def close(self) -> None:
         await self._channel.close()

@@ -15,6 +15,9 @@ COMMANDS = {
     "replay": "client.replay_cmd:run",
     "demo": "deploy.demo:run",
     "fetch": "model.fetch:run",
+    "simulate": "sim.cli:simulate_cmd",
+    "fit-profile": "sim.cli:fit_profile_cmd",
+    "make-certs": "client.cli:make_certs_cmd",
 }
 
 
@@ -45,8 +48,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     g.add_argument("--json", action="store_true", help="print machine-readable records")
+    _add_access_args(g)
 
-    s = sub.add_parser("serve", help="start the cluster with Ray and print the conductor's address")
+    s = sub.add_parser(
+        "serve",
+        help="start the cluster with Ray and print the conductor's address (and the HTTP API's)",
+    )
     s.add_argument(
         "--config", default=None, help="cluster config YAML (default: deploy/configs/local.yaml)"
     )
@@ -58,10 +65,28 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="join a running Ray cluster ('auto') instead of starting one",
     )
+    s.add_argument(
+        "--http-port",
+        type=int,
+        default=None,
+        help="port of the OpenAI-compatible HTTP API (default: the config's http_port, 8000 in "
+        "local.yaml); 0 = no HTTP server",
+    )
+    s.add_argument(
+        "--metrics",
+        nargs="?",
+        const="",
+        default=None,
+        metavar="TARGETS_FILE",
+        help="export Prometheus metrics from every server (ports from metrics_base_port, 9100 "
+        "when unset), print the scrape targets and write them for Prometheus' file_sd "
+        "(default file: deploy/prometheus/targets/halfmoon.json)",
+    )
 
     st = sub.add_parser("status", help="print the cluster's workers, loads and store occupancy")
     st.add_argument("--address", default=default_address, help=address_help)
     st.add_argument("--json", action="store_true")
+    _add_access_args(st)
 
     r = sub.add_parser("replay", help="replay a request trace against a running cluster and report")
     r.add_argument("trace")
@@ -112,13 +137,62 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--policies", default="mooncake,load_balance,cache_off")
     d.add_argument("--output", default="runs/demo")
 
+    mc = sub.add_parser(
+        "make-certs",
+        help="make a throwaway CA and a node certificate (for tests and local trials of TLS)",
+    )
+    mc.add_argument("directory", help="where ca.pem, node.pem and node.key are written")
+    mc.add_argument(
+        "--host",
+        action="append",
+        default=None,
+        help="an IP or DNS name the certificate is valid for (repeatable; default: 127.0.0.1 "
+        "and localhost)",
+    )
+    mc.add_argument("--days", type=int, default=30)
+
     f = sub.add_parser("fetch", help="fetch a model into the local cache")
     f.add_argument("name", nargs="?", default="smollm2-135m")
+    from sim.cli import add_fit_args, add_simulate_args
+
+    add_simulate_args(
+        sub.add_parser(
+            "simulate",
+            help="simulate a cluster on a trace with the conductor's policies (no model runs)",
+        )
+    )
+    add_fit_args(
+        sub.add_parser("fit-profile", help="fit a simulator profile from `halfmoon replay` output")
+    )
     return parser
+
+
+def _add_access_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--token", default=None, help="API token of a secured cluster (default: $HALFMOON_TOKEN)"
+    )
+    p.add_argument(
+        "--tls-ca",
+        default=None,
+        help="CA certificate (PEM) of a conductor serving TLS (default: $HALFMOON_TLS_CA)",
+    )
+
+
+def make_certs_cmd(args) -> int:
+    from servekit import make_certs
+
+    hosts = args.host or ["127.0.0.1", "localhost"]
+    paths = make_certs(args.directory, hosts, days=args.days)
+    print(f"ca: {paths.ca}\ncert: {paths.cert}\nkey: {paths.key}")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    # The client library reads these (client.Access.from_env), whichever command builds it.
+    for option, variable in (("token", "HALFMOON_TOKEN"), ("tls_ca", "HALFMOON_TLS_CA")):
+        if getattr(args, option, None) is not None:
+            os.environ[variable] = getattr(args, option)
     module_name, func_name = COMMANDS[args.command].split(":")
     try:
         func = getattr(importlib.import_module(module_name), func_name)

@@ -11,7 +11,8 @@ from client.report import ReplayRecord, request_tbt
 
 
 def _cdf(values: list[float]) -> tuple[np.ndarray, np.ndarray]:
-    v = np.sort(np.asarray([x for x in values if not math.isnan(x)], dtype=np.float64))
+    # a log axis: zero gaps (one-token answers) have no place on it
+    v = np.sort(np.asarray([x for x in values if not math.isnan(x) and x > 0], dtype=np.float64))
     return v, np.arange(1, v.size + 1) / max(v.size, 1)
 
 
@@ -45,6 +46,8 @@ def plot_cdfs(
                     label=f"{policy or 'default'} ({x.size} done / {len(records)})",
                 )
         ax.axvline(slo, color="grey", linestyle="--", linewidth=1, label=f"SLO {slo:.0f} ms")
+        # Latencies span decades (a cached prefix against a queue): a log axis shows them all.
+        ax.set_xscale("log")
         ax.set_xlabel(label)
         ax.set_ylabel("share of answered requests")
         ax.set_ylim(0, 1.02)

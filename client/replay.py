@@ -83,6 +83,10 @@ async def _one(client: AsyncClient, p: Prompt, s: ReplaySettings, t0: float) -> 
         computed_tokens=u.computed_prompt_tokens if u else 0,
         prefill_worker=u.prefill_worker if u else "",
         decode_worker=u.decode_worker if u else "",
+        predicted_ttft_ms=u.predicted_ttft_ms if u else 0.0,
+        predicted_tbt_ms=u.predicted_tbt_ms if u else 0.0,
+        queue_ms=u.queue_ms if u else 0.0,
+        prefill_ms=u.prefill_ms if u else 0.0,
     )
 
 

@@ -90,11 +90,23 @@ def replay_trace(
         "requests": len(prompts),
         "scaling": scaling._asdict(),
         "reports": [report_dict(r) for r in reports],
+        # the workers' last load reports (fitted time models, pool sizes) and the stores' tiers:
+        # what `halfmoon fit-profile` turns into a simulator profile alongside the records
+        "cluster": cluster_status(address),
     }
     (out / "report.json").write_text(
         json.dumps(_finite(summary), indent=2) + "\n", encoding="utf-8"
     )
     return ReplayResult(reports, out, png, table)
+
+
+def cluster_status(address: str) -> dict:
+    """The conductor's Status reply as a dict (workers' load reports, stores' tiers)."""
+    from google.protobuf.json_format import MessageToDict
+
+    with Client(address) as c:
+        reply = c.status()
+    return MessageToDict(reply, preserving_proto_field_name=True)
 
 
 def _finite(x):

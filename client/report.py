@@ -34,12 +34,42 @@ class ReplayRecord(NamedTuple):
     computed_tokens: int  # prompt tokens the prefill worker computed
     prefill_worker: str
     decode_worker: str
+    predicted_ttft_ms: float = 0.0  # the routing policy's estimate (0 = none)
+    predicted_tbt_ms: float = 0.0  # the routing policy's TBT estimate (0 = none)
+    queue_ms: float = 0.0  # time it waited in the prefill worker's queue
+    prefill_ms: float = 0.0  # its prefill round's first forward to its own last forward
 
 
 class Percentiles(NamedTuple):
     p50: float
     p90: float
     p99: float
+
+
+class PredictionError(NamedTuple):
+    """How far the policy's estimates were from what was measured, over answered requests that
+    carried one: relative error (predicted - measured) / measured."""
+
+    requests: int  # answered requests with an estimate
+    median_abs: float  # median of |relative error| (nan when none)
+    p90_abs: float  # 90th percentile of |relative error|
+    median: float  # median of the signed error: > 0 the policy over-predicted
+
+
+NO_ERROR = PredictionError(0, math.nan, math.nan, math.nan)
+
+
+def prediction_error(pairs: Iterable[tuple[float, float]]) -> PredictionError:
+    """The error of (predicted, measured) pairs; pairs with no estimate or measure are skipped."""
+    rel = np.asarray(
+        [(p - m) / m for p, m in pairs if p > 0 and m > 0 and not math.isnan(m)], dtype=np.float64
+    )
+    if rel.size == 0:
+        return NO_ERROR
+    a = np.abs(rel)
+    return PredictionError(
+        int(rel.size), float(np.median(a)), float(np.percentile(a, 90)), float(np.median(rel))
+    )
 
 
 class Report(NamedTuple):
@@ -63,6 +93,8 @@ class Report(NamedTuple):
     output_tokens: int
     duration_s: float  # first send -> last answer
     output_tokens_per_s: float
+    ttft_prediction: PredictionError = NO_ERROR  # the policy's TTFT estimate against the measure
+    tbt_prediction: PredictionError = NO_ERROR  # its TBT estimate against the request's TBT
 
 
 def request_tbt(gaps_ms: Iterable[float]) -> float:
@@ -123,6 +155,10 @@ def compute_report(
         output_tokens=out_tokens,
         duration_s=duration,
         output_tokens_per_s=out_tokens / duration if duration > 0 else 0.0,
+        ttft_prediction=prediction_error((r.predicted_ttft_ms, r.ttft_ms) for r in done),
+        tbt_prediction=prediction_error(
+            (r.predicted_tbt_ms, request_tbt(r.gaps_ms)) for r in done if r.gaps_ms
+        ),
     )
 
 
@@ -150,7 +186,15 @@ def format_reports(reports: list[Report]) -> str:
     ]
     for t in TIERS:
         rows.append((f"  from {t}", [f"{100 * r.hit_rate_by_tier[t]:.1f}%" for r in reports]))
+
+    def err(e: PredictionError) -> str:
+        if not e.requests:
+            return "-"
+        return f"{100 * e.median_abs:.0f}% / {100 * e.p90_abs:.0f}% ({100 * e.median:+.0f}%)"
+
     rows += [
+        ("TTFT pred. error p50/p90 (bias)", [err(r.ttft_prediction) for r in reports]),
+        ("TBT pred. error p50/p90 (bias)", [err(r.tbt_prediction) for r in reports]),
         ("prefill tokens computed", [str(r.prefill_tokens_computed) for r in reports]),
         ("prefill tokens saved", [str(r.prefill_tokens_saved) for r in reports]),
         ("output tokens/s", [f"{r.output_tokens_per_s:.1f}" for r in reports]),
@@ -179,4 +223,6 @@ def report_dict(r: Report) -> dict:
     d = r._asdict()
     d["ttft_ms"] = r.ttft_ms._asdict()
     d["tbt_ms"] = r.tbt_ms._asdict()
+    d["ttft_prediction"] = r.ttft_prediction._asdict()
+    d["tbt_prediction"] = r.tbt_prediction._asdict()
     return d

@@ -90,7 +90,50 @@ def format_status(reply) -> str:
         ["store", "address", "tier", "used / capacity", "full", "blocks", "hit_rate", "evictions"],
         rows,
     )
+    lines.append("")
+    lines += format_memory(reply)
     return "\n".join(lines)
+
+
+def memory_rows(reply) -> list[tuple[str, object]]:
+    """(server, MemoryReport) of every server that reported its memory."""
+    out = [("conductor", reply.conductor_memory)] if reply.HasField("conductor_memory") else []
+    out += [(w.worker_id, w.load.memory) for w in reply.workers if w.load.HasField("memory")]
+    out += [(s.node_id or s.address, s.memory) for s in reply.stores if s.HasField("memory")]
+    return out
+
+
+def format_memory(reply) -> list[str]:
+    """Each server's resident memory against what it was configured to hold (weights, pools,
+    in-memory tiers). PSS splits shared pages (the store's slab, which the workers map too)
+    among the processes mapping them, so the PSS column sums to the cluster's memory."""
+    rows, total_pss, total_cfg = [], 0, 0
+    for name, m in memory_rows(reply):
+        total_pss += m.pss_bytes
+        total_cfg += m.configured_bytes
+        rows.append(
+            [
+                name,
+                _bytes(m.rss_bytes),
+                _bytes(m.uss_bytes),
+                _bytes(m.pss_bytes),
+                _bytes(m.configured_bytes),
+                f"{m.pss_bytes / m.configured_bytes:.2f}" if m.configured_bytes else "-",
+            ]
+        )
+    if not rows:
+        return []
+    rows.append(
+        [
+            "total",
+            "",
+            "",
+            _bytes(total_pss),
+            _bytes(total_cfg),
+            f"{total_pss / total_cfg:.2f}" if total_cfg else "-",
+        ]
+    )
+    return _table(["server", "rss", "uss", "pss", "configured", "pss/configured"], rows)
 
 
 def run(args: argparse.Namespace) -> int:

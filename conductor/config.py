@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from servekit import DTYPE_NAMES, check_kv_cache
+from servekit import DTYPE_NAMES, SecurityConfig, check_kv_cache, security_config
 
 
 @dataclass
@@ -45,8 +45,12 @@ class ConductorConfig:
     prefill_timeout_s: float = 120.0  # deadline of a Prefill RPC
     decode_timeout_s: float = 900.0  # deadline of a Decode stream
     grpc_workers: int = 128  # one thread per open Generate stream
+    # TLS and tokens (the cluster's `security` section): Generate and Status take an API token
+    # (its tenant chooses the cache salt), ClearCache the cluster token
+    security: SecurityConfig = field(default_factory=SecurityConfig)
 
     def __post_init__(self) -> None:
+        self.security = security_config(self.security, "ConductorConfig.security")
         if self.block_size <= 0 or self.max_tokens_limit <= 0:
             raise ValueError("ConductorConfig: block_size and max_tokens_limit must be positive")
         if self.dtype not in DTYPE_NAMES:

@@ -47,7 +47,9 @@ class IncrementalText:
             return ""
         end = len(self._text)
         for s in self._stop:
-            i = self._text.find(s)
+            # Only the unsent text can hold a new stop string: one starting in sent text would
+            # have been whole (the hold keeps back len - 1 characters) and found then.
+            i = self._text.find(s, self._sent)
             if i >= 0 and i < end:
                 end, self.stopped = i, True
         if not self.stopped and not final:

@@ -6,6 +6,8 @@ I/O. The live conductor and any simulator build a `ClusterState` and call
 from __future__ import annotations
 
 import abc
+import bisect
+import math
 import random
 from dataclasses import dataclass
 from typing import Callable, NamedTuple, Sequence
@@ -30,6 +32,9 @@ class PrefillCandidate(NamedTuple):
     # bytes per block its last CacheGen fetch moved (0 = it fetches raw blocks): what a fetch
     # costs on the link, at the level its link allowed
     fetch_block_bytes: float = 0.0
+    # Prompt tokens ahead of a new request there (queued, and left in the round computing), for
+    # reports; `queue_ms` is what the policy adds.
+    queued_tokens: int = 0
 
 
 class DecodeCandidate(NamedTuple):
@@ -40,6 +45,23 @@ class DecodeCandidate(NamedTuple):
     context_tokens: int  # KV tokens its running sequences hold
     coef: tuple[float, ...]  # fitted decode-step model: ms = c0 + c1*batch + c2*context_tokens
     healthy: bool = True
+    # Each running sequence as (KV position, tokens it may still generate, pool blocks it holds):
+    # what the batch a new sequence joins looks like as it goes on, and when blocks free up. Empty:
+    # only the totals above are known (the batch and context stay as they are now).
+    seqs: tuple[tuple[int, int, int], ...] = ()
+    # Sequences admitted before a new one (waiting for pool room, or routed and not yet reported),
+    # as (prompt tokens, tokens to generate, blocks needed); they take the pool's room first.
+    waiting: tuple[tuple[int, int, int], ...] = ()
+    max_batch: int = 0  # sequences one step carries at most (0 = no bound)
+
+
+class DecodeEstimate(NamedTuple):
+    """What a decode worker gives a new sequence: its TBT (Mooncake's: the mean of the slowest
+    10% of its gaps, the first gap holding the admission wait) and the parts of it."""
+
+    tbt_ms: float
+    step_ms: float  # the first step after it joins
+    admission_wait_ms: float  # waiting for pool blocks (or a batch slot) after its first token
 
 
 class ClusterState(NamedTuple):
@@ -97,18 +119,97 @@ def _decode_fits(request: RequestInfo, state: ClusterState) -> list[DecodeCandid
     return fits
 
 
+WORST_GAP_SHARE = 0.10  # Mooncake's TBT: the mean of a request's slowest 10% of token gaps
+_LIFE_POINTS = 12  # points along a sequence's life at which its step time is predicted
+
+
+def tbt_of_times(times_ms: Sequence[float]) -> float:
+    """Mooncake's TBT of one answer from its token times: the mean of its slowest 10% of gaps."""
+    gaps = sorted((b - a for a, b in zip(times_ms, times_ms[1:])), reverse=True)
+    if not gaps:
+        return 0.0
+    k = max(1, math.ceil(len(gaps) * WORST_GAP_SHARE))
+    return sum(gaps[:k]) / k
+
+
+def decode_estimate(d: DecodeCandidate, request: RequestInfo, block_size: int) -> DecodeEstimate:
+    """The TBT a new sequence would see on `d`: it waits after its first token until the pool
+    holds its whole answer (and the batch has a slot), behind the sequences admitted before it;
+    then each step costs the fitted model at the batch and context of that moment, running
+    sequences growing a token a step and leaving when their answers end."""
+    need = blocks_needed(request.num_tokens, request.max_tokens, block_size)
+    ahead = need + sum(w[2] for w in d.waiting)
+    if not d.seqs and d.running > len(d.waiting):
+        # Totals only: the batch and context as they are now, the wait unknown.
+        batch = d.running + 1
+        context = d.context_tokens + request.num_tokens + sum(w[0] for w in d.waiting)
+        step = predict(d.coef, decode_features(batch, context))
+        return DecodeEstimate(step, step, 0.0)
+    seqs = sorted(d.seqs, key=lambda q: q[1])  # soonest to end first
+    slots = d.max_batch - len(seqs) - len(d.waiting) - 1 if d.max_batch > 0 else 0
+    free, wait_steps = d.free_blocks, 0
+    for _, remaining, held in seqs:
+        if free >= ahead and slots >= 0:
+            break
+        wait_steps, free, slots = remaining, free + held, slots + 1
+    # Each running sequence and each admitted one, by when it ends; `t` steps from now the ones
+    # still going hold (position + t) tokens each.
+    joined = sorted([(r, pos) for pos, r, _ in seqs] + [(m, p) for p, m, _ in d.waiting])
+    ends = [r for r, _ in joined]
+    after = [0] * (len(joined) + 1)  # after[i]: positions of joined[i:]
+    for i in range(len(joined) - 1, -1, -1):
+        after[i] = after[i + 1] + joined[i][1]
+
+    c0, c1, c2 = d.coef  # the decode model, inlined: this runs per candidate per request
+
+    def step_at(t: int, own: int) -> float:
+        i = bisect.bisect_right(ends, t)
+        alive = len(joined) - i
+        return max(0.0, c0 + c1 * (alive + (own > 0)) + c2 * (after[i] + t * alive + own))
+
+    before = _spread(wait_steps)
+    wait_ms = sum(step_at(t, 0) for t in before) * wait_steps / len(before) if before else 0.0
+    gaps = max(1, request.max_tokens - 1)
+    points = _spread(gaps)
+    steps = [step_at(wait_steps + i, request.num_tokens + i) for i in points]
+    # A sequence joins at a step boundary: with a batch running it first waits out the step in
+    # flight (up to one whole step; counted whole).
+    joining_ms = step_at(wait_steps, 0) if joined else 0.0
+    # Mooncake's TBT: the mean of the slowest 10% of the gaps; the first gap holds the waits.
+    pool = [(wait_ms + joining_ms + steps[0], 1.0)] + [(v, (gaps - 1) / len(points)) for v in steps]
+    k = max(1, math.ceil(gaps * WORST_GAP_SHARE))
+    total, taken = 0.0, 0.0
+    for v, n in sorted(pool, reverse=True):
+        take = min(n, k - taken)
+        if take <= 0:
+            break
+        total, taken = total + v * take, taken + take
+    return DecodeEstimate(total / taken, steps[0], wait_ms + joining_ms)
+
+
+def _spread(n: int) -> list[int]:
+    """Up to _LIFE_POINTS step offsets spread evenly over [0, n)."""
+    if n <= 0:
+        return []
+    if n <= _LIFE_POINTS:
+        return list(range(n))
+    return [round(i * (n - 1) / (_LIFE_POINTS - 1)) for i in range(_LIFE_POINTS)]
+
+
 def _least_loaded_decode(
     request: RequestInfo, state: ClusterState, slo: bool
 ) -> tuple[DecodeCandidate, float]:
     """Lowest load first (sequences with room now before those that would wait); `slo` filters
     by TBT."""
-    need = blocks_needed(request.num_tokens, request.max_tokens, state.block_size)
     best, best_key, best_tbt = None, None, 0.0
     for d in _decode_fits(request, state):
-        tbt = predict(d.coef, decode_features(d.running + 1, d.context_tokens + request.num_tokens))
+        est = decode_estimate(d, request, state.block_size)
+        tbt = est.tbt_ms
         if slo and request.tbt_slo_ms > 0 and tbt > request.tbt_slo_ms:
             continue
-        key = (d.free_blocks < need, d.running, tbt, d.worker_id)
+        need = blocks_needed(request.num_tokens, request.max_tokens, state.block_size)
+        short = est.admission_wait_ms > 0 or d.free_blocks < need
+        key = (short, d.running, tbt, d.worker_id)
         if best_key is None or key < best_key:
             best, best_key, best_tbt = d, key, tbt
     if best is None:
@@ -229,6 +330,7 @@ class RandomPolicy(Policy):
         w = self._rng.choice(sorted(_prefill_workers(state)))
         d = self._rng.choice(sorted(_decode_fits(request, state)))
         compute_ms = _cold_prefill_ms(w, request)
+        tbt = decode_estimate(d, request, state.block_size).tbt_ms
         # Its own tiers only, nothing fetched remotely.
         return Decision(
             w.worker_id,
@@ -238,7 +340,7 @@ class RandomPolicy(Policy):
             fetch_blocks=0,
             reuse_blocks=0,
             predicted_ttft_ms=w.queue_ms + compute_ms,
-            predicted_tbt_ms=0.0,
+            predicted_tbt_ms=tbt,
             predicted_prefill_ms=compute_ms,
         )
 

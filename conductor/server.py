@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 import uuid
@@ -23,6 +24,7 @@ from conductor.policy import (
     Rejected,
     RequestInfo,
     make_policy,
+    tbt_of_times,
 )
 from conductor.stream import RequestStream, cached_tokens
 from kvstore import Index, StoreClient, block_keys
@@ -31,15 +33,25 @@ from protos import halfmoon_pb2 as pb
 from protos import halfmoon_pb2_grpc as pb_grpc
 from servekit import (
     GrpcServer,
+    SecurityConfig,
+    Tokens,
+    blocks_needed,
+    caller_of,
     kv_cache_layout,
+    memory_usage,
+    open_channel,
     prompt_ids_problem,
     sampling_problem,
+    tenant_salt,
     torch_dtype,
 )
 
 log = logging.getLogger(__name__)
 
 _ROLES = ("system", "user", "assistant", "tool")
+# A request routed this long before a load report was asked for may not have reached the worker
+# when it answered: it counts as routed after the report.
+_SKEW_S = 0.005
 _MAX_MESSAGE = 256 << 20  # a prefill reply carries the tail block inline
 
 
@@ -51,15 +63,45 @@ class _Cancelled(Exception):
     """The client went away: the request ends with no final message."""
 
 
+class _Correction:
+    """measured / predicted, averaged (EWMA) over the worker's recent requests: what its fitted
+    model misses (the RPCs and hand-offs around a forward, a neighbour's load on shared cores).
+    The conductor scales the worker's model by it before the policy sees it."""
+
+    ALPHA = 0.3  # weight of the newest request
+    BOUNDS = (0.2, 5.0)  # one odd request cannot swing it further
+    MIN_SAMPLES = 4  # applied once this many requests agree (a cold start's first is no evidence)
+
+    def __init__(self) -> None:
+        self._mean = 1.0  # EWMA of measured / raw predicted
+        self.samples = 0
+
+    @property
+    def ratio(self) -> float:
+        return self._mean if self.samples >= self.MIN_SAMPLES else 1.0
+
+    def observe(self, measured_ms: float, predicted_ms: float, applied: float) -> None:
+        """`predicted_ms` was made with `applied` as the ratio; the raw model said
+        predicted/applied."""
+        if predicted_ms <= 0 or measured_ms <= 0 or applied <= 0:
+            return
+        sample = measured_ms / (predicted_ms / applied)
+        sample = min(max(sample, self.BOUNDS[0]), self.BOUNDS[1])
+        a = max(self.ALPHA, 1.0 / (self.samples + 1))  # a plain mean until it has history
+        self._mean = (1 - a) * self._mean + a * sample
+        self.samples += 1
+
+
 class _Worker:
     """What the conductor knows of one worker: its last load report and whether it answers."""
 
-    def __init__(self, address: str, kind: str):
+    def __init__(self, address: str, kind: str, security: SecurityConfig | None = None):
         self.address = address
         self.kind = kind
-        self.channel = grpc.insecure_channel(
+        self.channel = open_channel(  # TLS and the cluster token when configured
             address,
-            options=[
+            security,
+            [
                 ("grpc.max_send_message_length", _MAX_MESSAGE),
                 ("grpc.max_receive_message_length", _MAX_MESSAGE),
             ],
@@ -68,9 +110,12 @@ class _Worker:
         self.stub = stub(self.channel)
         self.load: pb.WorkerLoad | None = None
         self.healthy = False
-        # prefill: predicted work routed here and not yet answered (between load reports)
-        self.inflight_ms = 0.0
-        self.inflight = 0  # decode: streams routed here and not yet seen in a load report
+        # Work routed here and not yet done, by request id: prefill (sent at, predicted compute
+        # ms, prompt tokens); decode (sent at, prompt tokens, tokens to generate, blocks needed).
+        # What was routed after the last load report's request is work that report cannot hold.
+        self.inflight: dict[str, tuple] = {}
+        self.report_at = 0.0  # perf_counter when the last answered Load was asked for
+        self.correction = _Correction()
         self.warned_fingerprint = ""  # the foreign fingerprint already logged for this worker
 
     @property
@@ -97,10 +142,16 @@ class Routed(NamedTuple):
     predicted_ttft_ms: float  # the policy's TTFT estimate
     predicted_prefill_ms: float  # the compute this request adds to the prefill worker's queue
     ttft_slo_ms: float = 0.0  # the request's TTFT objective (0 = none): the prefill's budget
+    predicted_tbt_ms: float = 0.0  # the policy's TBT estimate
+    prefill_ratio: float = 1.0  # the corrections the estimates were made with
+    decode_ratio: float = 1.0
 
 
 class Conductor(GrpcServer, pb_grpc.ConductorServicer):
     """gRPC `Conductor`: Generate (server-streaming), Status and ClearCache."""
+
+    # what an API token may call; ClearCache wipes every tenant's cache: the cluster token only
+    client_methods = frozenset({"/halfmoon.Conductor/Generate", "/halfmoon.Conductor/Status"})
 
     def __init__(self, config: ConductorConfig, lm=None):
         GrpcServer.__init__(
@@ -135,10 +186,11 @@ class Conductor(GrpcServer, pb_grpc.ConductorServicer):
                 f"ConductorConfig.policy: unknown policy {config.policy!r} "
                 f"(known: {', '.join(sorted(POLICIES))})"
             )
-        self._workers = [_Worker(a, "prefill") for a in config.prefill_workers] + [
-            _Worker(a, "decode") for a in config.decode_workers
+        self._workers = [_Worker(a, "prefill", config.security) for a in config.prefill_workers] + [
+            _Worker(a, "decode", config.security) for a in config.decode_workers
         ]
         self._index = Index(config.index_url) if config.index_url else None
+        self._tokens = Tokens(config.security)  # API tokens -> tenants, for the cache salt
         self._index_down = False  # the last index lookup failed (logged once per outage)
         self._process = psutil.Process()
         self._lock = threading.Lock()
@@ -217,6 +269,7 @@ class Conductor(GrpcServer, pb_grpc.ConductorServicer):
         """Ask every worker for its load (in parallel); one that does not answer is out of
         routing."""
         timeout = self.config.load_timeout_s
+        asked = time.perf_counter()
         futures = [
             (w, w.stub.Load.future(pb.LoadRequest(), timeout=timeout)) for w in self._workers
         ]
@@ -236,8 +289,8 @@ class Conductor(GrpcServer, pb_grpc.ConductorServicer):
                 continue
             with self._lock:
                 w.load, w.healthy = load, True
-                # Routed work the report now counts (queued at the worker) is no longer in flight.
-                w.inflight, w.inflight_ms = 0, 0.0
+                # Work routed before the report was asked for is in it (queued at the worker).
+                w.report_at = asked
 
     def _mismatch(self, w: _Worker, load: pb.WorkerLoad) -> None:
         """Count every refused report; log once per worker (again if its fingerprint changes)."""
@@ -276,7 +329,15 @@ class Conductor(GrpcServer, pb_grpc.ConductorServicer):
         except _Cancelled:
             self.m_requests.labels("cancelled").inc()
             return
+        finally:
+            self._forget(s.rid)
         yield self._finish(s)
+
+    def _forget(self, rid: str) -> None:
+        """The request's work booked on workers is done (or will never come)."""
+        with self._lock:
+            for w in self._workers:
+                w.inflight.pop(rid, None)
 
     def _open(self, request: pb.GenerateRequest, context: grpc.ServicerContext) -> RequestStream:
         """The request's stream state, or INVALID_ARGUMENT naming the bad field."""
@@ -292,10 +353,24 @@ class Conductor(GrpcServer, pb_grpc.ConductorServicer):
             ids=ids,
             policy=policy_name,
             sampling=sp,
-            salt=request.cache_salt,
+            salt=self._salt(request, context),
             text=IncrementalText(self.tokenizer.decode, sp.stop),
             arrived=arrived,
         )
+
+    def _salt(self, request: pb.GenerateRequest, context: grpc.ServicerContext) -> str:
+        """The request's cache salt. With API tokens configured, a client's salt is its tenant's,
+        derived here, with the salt it asked for scoped under it: one tenant never reaches
+        another's blocks (so cached-token counts never cross tenants). Internal callers (the
+        cluster token, e.g. a front end that authenticates its own users) and open clusters keep
+        the salt they send."""
+        security = self.config.security
+        if not security.api_tokens:
+            return request.cache_salt
+        caller = caller_of(context, self._tokens)
+        if caller.internal:
+            return request.cache_salt
+        return tenant_salt(security, caller.tenant, request.cache_salt)
 
     def _route_stream(
         self, context, request: pb.GenerateRequest, s: RequestStream, prompt: list[int]
@@ -304,7 +379,7 @@ class Conductor(GrpcServer, pb_grpc.ConductorServicer):
         resumed request finds none left)."""
         keys = block_keys(prompt, self.config.block_size, self.fingerprint, s.salt)
         try:
-            routed = self._route(request, prompt, keys, s.policy, s.tokens_left())
+            routed = self._route(request, prompt, keys, s.policy, s.tokens_left(), s.rid)
         except Rejected as exc:
             if s.out:
                 context.abort(
@@ -337,14 +412,17 @@ class Conductor(GrpcServer, pb_grpc.ConductorServicer):
             if routed.ttft_slo_ms > 0
             else 0.0,
         )
-        with self._lock:
-            routed.prefill.inflight_ms += routed.predicted_prefill_ms
         try:
             timeout = self._remaining(context, self.config.prefill_timeout_s)
             fut = routed.prefill.stub.Prefill.future(preq, timeout=timeout)
             context.add_callback(fut.cancel)
             try:
-                return fut.result()
+                reply = fut.result()
+                with self._lock:
+                    routed.prefill.correction.observe(
+                        s.elapsed_ms(), routed.predicted_ttft_ms, routed.prefill_ratio
+                    )
+                return reply
             except grpc.FutureCancelledError:
                 raise _Cancelled() from None
             except grpc.RpcError as exc:
@@ -355,8 +433,7 @@ class Conductor(GrpcServer, pb_grpc.ConductorServicer):
                 self._downstream_failed(context, "prefill", routed.prefill, exc)
         finally:
             with self._lock:
-                w = routed.prefill
-                w.inflight_ms = max(0.0, w.inflight_ms - routed.predicted_prefill_ms)
+                routed.prefill.inflight.pop(s.rid, None)
 
     def _decode_leg(
         self, context, s: RequestStream, prompt: list[int], reply: pb.PrefillReply
@@ -372,8 +449,9 @@ class Conductor(GrpcServer, pb_grpc.ConductorServicer):
             sampling=s.decode_sampling(),
             cache_salt=s.salt,
         )
-        with self._lock:
-            worker.inflight += 1
+        with self._lock:  # from now on a load report the worker gives may hold it
+            if s.rid in worker.inflight:
+                worker.inflight[s.rid] = (time.perf_counter(),) + worker.inflight[s.rid][1:]
         timeout = self._remaining(context, self.config.decode_timeout_s)
         call = worker.stub.Decode(dreq, timeout=timeout)
         context.add_callback(call.cancel)
@@ -391,12 +469,22 @@ class Conductor(GrpcServer, pb_grpc.ConductorServicer):
                 if msg.finished:
                     s.reason = msg.finish_reason
                     s.decode_transfer_ms += msg.transfer_ms
+                    if len(s.times) > 1:
+                        with self._lock:
+                            worker.correction.observe(
+                                tbt_of_times(s.times),
+                                s.routed.predicted_tbt_ms,
+                                s.routed.decode_ratio,
+                            )
                     break
         except grpc.RpcError as exc:
             if not context.is_active():
                 raise _Cancelled() from None
             if not s.reason:
                 raise _Retry("decode", worker, exc) from None
+        finally:
+            with self._lock:
+                worker.inflight.pop(s.rid, None)
         if not s.reason:  # the stream ended without its final message: the worker went away
             raise _Retry("decode", worker, None)
 
@@ -527,11 +615,22 @@ class Conductor(GrpcServer, pb_grpc.ConductorServicer):
             self._index_down = False
         return matches
 
+    @staticmethod
+    def _prefill_queue(w: _Worker, ld: pb.WorkerLoad, now: float) -> tuple[float, int]:
+        """(predicted wait, prompt tokens ahead) of a new request on prefill worker `w`: what its
+        last report held (queued and computing), less the time it has worked off since, plus
+        what was routed to it after that report was asked for."""
+        unseen = [v for v in w.inflight.values() if v[0] >= w.report_at - _SKEW_S]
+        left = max(0.0, ld.predicted_queue_ms - (now - w.report_at) * 1000.0)
+        tokens = ld.queued_tokens + ld.running_tokens + sum(v[2] for v in unseen)
+        return left + sum(v[1] for v in unseen), tokens
+
     def _state(self, keys: list[bytes]) -> ClusterState:
         matches = self._matches(keys)
         prefill, decode = [], []
         device_nodes: set[str] = set()
         block_bytes = 0
+        now = time.perf_counter()
         with self._lock:
             for w in self._workers:
                 ld = w.load
@@ -545,27 +644,37 @@ class Conductor(GrpcServer, pb_grpc.ConductorServicer):
                         device_nodes.add(ld.device_node)
                         if ld.device_node not in nodes:
                             nodes += (ld.device_node,)
-                    queue_ms = ld.predicted_queue_ms + w.inflight_ms
+                    queue_ms, queued_tokens = self._prefill_queue(w, ld, now)
+                    r = w.correction.ratio
                     prefill.append(
                         PrefillCandidate(
                             ld.worker_id,
                             nodes,
-                            queue_ms,
-                            tuple(ld.prefill_coef),
+                            queue_ms * r,
+                            tuple(c * r for c in ld.prefill_coef),
                             w.healthy,
                             ld.fetch_block_bytes,
+                            queued_tokens,
                         )
                     )
                 else:
+                    # Routed here and not in the report: admitted after what it reports waiting.
+                    unseen = [v[1:] for v in w.inflight.values() if v[0] >= w.report_at - _SKEW_S]
+                    waiting = tuple(
+                        zip(ld.waiting_positions, ld.waiting_remaining, ld.waiting_blocks)
+                    )
                     decode.append(
                         DecodeCandidate(
                             ld.worker_id,
-                            ld.running + ld.waiting + w.inflight,
+                            ld.running + ld.waiting + len(unseen),
                             ld.free_blocks,
                             ld.total_blocks,
                             ld.total_context_tokens,
-                            tuple(ld.decode_coef),
+                            tuple(c * w.correction.ratio for c in ld.decode_coef),
                             w.healthy,
+                            tuple(zip(ld.seq_positions, ld.seq_remaining, ld.seq_blocks)),
+                            waiting + tuple(unseen),
+                            ld.max_batch,
                         )
                     )
         return ClusterState(
@@ -579,6 +688,7 @@ class Conductor(GrpcServer, pb_grpc.ConductorServicer):
         keys: list[bytes],
         policy_name: str,
         max_tokens: int,
+        rid: str = "",
     ) -> Routed:
         info = RequestInfo(
             len(ids),
@@ -586,11 +696,23 @@ class Conductor(GrpcServer, pb_grpc.ConductorServicer):
             r.ttft_slo_ms or self.config.ttft_slo_ms,
             r.tbt_slo_ms or self.config.tbt_slo_ms,
         )
-        state = self._state(keys)
-        with self._policy_lock:  # the random policy's generator is not thread-safe
+        # Choosing and booking the work on the pair is one step: a burst of requests each sees
+        # the ones routed before it.
+        with self._policy_lock:  # the random policy's generator is not thread-safe either
+            state = self._state(keys)
             d = self.policies[policy_name].choose(info, state)
-        with self._lock:
-            by_id = {w.worker_id: w for w in self._workers}
+            with self._lock:
+                by_id = {w.worker_id: w for w in self._workers}
+                for w in self._workers:  # routed again after a failure: the old booking goes
+                    w.inflight.pop(rid, None)
+                need = blocks_needed(info.num_tokens, info.max_tokens, self.config.block_size)
+                by_id[d.prefill].inflight[rid] = (
+                    time.perf_counter(),
+                    d.predicted_prefill_ms,
+                    info.num_tokens - d.reuse_blocks * self.config.block_size,
+                )
+                # Not sent until the prefill answers: counted as unseen until then.
+                by_id[d.decode].inflight[rid] = (math.inf, info.num_tokens, info.max_tokens, need)
         return Routed(
             policy_name,
             by_id[d.prefill],
@@ -601,6 +723,9 @@ class Conductor(GrpcServer, pb_grpc.ConductorServicer):
             d.predicted_ttft_ms,
             d.predicted_prefill_ms,
             info.ttft_slo_ms,
+            d.predicted_tbt_ms,
+            by_id[d.prefill].correction.ratio,
+            by_id[d.decode].correction.ratio,
         )
 
     # ---- Status ----
@@ -612,6 +737,7 @@ class Conductor(GrpcServer, pb_grpc.ConductorServicer):
             default_policy=self.config.policy,
             vocab_size=self.model_config.vocab_size,
             conductor_rss_bytes=self._process.memory_info().rss,
+            conductor_memory=self._own_memory(),
             model_fingerprint=self.fingerprint,
             kv_dtype=self.config.dtype
             if self.config.kv_cache_dtype == "auto"
@@ -628,16 +754,43 @@ class Conductor(GrpcServer, pb_grpc.ConductorServicer):
             reply.requests_rejected = self.totals["rejected"]
             reply.prompt_tokens_total = self.totals["prompt_tokens"]
             reply.cached_tokens_total = self.totals["cached_tokens"]
+            workers = list(zip(self._workers, reply.workers))
+        self._worker_memory(workers)
         for address in self.config.store_addresses:
             reply.stores.append(self._store_status(address))
         return reply
+
+    def _own_memory(self) -> pb.MemoryReport:
+        """The conductor's memory; it is configured to hold nothing (no weights, no KV)."""
+        m = memory_usage()
+        return pb.MemoryReport(rss_bytes=m.rss, uss_bytes=m.uss, pss_bytes=m.pss)
+
+    def _worker_memory(self, workers: list) -> None:
+        """Each worker's memory report (a Load that reads /proc), asked of all at once; a worker
+        that does not answer shows none (logged, counted)."""
+        timeout = self.config.load_timeout_s
+        asked = [
+            (w, ws, w.stub.Load.future(pb.LoadRequest(memory=True), timeout=timeout))
+            for w, ws in workers
+        ]
+        for w, ws, fut in asked:
+            try:
+                ws.load.memory.CopyFrom(fut.result().memory)
+            except grpc.RpcError as exc:
+                self.m_errors.labels("worker_memory").inc()
+                log.warning("worker %s did not report its memory: %s", w.worker_id, exc.code())
 
     def ClearCache(
         self, request: pb.ClearCacheRequest, context: grpc.ServicerContext
     ) -> pb.ClearCacheReply:
         reply = pb.ClearCacheReply()
         for address in self.config.store_addresses:
-            client = StoreClient(address, transport="grpc", timeout_s=self.config.load_timeout_s)
+            client = StoreClient(
+                address,
+                transport="grpc",
+                timeout_s=self.config.load_timeout_s,
+                security=self.config.security,
+            )
             try:
                 reply.store_blocks += client.clear()
             except Exception as exc:  # noqa: BLE001 - a half-cleared cluster must say so
@@ -663,7 +816,12 @@ class Conductor(GrpcServer, pb_grpc.ConductorServicer):
         """One store node's tiers; an unreachable store shows up with none (logged, counted)."""
         st = pb.StoreStatus(address=address)
         try:
-            client = StoreClient(address, transport="grpc", timeout_s=self.config.load_timeout_s)
+            client = StoreClient(
+                address,
+                transport="grpc",
+                timeout_s=self.config.load_timeout_s,
+                security=self.config.security,
+            )
             try:
                 stats = client.stats()
             finally:
@@ -683,4 +841,7 @@ class Conductor(GrpcServer, pb_grpc.ConductorServicer):
                 misses=getattr(t, "misses", 0),
                 evictions=t.evictions,
             )
+        if getattr(stats, "memory", None):
+            m = st.memory
+            m.rss_bytes, m.uss_bytes, m.pss_bytes, m.configured_bytes = stats.memory
         return st

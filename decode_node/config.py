@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from servekit import check_dtype_device, check_kv_cache
+from servekit import (
+    SecurityConfig,
+    check_dtype_device,
+    check_kv_cache,
+    parse_cpu_list,
+    security_config,
+)
 
 
 @dataclass
@@ -40,11 +46,22 @@ class DecodeConfig:
         True  # publish the prompt + answer full blocks at the end (next turn starts warm)
     )
     pull_threads: int = 2  # background KV pulls and publishes
-    torch_threads: int = 0  # torch intra-op threads; 0 = torch's default
+    torch_threads: int = 0  # torch intra-op threads; 0 = torch's default (or one per `cpus`)
+    # CPUs this worker's process runs on, e.g. "0-3" or "0,2" ("" = any): a prefill and a decode
+    # worker on one host each keep to their own cores instead of thrashing each other's threads
+    cpus: str = ""
     grpc_workers: int = 128  # one per open stream
+    # the global index: with security on, a handle's store must be a node registered there (or
+    # this worker's own store, or one of trusted_stores)
+    index_url: str = ""
+    trusted_stores: list[str] = field(default_factory=list)  # more store addresses to pull from
+    # TLS and tokens (the cluster's `security` section); every worker method is internal
+    security: SecurityConfig = field(default_factory=SecurityConfig)
 
     def __post_init__(self) -> None:
+        self.security = security_config(self.security, "DecodeConfig.security")
         if self.block_size <= 0 or self.num_blocks <= 0 or self.max_batch <= 0:
             raise ValueError("DecodeConfig: block_size, num_blocks and max_batch must be positive")
         check_dtype_device("DecodeConfig", self.dtype, self.device)
+        parse_cpu_list("DecodeConfig.cpus", self.cpus)
         check_kv_cache("DecodeConfig", self)

@@ -36,6 +36,12 @@ class KiviDecodeRunner(DecodeRunner):
 
     # ---- the pool ----
 
+    def blocks_to_reserve(self, tokens: int) -> int:
+        """Packed blocks only: a sequence's last `residual` tokens (at least) stay in its window
+        and are never packed, so it packs at most (tokens - residual) // block_size blocks (the
+        rule `step` and the prefill's handle follow). Its window blocks are reserved apart."""
+        return max(0, (tokens - self.layout.residual) // self.config.block_size)
+
     def admit(self, s: Seq) -> bool:
         """Packed blocks for the whole answer and the window's blocks; False when short."""
         pool = self.pool

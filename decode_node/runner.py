@@ -47,6 +47,7 @@ class DecodeRunner:
             store_node=config.store_node,
             worker=config.worker_id,
             registry=registry,
+            security=config.security,
         )
 
     def _make_pool(self):
@@ -75,6 +76,11 @@ class DecodeRunner:
         return self.pool.num_blocks * self.config.block_size
 
     # ---- the pool ----
+
+    def blocks_to_reserve(self, tokens: int) -> int:
+        """Pool blocks a sequence of `tokens` tokens (prompt + every new token) holds at its
+        longest: what admission reserves."""
+        return -(-tokens // self.config.block_size)
 
     def admit(self, s: Seq) -> bool:
         """Reserve the sequence's blocks (its whole answer); False when the pool is short."""

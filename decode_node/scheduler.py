@@ -13,6 +13,7 @@ from decode_node.config import DecodeConfig
 from decode_node.metrics import DecodeMetrics
 from decode_node.runner import DecodeRunner
 from decode_node.seq import Seq
+from protos import halfmoon_pb2 as pb
 from servekit import DecodeTimeModel
 
 log = logging.getLogger(__name__)
@@ -35,6 +36,7 @@ class DecodeScheduler:
         self._quit = False
         self.max_batch_seen = 0
         self.requests_done = 0
+        self.calibration_failures = 0  # start-up calibrations that failed (the prior stood)
 
     # ---- intake and reports ----
 
@@ -54,6 +56,22 @@ class DecodeScheduler:
             waiting = len(self._waiting)
         return len(running), waiting, sum(s.position for s in running)
 
+    def admission_figures(self) -> dict[str, list[int] | int]:
+        """WorkerLoad's per-sequence fields: each running (or pulling) sequence's position,
+        tokens left and blocks held, and each waiting one's prompt, tokens and blocks needed."""
+        with self._wake:
+            running = list(self._running) + list(self._pulling)
+            waiting = list(self._waiting)
+        return {
+            "seq_positions": [s.position for s in running],
+            "seq_remaining": [max(0, s.budget - len(s.out)) for s in running],
+            "seq_blocks": [s.need_blocks for s in running],
+            "waiting_positions": [len(s.prompt) for s in waiting],
+            "waiting_remaining": [s.budget for s in waiting],
+            "waiting_blocks": [s.need_blocks for s in waiting],
+            "max_batch": self.config.max_batch,
+        }
+
     def poke(self) -> None:
         with self._wake:
             self._wake.notify_all()
@@ -61,10 +79,64 @@ class DecodeScheduler:
     # ---- the loop ----
 
     def start(self) -> None:
+        self.calibrate()
         self._thread = threading.Thread(
             target=self._loop, daemon=True, name=f"{self.config.worker_id}-step"
         )
         self._thread.start()
+
+    def calibrate(self) -> None:
+        """Seed the step-time model with timed steps over scratch sequences of a few batch sizes
+        and lengths, before the port opens: a cold cluster's first TBT estimates are measured,
+        not the prior."""
+        r, cfg = self.runner, self.config
+        bs = cfg.block_size
+        t0 = time.perf_counter()
+        seqs: list[Seq] = []
+        try:
+            for batch, length in (
+                (1, 64),
+                (2, 256),
+                (4, 128),
+                (8, 512),
+                (16, 256),
+                (cfg.max_batch, 64),
+            ):
+                batch = min(batch, cfg.max_batch)
+                need = -(-(length + 1) // bs)
+                if need * batch > r.pool.num_blocks // 2:
+                    continue
+                request = pb.DecodeRequest(prompt_ids=[10] * length, first_token=10)
+                seqs = [Seq(request, 1, need) for _ in range(batch)]
+                for s in seqs:
+                    if not r.admit(s):
+                        raise RuntimeError("pool short of blocks for a scratch batch")
+                r.step(seqs)  # warm-up (lazy kernels, allocations): not timed
+                for _ in range(2):
+                    c0 = time.perf_counter()
+                    r.step(seqs)
+                    self.timing.seed(
+                        (time.perf_counter() - c0) * 1000.0, batch, sum(s.position for s in seqs)
+                    )
+                for s in seqs:
+                    r.release(s)
+                seqs = []
+        except Exception as exc:  # noqa: BLE001 - serving goes on with the prior
+            for s in seqs:
+                r.release(s)
+            self.calibration_failures += 1
+            log.warning(
+                "%s: step-time calibration failed (%s); the prior stands until steps are measured",
+                cfg.worker_id,
+                exc,
+            )
+            return
+        log.info(
+            "%s: decode time model calibrated in %.1f s: %s",
+            cfg.worker_id,
+            time.perf_counter() - t0,
+            [round(c, 5) for c in self.timing.coef],
+        )
 
     def stop(self) -> None:
         with self._wake:

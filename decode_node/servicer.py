@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import logging
 import queue
+import threading
 
 import grpc
 
@@ -12,9 +14,12 @@ from decode_node.kivi_runner import KiviDecodeRunner
 from decode_node.runner import DecodeRunner
 from decode_node.scheduler import DecodeScheduler
 from decode_node.seq import Seq
+from kvstore import Index, block_keys
 from protos import halfmoon_pb2 as pb
 from protos import halfmoon_pb2_grpc as pb_grpc
 from servekit import WorkerServer, is_kivi, prompt_ids_problem, sampling_params
+
+log = logging.getLogger(__name__)
 
 
 def make_runner(config: DecodeConfig, metrics: DecodeMetrics, registry, lm=None) -> DecodeRunner:
@@ -32,6 +37,13 @@ class DecodeWorker(WorkerServer, pb_grpc.DecodeWorkerServicer):
     scheduler_class = DecodeScheduler
     store_use = "prompts' KV arrives through the store"
 
+    def __init__(self, config: DecodeConfig, lm=None):
+        super().__init__(config, lm)
+        # store addresses the index named (handles may name them), and its client
+        self._known_stores: set[str] = set()
+        self._index: Index | None = None
+        self._index_lock = threading.Lock()
+
     # ---- lifecycle ----
 
     def _add_services(self, server: grpc.Server) -> list[str]:
@@ -48,9 +60,13 @@ class DecodeWorker(WorkerServer, pb_grpc.DecodeWorkerServicer):
         if problem:
             self.metrics.rejected.labels(wid, "invalid").inc()
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
+        foreign = self._foreign_store(request.handle.store_address)
+        if foreign:
+            self.metrics.rejected.labels(wid, "foreign_store").inc()
+            context.abort(grpc.StatusCode.PERMISSION_DENIED, foreign)
         window = self.lm.config.max_position_embeddings
         budget = min(request.sampling.max_tokens, window - len(request.prompt_ids))
-        need = -(-(len(request.prompt_ids) + budget) // self.config.block_size)
+        need = self.runner.blocks_to_reserve(len(request.prompt_ids) + budget)
         if need > self.pool.num_blocks:
             self.metrics.rejected.labels(wid, "too_long").inc()
             context.abort(
@@ -101,7 +117,10 @@ class DecodeWorker(WorkerServer, pb_grpc.DecodeWorkerServicer):
                 return
 
     def Load(self, request: pb.LoadRequest, context: grpc.ServicerContext) -> pb.WorkerLoad:
-        return self.load()
+        load = self.load()
+        if request.memory:
+            self.memory_report(load.memory)
+        return load
 
     def load(self) -> pb.WorkerLoad:
         running, waiting, context_tokens = self.scheduler.counts()
@@ -125,6 +144,7 @@ class DecodeWorker(WorkerServer, pb_grpc.DecodeWorkerServicer):
             device=str(self.runner.device),
             kv_cache_dtype=cfg.kv_cache_dtype,
             capacity_tokens=self.runner.capacity_tokens,
+            **self.scheduler.admission_figures(),
         )
 
     def _validate(self, r: pb.DecodeRequest) -> str:
@@ -155,8 +175,43 @@ class DecodeWorker(WorkerServer, pb_grpc.DecodeWorkerServicer):
                 f"tokens ({h.window_blocks} window blocks) do not cover {len(r.prompt_ids)} "
                 "prompt tokens"
             )
+        # The blocks pulled must be this prompt's, under this model and salt: a handle naming
+        # other keys would read another prompt's (or tenant's) KV into this answer.
+        if list(h.block_keys) != block_keys(r.prompt_ids, bs, self.fingerprint, r.cache_salt):
+            return "handle.block_keys: not the keys of this prompt, model and cache salt"
         try:
             sampling_params(r.sampling)
         except ValueError as exc:
             return f"sampling: {exc}"
         return ""
+
+    def _foreign_store(self, address: str) -> str:
+        """'' when a handle's store may be pulled from; else why not. With security on, only
+        store nodes of this cluster: this worker's own, `trusted_stores`, or a node registered in
+        the global index (asked again on a miss)."""
+        cfg = self.config
+        if not address or not cfg.security.enabled:
+            return ""
+        if address == cfg.store_address or address in cfg.trusted_stores:
+            return ""
+        if address in self._known_stores:
+            return ""
+        if not cfg.index_url:
+            return f"handle.store_address: {address} is not a store node of this cluster"
+        try:
+            with self._index_lock:
+                if self._index is None:
+                    self._index = Index(cfg.index_url)
+                nodes = self._index.nodes()
+        except Exception as exc:  # noqa: BLE001 - unverifiable: refused (logged, counted)
+            log.warning("cannot check store %s against the index: %r", address, exc)
+            return f"handle.store_address: {address} could not be checked (index: {exc})"
+        self._known_stores = {n.address for n in nodes.values() if n.address}
+        if address in self._known_stores:
+            return ""
+        return f"handle.store_address: {address} is not a store node of this cluster"
+
+    def _on_stop(self) -> None:
+        super()._on_stop()
+        if self._index is not None:
+            self._index.close()

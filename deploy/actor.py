@@ -10,7 +10,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from servekit import role_classes
+from servekit import open_channel, role_classes
 
 
 class ServerActor:
@@ -44,11 +44,14 @@ class ServerActor:
             self.server.stop()
 
 
-def wait_healthy(address: str, timeout_s: float, what: str = "server") -> None:
-    """Block until the standard gRPC health service at `address` answers SERVING."""
+def wait_healthy(
+    address: str, timeout_s: float, what: str = "server", security: Any = None
+) -> None:
+    """Block until the standard gRPC health service at `address` answers SERVING; over TLS (with
+    this node's certificate under mutual TLS) when `security` (a servekit.SecurityConfig) says."""
     deadline = time.monotonic() + timeout_s
     last = "no answer"
-    with grpc.insecure_channel(address) as channel:
+    with open_channel(address, security) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while True:
             try:

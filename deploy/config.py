@@ -10,7 +10,15 @@ from typing import Any
 
 import yaml
 
-from servekit import ROLES, config_from_dict, field_names, role_classes
+from openai_api import HttpConfig
+from servekit import (
+    ROLES,
+    SecurityConfig,
+    config_from_dict,
+    field_names,
+    role_classes,
+    security_config,
+)
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "local.yaml"
 
@@ -72,6 +80,9 @@ class ClusterConfig:
     health_timeout_s: float = (
         300.0  # for every server to answer its health check (model loading included)
     )
+    # the OpenAI-compatible HTTP server in front of the conductor (the Ray launcher starts it
+    # beside the conductor); 0 = none
+    http_port: int = 0
     ray: RayConfig = field(default_factory=RayConfig)
     placement: PlacementConfig = field(default_factory=PlacementConfig)
     # templates of the servers' own configs; per-instance fields (ids, ports, addresses) are filled
@@ -80,6 +91,9 @@ class ClusterConfig:
     prefill: Any = None
     decode: Any = None
     conductor: Any = None
+    http: HttpConfig = field(default_factory=HttpConfig)  # its template (port: http_port)
+    # TLS, tokens and tenants, given to every server (a server's own `security` key overrides)
+    security: SecurityConfig = field(default_factory=SecurityConfig)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -119,13 +133,23 @@ def cluster_config_from_dict(data: dict) -> ClusterConfig:
         raise ValueError(
             f"cluster config: unknown key(s) {', '.join(unknown)} (known: {', '.join(sorted(top))})"
         )
-    sections = {k: data.pop(k, None) or {} for k in (*ROLES, "ray", "placement")}
+    sections = {
+        k: data.pop(k, None) or {} for k in (*ROLES, "ray", "placement", "http", "security")
+    }
     for k, v in sections.items():
         if not isinstance(v, dict):
             raise ValueError(f"cluster config: section {k!r} must be a mapping, got {v!r}")
     cfg = ClusterConfig(**data)
     cfg.ray = config_from_dict(RayConfig, sections["ray"], "ray")
     cfg.placement = config_from_dict(PlacementConfig, sections["placement"], "placement")
+    cfg.security = security_config(sections["security"])
+    if not 0 <= cfg.http_port <= 65535:
+        raise ValueError(f"cluster config: http_port must be in [0, 65535], got {cfg.http_port}")
+    http = dict(sections["http"])
+    if "port" in http:
+        raise ValueError("cluster config: set the HTTP server's port with http_port, not http.port")
+    http.setdefault("host", cfg.host)
+    cfg.http = config_from_dict(HttpConfig, http, "http")
     for role in ROLES:
         config_cls, _ = role_classes(role)  # imports the role's package
         section = dict(sections[role])
@@ -133,6 +157,8 @@ def cluster_config_from_dict(data: dict) -> ClusterConfig:
         for k in SHARED_KEYS:
             if k in names and k not in section:
                 section[k] = getattr(cfg, k)
+        if "security" in names and "security" not in section:
+            section["security"] = cfg.security
         setattr(cfg, role, config_from_dict(config_cls, section, role))
     if cfg.prefill_workers < 1 or cfg.decode_workers < 1:
         raise ValueError("cluster config: prefill_workers and decode_workers must be >= 1")

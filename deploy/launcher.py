@@ -1,5 +1,5 @@
 """Starts and stops a halfmoon cluster on Ray: the index, a store node per Ray node, workers, the
-conductor."""
+conductor, and the OpenAI-compatible HTTP server in front of it (when http_port is set)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,19 @@ from typing import Any, Callable
 from deploy.actor import ServerActor, wait_healthy
 from deploy.config import ClusterConfig
 from deploy.placement import Placement, node_views, place_workers
-from deploy.wiring import ServerInfo, Wiring
+from deploy.wiring import ServerInfo, Wiring, metrics_address
+
+
+class HttpActor(ServerActor):
+    """Hosts the OpenAI-compatible HTTP server (not a gRPC role: it has no registry entry)."""
+
+    def __init__(self) -> None:
+        from openai_api import HttpServer
+
+        self.role = "http"
+        self._server_cls = HttpServer
+        self.server = None
+        self.address = ""
 
 
 class Cluster:
@@ -29,7 +41,9 @@ class Cluster:
             on_ray_ready  # called right after ray.init (which installs its own signal handlers)
         )
         self.address = ""
-        self.servers: list[ServerInfo] = []
+        self.http_address = ""  # the HTTP server's HOST:PORT ("" = none)
+        self.servers: list[ServerInfo] = []  # the gRPC servers
+        self.http_server: ServerInfo | None = None  # the HTTP server, when it runs
         self.redis_url = ""
         self._actors: list[tuple[str, Any]] = []  # (name, handle), in start order
         self._redis = None  # an EmbeddedRedis we own
@@ -68,10 +82,11 @@ class Cluster:
             self.log(f"index: embedded Redis at {self.redis_url}")
         else:
             self.log(f"index: Redis at {self.redis_url}")
+        http = " and the HTTP server" if cfg.http_port else ""
         self.log(
             f"ray: {len(nodes)} node(s); starting {len(nodes)} store node(s), "
             f"{cfg.prefill_workers} prefill, "
-            f"{cfg.decode_workers} decode worker(s) and the conductor ({cfg.model})"
+            f"{cfg.decode_workers} decode worker(s), the conductor{http} ({cfg.model})"
         )
 
         # every actor process is created first, so that their imports overlap; each starts once its
@@ -101,11 +116,16 @@ class Cluster:
         conductor_actor = self._create(
             "conductor", "conductor", Placement(head.node_id, head.ip, 0.0, {})
         )
+        http_actor = (
+            self._create("http", "http", Placement(head.node_id, head.ip, 0.0, {}))
+            if cfg.http_port
+            else None
+        )
 
         # one store node per Ray node
         wiring = Wiring(cfg, self.redis_url)
         launches = [
-            ("store", name, actor, actor.start.remote(wiring.store(name, self._host(n.ip))))
+            ("store", name, actor, wiring.store(name, self._host(n.ip)))
             for name, n, actor in store_actors
         ]
         stores = {info.node_id: info for info in self._gather(launches)}
@@ -114,16 +134,19 @@ class Cluster:
         launches = []
         for role, name, pl, actor in worker_actors:
             wcfg = wiring.worker(role, name, stores[pl.node_id], self._host(pl.ip))
-            launches.append((role, name, actor, actor.start.remote(wcfg)))
+            launches.append((role, name, actor, wcfg))
         workers = self._gather(launches)
 
         # the conductor, on this (the driver's) node
         ccfg = wiring.conductor(workers, list(stores.values()), self._host(head.ip))
-        (conductor,) = self._gather(
-            [("conductor", "conductor", conductor_actor, conductor_actor.start.remote(ccfg))]
-        )
+        (conductor,) = self._gather([("conductor", "conductor", conductor_actor, ccfg)])
         self.address = conductor.address
-        self.log(f"cluster up in {time.monotonic() - t0:.1f} s: conductor at {self.address}")
+        if http_actor is not None:  # beside the conductor
+            hcfg = wiring.http(conductor, self._host(head.ip))
+            (self.http_server,) = self._gather([("http", "http", http_actor, hcfg)])
+            self.http_address = self.http_server.address
+        http = f", HTTP API at http://{self.http_address}/v1" if self.http_address else ""
+        self.log(f"cluster up in {time.monotonic() - t0:.1f} s: conductor at {self.address}{http}")
         return self.address
 
     def _init_ray(self, ray) -> None:
@@ -153,8 +176,9 @@ class Cluster:
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+        actor_cls, args = (HttpActor, ()) if role == "http" else (ServerActor, (role,))
         actor = (
-            ray.remote(ServerActor)
+            ray.remote(actor_cls)
             .options(
                 name=f"halfmoon-{name}-{os.getpid()}",
                 num_cpus=self.cfg.placement.worker_num_cpus,
@@ -162,23 +186,31 @@ class Cluster:
                 resources=pl.resources or None,
                 scheduling_strategy=NodeAffinitySchedulingStrategy(pl.node_id, soft=False),
             )
-            .remote(role)
+            .remote(*args)
         )
         self._actors.append((name, actor))
         return actor
 
     def _gather(self, launches: list) -> list[ServerInfo]:
-        """Wait for each launched server to start and to answer its health check."""
+        """Start each (role, name, actor, config) and wait for it to answer its health check."""
         import ray
 
+        from openai_api import wait_http_healthy
+
+        started = [actor.start.remote(config) for _, _, actor, config in launches]
         out = []
-        for role, name, actor, started in launches:
-            address = ray.get(started, timeout=self.cfg.health_timeout_s)
-            wait_healthy(address, self.cfg.health_timeout_s, f"{role} {name}")
+        for (role, name, actor, config), pending in zip(launches, started):
+            address = ray.get(pending, timeout=self.cfg.health_timeout_s)
+            if role == "http":
+                wait_http_healthy(address, self.cfg.health_timeout_s, f"{role} {name}")
+            else:  # over TLS when the cluster runs it
+                security = getattr(config, "security", None)
+                wait_healthy(address, self.cfg.health_timeout_s, f"{role} {name}", security)
             info = ray.get(actor.info.remote(), timeout=30)
-            out.append(ServerInfo(role, name, address, info["node_id"], info["pid"]))
+            metrics = metrics_address(role, config, address)
+            out.append(ServerInfo(role, name, address, info["node_id"], info["pid"], metrics))
             self.log(f"  {name:<12} {address:<22} pid {info['pid']}")
-        self.servers.extend(out)
+        self.servers.extend(s for s in out if s.role != "http")
         return out
 
     # ------------------------------------------------------------------ stop
@@ -200,6 +232,8 @@ class Cluster:
                     pass
         self._actors.clear()
         self.servers = []
+        self.http_server = None
+        self.http_address = ""
         if self._redis is not None:
             self._redis.stop()
             self._redis = None

@@ -1,6 +1,7 @@
 """A cluster without Ray, for tests, benchmarks and notebooks: the same wiring as the Ray launcher
 (deploy.wiring), every server either in this process (threads; a loaded model may be shared) or in
-a process of its own (one interpreter each, as a deployment runs them)."""
+a process of its own (one interpreter each, as a deployment runs them). On request, the
+OpenAI-compatible HTTP server starts in front of the conductor."""
 
 from __future__ import annotations
 
@@ -9,15 +10,23 @@ import os
 from typing import Any
 
 from deploy.config import ClusterConfig
-from deploy.wiring import ServerInfo, Wiring
+from deploy.wiring import ServerInfo, Wiring, metrics_address
 from servekit import role_classes
+
+
+def _server_class(role: str) -> type:
+    """The server class of a role: the registry's, or the HTTP server (no gRPC role of its own)."""
+    if role == "http":
+        from openai_api import HttpServer
+
+        return HttpServer
+    return role_classes(role)[1]
 
 
 def _serve(role: str, cfg, conn) -> None:
     """Child process: build one server from its config, send its address, serve until told to
     stop."""
-    _, server_cls = role_classes(role)
-    server = server_cls(cfg)
+    server = _server_class(role)(cfg)
     conn.send(server.start())
     conn.recv()
     server.stop()
@@ -52,23 +61,35 @@ class LocalCluster:
     """`with LocalCluster(cfg) as c: c.address`. `hosts` store nodes stand for hosts (workers are
     spread over them in turn); `lm` (a LoadedModel) is shared by in-process workers and the
     conductor instead of each loading it; `processes=True` runs every server in its own
-    process. Everything it starts, it stops."""
+    process; `http=True` starts the OpenAI-compatible HTTP server in front of the conductor (on
+    cfg.http_port, or a free port when that is 0), at `http_address`. Everything it starts, it
+    stops."""
 
-    def __init__(self, cfg: ClusterConfig, lm=None, hosts: int = 1, processes: bool = False):
+    def __init__(
+        self,
+        cfg: ClusterConfig,
+        lm=None,
+        hosts: int = 1,
+        processes: bool = False,
+        http: bool = False,
+    ):
         if hosts < 1:
             raise ValueError(f"hosts must be >= 1, got {hosts}")
         if processes and lm is not None:
             raise ValueError("a loaded model cannot be shared with server processes")
-        self.cfg, self.lm, self.hosts, self.processes = cfg, lm, hosts, processes
+        self.cfg, self.lm, self.hosts, self.processes, self.http = cfg, lm, hosts, processes, http
         self.redis = None  # the EmbeddedRedis this cluster owns, if any
         self.redis_url = ""
         self.address = ""
-        self.servers: list[ServerInfo] = []
+        self.http_address = ""  # the HTTP server's HOST:PORT ("" = none)
+        self.servers: list[ServerInfo] = []  # the gRPC servers
+        self.http_server: ServerInfo | None = None  # the HTTP server, when it runs
         self.objects: dict[str, list[Any]] = {
             "store": [],
             "prefill": [],
             "decode": [],
             "conductor": [],
+            "http": [],
         }  # in-process servers by role
         self._stack: list[Any] = []  # what to stop, in start order
 
@@ -102,6 +123,9 @@ class LocalCluster:
                 workers.append(self._run(role, name, wcfg))
         conductor = self._run("conductor", "conductor", wiring.conductor(workers, stores, host))
         self.address = conductor.address
+        if self.http:
+            self.http_server = self._run("http", "http", wiring.http(conductor, host))
+            self.http_address = self.http_server.address
         return self.address
 
     def _run(self, role: str, name: str, config) -> ServerInfo:
@@ -109,16 +133,17 @@ class LocalCluster:
             server = _Child(role, config, self.cfg.health_timeout_s)
             address, pid = server.address, server.proc.pid
         else:
-            _, server_cls = role_classes(role)
-            shares_model = role != "store" and self.lm is not None
+            server_cls = _server_class(role)
+            shares_model = role not in ("store", "http") and self.lm is not None
             server = server_cls(config, lm=self.lm) if shares_model else server_cls(config)
             self._stack.append(server)
             address, pid = server.start(), os.getpid()
             self.objects[role].append(server)
         if self.processes:
             self._stack.append(server)
-        info = ServerInfo(role, name, address, "local", pid)
-        self.servers.append(info)
+        info = ServerInfo(role, name, address, "local", pid, metrics_address(role, config, address))
+        if role != "http":
+            self.servers.append(info)
         return info
 
     def stop(self) -> None:
@@ -127,6 +152,8 @@ class LocalCluster:
             self._stack.pop().stop()
         self.redis = None
         self.address = ""
+        self.http_server = None
+        self.http_address = ""
 
     def __enter__(self) -> "LocalCluster":
         self.start()

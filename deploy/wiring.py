@@ -1,11 +1,14 @@
 """How a cluster's servers are wired together: each instance's config from the cluster config's
 templates and the addresses of the servers started before it. The Ray launcher and the local
 (in-process or one-process-per-server) cluster both start servers in this order and with these
-configs: store nodes, then the workers beside their host's store node, then the conductor."""
+configs: store nodes, then the workers beside their host's store node, then the conductor, then
+(when asked) the OpenAI-compatible HTTP server in front of it."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
+from pathlib import Path
 from typing import Any, NamedTuple
 
 from deploy.config import ClusterConfig
@@ -15,11 +18,42 @@ from servekit import field_names
 class ServerInfo(NamedTuple):
     """One server a launcher started."""
 
-    role: str  # store | prefill | decode | conductor
+    role: str  # store | prefill | decode | conductor | http
     name: str  # its node_id / worker_id
-    address: str  # its gRPC address
+    address: str  # its gRPC address (the HTTP server's HOST:PORT)
     node_id: str  # the (Ray) node it runs on
     pid: int  # its process
+    metrics: str = ""  # HOST:PORT of its Prometheus endpoint (/metrics); "" = none
+
+
+def metrics_address(role: str, config: Any, address: str) -> str:
+    """Where Prometheus scrapes a server started with `config`: its metrics_port on its host (the
+    HTTP server serves /metrics on its own port); "" when it exports none."""
+    if role == "http":
+        return address
+    port = getattr(config, "metrics_port", 0)
+    return f"{config.host}:{port}" if port else ""
+
+
+def prometheus_targets(servers: list[ServerInfo]) -> list[dict]:
+    """The servers' Prometheus endpoints as a file_sd target list (one group per server, labelled
+    with its role and name); servers without one are left out."""
+    return [
+        {"targets": [s.metrics], "labels": {"role": s.role, "server": s.name}}
+        for s in servers
+        if s.metrics
+    ]
+
+
+def write_prometheus_targets(servers: list[ServerInfo], path: str | Path) -> Path:
+    """Write prometheus_targets to `path` (Prometheus re-reads a file_sd file when it changes);
+    written whole, then renamed, so Prometheus never reads half a file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(prometheus_targets(servers), indent=2) + "\n")
+    tmp.replace(path)
+    return path
 
 
 def fill(template: Any, required: dict, optional: dict | None = None) -> Any:
@@ -85,4 +119,15 @@ class Wiring:
                 "host": host,
             },
             self.metrics(),
+        )
+
+    def http(self, conductor: ServerInfo, host: str, port: int | None = None):
+        """The HTTP server's config, in front of `conductor`, on `port` (default: http_port)."""
+        return fill(
+            self.cfg.http,
+            {
+                "conductor": conductor.address,
+                "host": host,
+                "port": self.cfg.http_port if port is None else port,
+            },
         )

@@ -134,6 +134,16 @@ def make_header(
 
 
 def pack_header(h: BlockHeader) -> bytes:
+    fixed, sums_struct = _packed_fixed(h[:7] + h[8:])
+    body = fixed + sums_struct.pack(*h.checksums)
+    return body + _U64.pack(checksum(body)) + bytes(h.header_len - len(body) - 8)
+
+
+@functools.lru_cache(maxsize=256)
+def _packed_fixed(key: tuple) -> tuple[bytes, struct.Struct]:
+    """The bytes before the checksum table of a header with these fields (all but checksums),
+    and the table's struct: one per model and codec, so a put packs each header by one join."""
+    h = BlockHeader._make((*key[:7], (), key[7]))
     codec, dt, fp = h.codec.encode(), dtype_name(h.dtype).encode(), h.fingerprint.encode()
     fields = [
         bytes([len(codec)]),
@@ -147,21 +157,15 @@ def pack_header(h: BlockHeader) -> bytes:
         struct.pack("<QQ", h.layer_bytes, h.payload_len),
     ]
     fixed_len = _PREFIX.size + sum(len(f) for f in fields)
-    body = b"".join(
-        [
-            _PREFIX.pack(MAGIC, h.version, fixed_len, h.header_len),
-            *fields,
-            struct.pack(f"<{len(h.checksums)}Q", *h.checksums),
-        ]
-    )
-    body += _U64.pack(checksum(body))
-    return body + bytes(h.header_len - len(body))
+    fixed = b"".join([_PREFIX.pack(MAGIC, h.version, fixed_len, h.header_len), *fields])
+    return fixed, struct.Struct(f"<{h.num_layers}Q")
 
 
 @functools.lru_cache(maxsize=256)
-def _layout(fixed: bytes) -> BlockHeader:
-    """The header encoded by `fixed` (everything before the checksum table), checksums zero.
-    Blocks of one model share it, so parsing a header is a lookup, two unpacks and a hash."""
+def _layout(fixed: bytes) -> tuple[BlockHeader, struct.Struct]:
+    """The header encoded by `fixed` (everything before the checksum table), checksums zero, and
+    the struct of its checksum table. Blocks of one model share them, so parsing a header is a
+    lookup, two unpacks and a hash."""
     mv = memoryview(fixed)
     _, _, fixed_len, header_len = _PREFIX.unpack_from(mv, 0)
     pos = _PREFIX.size
@@ -191,7 +195,7 @@ def _layout(fixed: bytes) -> BlockHeader:
     h = make_header(codec, DTYPES[dt], shape, fp)
     if h.header_len != header_len or h.layer_bytes != layer_bytes or h.payload_len != payload_len:
         raise BlockCorrupt("block header lengths disagree with its shape and codec")
-    return h
+    return h, struct.Struct(f"<{shape[0]}Q")
 
 
 def parse_header(data) -> BlockHeader:
@@ -205,23 +209,24 @@ def parse_header(data) -> BlockHeader:
             raise BlockCorrupt(f"unsupported block format version {version}")
         if header_len > len(mv) or header_len % ALIGN or not _PREFIX.size < fixed_len < header_len:
             raise BlockCorrupt(f"header length {header_len} invalid for {len(mv)} bytes")
-        base = _layout(bytes(mv[:fixed_len]))
-        end = fixed_len + 8 * base.num_layers
+        base, sums_struct = _layout(bytes(mv[:fixed_len]))
+        end = fixed_len + sums_struct.size
         if end + 8 > header_len:
             raise BlockCorrupt("truncated header")
-        sums = struct.unpack_from(f"<{base.num_layers}Q", mv, fixed_len)
         (hsum,) = _U64.unpack_from(mv, end)
         if checksum(mv[:end]) != hsum:
             raise BlockCorrupt("header checksum mismatch")
-        return base._replace(checksums=sums)
+        # every field but the checksums is the layout's (a tuple build: _replace is slow per block)
+        return BlockHeader._make((*base[:7], sums_struct.unpack_from(mv, fixed_len), base[8]))
     except BlockCorrupt:
         raise
     except (struct.error, UnicodeDecodeError, ValueError, NotImplementedError, IndexError) as e:
         raise BlockCorrupt(f"malformed block header: {e}") from None
 
 
-def check_block(data, fingerprint: str = "") -> BlockHeader:
-    """Parse the header and check length, every layer's checksum and (if given) the fingerprint."""
+def check_block(data, fingerprint: str = "", payload: bool = True) -> BlockHeader:
+    """Parse the header and check length, (if given) the fingerprint and (unless payload is
+    False) every layer's checksum."""
     mv = memoryview(data).cast("B")
     h = parse_header(mv)
     if len(mv) != h.total_len:
@@ -230,8 +235,11 @@ def check_block(data, fingerprint: str = "") -> BlockHeader:
         raise BlockCorrupt(
             f"model fingerprint {h.fingerprint!r} is not this store's {fingerprint!r}"
         )
-    for layer in range(h.num_layers):
-        if not layer_ok(mv, h, layer):
+    if not payload:
+        return h
+    lb, sums = h.layer_bytes, h.checksums
+    for layer, off in enumerate(range(h.header_len, h.total_len, lb)):
+        if checksum(mv[off : off + lb]) != sums[layer]:
             raise BlockCorrupt(f"checksum mismatch in layer {layer}")
     return h
 

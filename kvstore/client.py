@@ -3,13 +3,15 @@ node is on this host and over gRPC otherwise (the tiers above it: kvstore.KVConn
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import queue
 import socket
 import threading
 import time
-from typing import NamedTuple
+from concurrent.futures import Future
+from typing import Callable, NamedTuple
 
 import grpc
 import numpy as np
@@ -27,7 +29,7 @@ from kvstore.block_format import (
     parse_header,
     u8view,
 )
-from kvstore.codecs import copy_bytes, get_codec
+from kvstore.codecs import get_codec
 from kvstore.server import boot_id, grpc_options
 from kvstore.slab import ShmSlab
 from kvstore.store import StoreFull, StoreStats, TierStats
@@ -35,10 +37,105 @@ from kvstore.types import LookupResult
 from kvstore.wire import Part, parse_parts, put_data_chunk, raw_get, raw_put
 from protos import kvstore_pb2 as pb
 from protos import kvstore_pb2_grpc as pb_grpc
+from servekit.security import SecurityConfig, open_channel
 
 log = logging.getLogger(__name__)
 PUT_STREAM_DEADLINE_S = 600.0
 _FUSED_COPY_BYTES = 2 << 20  # blocks up to this are copied whole before their layers are checked
+
+
+def _copy_hashed(dst: np.ndarray, src: np.ndarray, layer_bytes: int) -> list[int]:
+    """dst[:] = src (flat uint8 payloads of one block); the checksum of each layer of the copy,
+    taken while it is still in cache (one pass over memory instead of two)."""
+    n = len(dst)
+    step = n if n <= _FUSED_COPY_BYTES else layer_bytes  # a big block: copy and hash by layer
+    mv = memoryview(dst)
+    sums = []
+    for o in range(0, n, step):
+        np.copyto(dst[o : o + step], src[o : o + step])
+        sums += [checksum(mv[a : a + layer_bytes]) for a in range(o, o + step, layer_bytes)]
+    return sums
+
+
+def _byte_rows(data: torch.Tensor) -> np.ndarray | None:
+    """data [n, ...] as n rows of its bytes without a copy (numpy views: no tensor per row),
+    when every row is contiguous on the CPU; None otherwise."""
+    if data.device.type != "cpu" or data.dim() < 2:
+        return None
+    want, step = [], 1
+    for d in reversed(data.shape[1:]):
+        want.append(step)
+        step *= d
+    if list(data.stride()[1:]) != want[::-1]:
+        return None
+    return data.detach().view(torch.uint8).numpy().reshape(len(data), -1)
+
+
+class _Background:
+    """Runs a client's background RPCs (lease releases) in order on one thread, each as a
+    blocking unary call: a get does not wait for its release, and no release starts the spin
+    thread that a `.future()` on an idle channel starts (milliseconds on a busy machine)."""
+
+    def __init__(self):
+        self._cond = threading.Condition()
+        self._todo: list[tuple[Future, Callable[[], object]]] = []
+        self._running = False
+        self._closed = False
+        self._thread: threading.Thread | None = None
+
+    def submit(self, call: Callable[[], object]) -> Future:
+        """call() on the background thread, after everything submitted before it; its future."""
+        f: Future = Future()
+        with self._cond:
+            if not self._closed:
+                self._todo.append((f, call))
+                if self._thread is None:  # started by the first call: many clients never need it
+                    self._thread = threading.Thread(
+                        target=self._run, name="kvstore-client", daemon=True
+                    )
+                    self._thread.start()
+                self._cond.notify_all()
+                return f
+        self._call(f, call)  # after close(): on the caller's own thread
+        return f
+
+    @staticmethod
+    def _call(f: Future, call: Callable[[], object]) -> None:
+        try:
+            f.set_result(call())
+        except BaseException as e:  # the submitter's to handle, through the future
+            f.set_exception(e)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._todo and not self._closed:
+                    self._cond.wait()
+                if not self._todo:
+                    return
+                f, call = self._todo.pop(0)
+                self._running = True
+            try:
+                self._call(f, call)
+            finally:
+                with self._cond:
+                    self._running = False
+                    self._cond.notify_all()
+
+    def drain(self) -> None:
+        """Wait until every call submitted so far has run."""
+        with self._cond:
+            while self._todo or self._running:
+                self._cond.wait()
+
+    def close(self) -> None:
+        """Run what is queued, then stop the thread."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+            thread = self._thread
+        if thread is not None:
+            thread.join()
 
 
 class StoreUnavailable(ConnectionError):
@@ -56,6 +153,18 @@ def _raise(e: grpc.RpcError):
     raise StoreUnavailable(f"store {code.name}: {details}") from None
 
 
+def _is_slab_file(path: str) -> bool:
+    """Whether the file a store's Info names looks like a store slab (a regular file named as
+    ShmSlab.create names them, not a link): the node chooses what a client maps, so a client
+    maps nothing else."""
+    if os.path.islink(path) or not os.path.isfile(path):
+        return False
+    if os.path.basename(path).startswith("halfmoon-"):
+        return True
+    log.warning("store's shared memory %s is not a store slab: using gRPC", path)
+    return False
+
+
 class PutResult(NamedTuple):
     stored: int  # blocks newly written
     held: int  # blocks of the put the store holds now
@@ -64,9 +173,16 @@ class PutResult(NamedTuple):
 class StoreClient:
     """A client of one store node. transport: "auto" (shm on the same host), "shm" or "grpc"."""
 
-    def __init__(self, address: str, transport: str = "auto", timeout_s: float = 30.0):
+    def __init__(
+        self,
+        address: str,
+        transport: str = "auto",
+        timeout_s: float = 30.0,
+        security: SecurityConfig | None = None,
+    ):
         self.address, self.timeout = address, timeout_s
-        self.channel = grpc.insecure_channel(address, options=grpc_options(256 << 20))
+        # TLS and the cluster token when the cluster is configured with them
+        self.channel = open_channel(address, security, grpc_options(256 << 20))
         self.stub = pb_grpc.KVStoreStub(self.channel)
         self._get, self._put = raw_get(self.channel), raw_put(self.channel)
         try:
@@ -78,8 +194,7 @@ class StoreClient:
             self.channel.close()
             _raise(e)
         self.slab: ShmSlab | None = None
-        self._releases: list[grpc.Future] = []
-        self._releases_lock = threading.Lock()
+        self._background = _Background()
         if transport not in ("auto", "shm", "grpc"):
             raise ValueError(f"transport must be auto, shm or grpc, got {transport!r}")
         if transport != "grpc":
@@ -88,6 +203,7 @@ class StoreClient:
                 and self.info.boot_id == boot_id()
                 and self.info.shm_path
                 and os.path.exists(self.info.shm_path)
+                and _is_slab_file(self.info.shm_path)
             )
             if same_host:
                 try:
@@ -147,14 +263,15 @@ class StoreClient:
             return self._get_shm(keys, out)
         return self._get_grpc(keys, out)
 
-    def _block_ok(self, h: BlockHeader, out_block: torch.Tensor) -> bool:
-        if h.shape != tuple(out_block.shape) or h.dtype != out_block.dtype:
+    @staticmethod
+    def _fits(h: BlockHeader, shape: tuple[int, ...], dtype: torch.dtype) -> bool:
+        if h.shape != shape or h.dtype != dtype:
             log.warning(
                 "stored block is %s %s, out is %s %s: treated as a miss",
                 list(h.shape),
                 h.dtype,
-                list(out_block.shape),
-                out_block.dtype,
+                list(shape),
+                dtype,
             )
             return False
         return True
@@ -162,65 +279,47 @@ class StoreClient:
     def _get_shm(self, keys: list[bytes], out: torch.Tensor) -> int:
         try:
             reply = self.stub.Lease(
-                pb.KVLeaseRequest(mode=pb.KVLeaseRequest.READ, keys=keys), timeout=self.timeout
+                pb.KVLeaseRequest(mode=pb.KVLeaseRequest.READ, keys=keys, packed=True),
+                timeout=self.timeout,
             )
         except grpc.RpcError as e:
             _raise(e)
-        if reply.slots:
+        if reply.slots:  # a block came inline (from ssd): the node answered per-block slots
+            slots = [(s.index, s.offset, s.length, s.data) for s in reply.slots]
+        else:
+            slots = zip(reply.indices, reply.offsets, reply.lengths, itertools.repeat(b""))
+        if reply.slots or reply.offsets:
             self._check_slab(reply.shm_path)
         got, corrupt = 0, []
-        block_bytes = out[0].numel() * out.element_size() if len(out) else 0
-        out_bytes = (
-            out.view(-1).view(torch.uint8).numpy()
-            if out.device.type == "cpu" and block_bytes
-            else None
-        )
-        slab_bytes = self.slab.array
-        for slot in reply.slots:
-            if slot.offset >= 0:
-                view = self.slab.view[slot.offset : slot.offset + slot.length]
-            else:
-                view = memoryview(slot.data)
+        shape, dtype = tuple(out.shape[1:]), out.dtype
+        block_bytes = out[0].numel() * out.element_size()
+        # unpadded raw blocks are the block tensor's bytes: copied as plain bytes into out
+        out_bytes = out.view(-1).view(torch.uint8).numpy() if out.device.type == "cpu" else None
+        slab_view = self.slab.view
+        for index, off, length, data in slots:
+            view = slab_view[off : off + length] if off >= 0 else memoryview(data)
             try:
                 h = parse_header(view)
-                if h.total_len != slot.length:
+                if h.total_len != length or len(view) != length:
                     raise BlockCorrupt("length mismatch")
             except BlockCorrupt:
-                corrupt.append(keys[slot.index])
+                corrupt.append(keys[index])
                 break
-            if not self._block_ok(h, out[got]):
+            if not self._fits(h, shape, dtype):
                 break
-            sums, lb = h.checksums, h.layer_bytes
-            if (
-                out_bytes is not None
-                and h.codec == "raw"
-                and h.payload_len == block_bytes
-                and slot.offset >= 0
-            ):
-                # Unpadded raw: the payload is the block tensor's bytes. Copy, then check the copy
-                # while it is still in cache (one pass over memory instead of two).
-                src = slot.offset + h.header_len
+            if out_bytes is not None and h.codec == "raw" and h.payload_len == block_bytes:
+                payload = np.frombuffer(view, np.uint8, block_bytes, h.header_len)
                 dst = out_bytes[got * block_bytes : (got + 1) * block_bytes]
-                step = block_bytes if block_bytes <= _FUSED_COPY_BYTES else lb
-                ok = True
-                for o in range(0, block_bytes, step):
-                    np.copyto(dst[o : o + step], slab_bytes[src + o : src + o + step])
-                    part = memoryview(dst[o : o + step])
-                    ok = ok and all(
-                        checksum(part[a : a + lb]) == sums[(o + a) // lb]
-                        for a in range(0, step, lb)
-                    )
-                    if not ok:
-                        break
+                ok = _copy_hashed(dst, payload, h.layer_bytes) == list(h.checksums)
             else:
                 ok = all(
-                    checksum(view[o : o + lb]) == sums[layer]
-                    for layer, o in enumerate(range(h.header_len, h.total_len, lb))
+                    checksum(view[o : o + h.layer_bytes]) == h.checksums[layer]
+                    for layer, o in enumerate(range(h.header_len, h.total_len, h.layer_bytes))
                 )
                 if ok:
                     decode_layers(u8view(view), h, out[got], range(h.num_layers))
             if not ok:
-                corrupt.append(keys[slot.index])
+                corrupt.append(keys[index])
                 break
             got += 1
         if reply.lease_id or corrupt:
@@ -229,27 +328,15 @@ class StoreClient:
 
     def _release_later(self, lease_id: int, corrupt: list[bytes]) -> None:
         # Released in the background: the copies are done, nothing waits on the answer.
-        f = self.stub.Release.future(
-            pb.KVReleaseRequest(lease_id=lease_id, corrupt=corrupt), timeout=self.timeout
-        )
-        with self._releases_lock:
-            self._releases.append(f)
-        self._reap_releases()
+        req = pb.KVReleaseRequest(lease_id=lease_id, corrupt=corrupt)
+        self._background.submit(lambda: self._release(req))
 
-    def _reap_releases(self, wait: bool = False) -> None:
-        with self._releases_lock:
-            pending, self._releases = self._releases, []
-        keep = []
-        for f in pending:
-            if wait or f.done():
-                try:
-                    f.result()
-                except grpc.RpcError as e:
-                    log.warning("lease release failed: %s", e.details())
-            else:
-                keep.append(f)
-        with self._releases_lock:
-            self._releases.extend(keep)
+    def _release(self, req: pb.KVReleaseRequest) -> None:
+        try:
+            self.stub.Release(req, timeout=self.timeout)
+        except (grpc.RpcError, ValueError) as e:  # ValueError: the channel was closed
+            details = e.details() if isinstance(e, grpc.RpcError) else str(e)
+            log.warning("lease %d release failed: %s", req.lease_id, details)
 
     def _get_grpc(self, keys: list[bytes], out: torch.Tensor) -> int:
         try:
@@ -258,53 +345,80 @@ class StoreClient:
             if raw is None:
                 return 0
             first = pb.KVGetChunk.FromString(raw)
+            shape, dtype = tuple(out.shape[1:]), out.dtype
             headers: list[BlockHeader] = []
             for raw in first.headers:
                 try:
                     h = parse_header(raw)
                 except BlockCorrupt:
                     break
-                if not self._block_ok(h, out[len(headers)]):
+                if not self._fits(h, shape, dtype):
                     break
                 headers.append(h)
-            k = len(headers)
-            corrupt = []
-            stage: dict[
-                tuple[int, int], torch.Tensor
-            ] = {}  # (block, layer) -> bytes of a split layer
-            filled: dict[tuple[int, int], int] = {}
-            for raw in stream:
-                for p in parse_parts(raw, 3):
-                    b, layer = p.block, p.layer
-                    if b >= k:
-                        continue
-                    h = headers[b]
-                    start = h.layer_offset(layer)
-                    if (
-                        p.offset == start and len(p.data) == h.layer_bytes
-                    ):  # a whole layer: no staging
-                        data = p.data
-                    else:
-                        buf = stage.get((b, layer))
-                        if buf is None:
-                            buf = stage[(b, layer)] = torch.empty(h.layer_bytes, dtype=torch.uint8)
-                        rel = p.offset - start
-                        copy_bytes(buf[rel : rel + len(p.data)], u8view(p.data))
-                        filled[(b, layer)] = filled.get((b, layer), 0) + len(p.data)
-                        if filled[(b, layer)] < h.layer_bytes:
-                            continue
-                        data = stage.pop((b, layer)).numpy()
-                        del filled[(b, layer)]
-                    if checksum(data) != h.checksums[layer]:
-                        corrupt.append(keys[b])
-                        k = b
-                        continue
-                    decode_layers(u8view(data), h, out[b], [layer], base=-start)
+            k, corrupt = self._receive_layers(stream, headers, out)
         except grpc.RpcError as e:
             _raise(e)
         if corrupt:
-            self._release_later(0, corrupt)
+            self._release_later(0, [keys[b] for b in corrupt])
         return k
+
+    @staticmethod
+    def _receive_layers(stream, headers: list[BlockHeader], out: torch.Tensor):
+        """Write the layers a Get stream carries into out[:len(headers)], checking each layer as
+        its last piece lands; (k, blocks that failed a check): out[:k] is checked, whole data.
+        Unpadded raw layers land straight in out (no staging copy); a layer that fails its
+        checksum, or never arrives whole, ends the prefix."""
+        k, corrupt = len(headers), []
+        block_bytes = out[0].numel() * out.element_size()
+        out_bytes = out.view(-1).view(torch.uint8).numpy() if out.device.type == "cpu" else None
+        direct = [
+            out_bytes is not None and h.codec == "raw" and h.payload_len == block_bytes
+            for h in headers
+        ]
+        # bytes still to come of each (block, layer); a layer is checked when it reaches 0
+        left = {
+            (b, layer): h.layer_bytes
+            for b, h in enumerate(headers)
+            for layer in range(h.num_layers)
+        }
+        stage: dict[tuple[int, int], np.ndarray] = {}  # split layers of blocks decoded by codec
+        for raw in stream:
+            for p in parse_parts(raw, 3):
+                b, layer, n = p.block, p.layer, len(p.data)
+                todo = left.get((b, layer)) if b < k else None
+                if todo is None:  # past the prefix, or a layer done already: never rewritten
+                    continue
+                h = headers[b]
+                rel = p.offset - h.layer_offset(layer)
+                if rel < 0 or rel + n > h.layer_bytes or n > todo:
+                    corrupt.append(b)  # a piece outside its layer: the block is not trusted
+                    k = b
+                    continue
+                if direct[b]:
+                    at = b * block_bytes + layer * h.layer_bytes
+                    np.copyto(out_bytes[at + rel : at + rel + n], np.frombuffer(p.data, np.uint8))
+                elif rel or n < h.layer_bytes:
+                    buf = stage.get((b, layer))
+                    if buf is None:
+                        buf = stage[(b, layer)] = np.empty(h.layer_bytes, np.uint8)
+                    np.copyto(buf[rel : rel + n], np.frombuffer(p.data, np.uint8))
+                left[(b, layer)] = todo = todo - n
+                if todo:
+                    continue
+                del left[(b, layer)]
+                if direct[b]:
+                    data = out_bytes[at : at + h.layer_bytes]
+                else:
+                    data = stage.pop((b, layer), None)
+                    data = p.data if data is None else data
+                if checksum(data) != h.checksums[layer]:
+                    corrupt.append(b)
+                    k = b
+                    continue
+                if not direct[b]:
+                    decode_layers(u8view(data), h, out[b], [layer], base=-h.layer_offset(layer))
+        missing = [b for b, _ in left if b < k]
+        return min([k, *missing]), corrupt
 
     def get_record(self, key: bytes, fingerprint: str = "") -> bytes | None:
         """One encoded block of any shape, whole, over gRPC (what crosses a link, even on one
@@ -390,7 +504,7 @@ class StoreClient:
     # ------------------------------------------------------------------ the rest
 
     def stats(self) -> StoreStats:
-        self._reap_releases(wait=True)
+        self._background.drain()
         try:
             s = self.stub.Stats(pb.KVStatsRequest(), timeout=self.timeout)
         except grpc.RpcError as e:
@@ -407,18 +521,19 @@ class StoreClient:
             s.demotions,
             s.leases,
             s.pending_blocks,
+            (s.rss_bytes, s.uss_bytes, s.pss_bytes, s.configured_bytes),
         )
 
     def clear(self) -> int:
         """Drop every block the node holds (see KVStore.Clear); how many went now."""
-        self._reap_releases(wait=True)
+        self._background.drain()
         try:
             return self.stub.Clear(pb.KVClearRequest(), timeout=self.timeout).dropped
         except grpc.RpcError as e:
             _raise(e)
 
     def close(self) -> None:
-        self._reap_releases(wait=True)
+        self._background.close()
         if self.slab is not None:
             self.slab.close()
             self.slab = None
@@ -455,12 +570,19 @@ class BlockWriter:
                 f"{dtype_name(self.header.dtype)}"
             )
 
-    def _headers(self) -> list[bytes]:
+    def _check_complete(self) -> None:
         missing = set(range(self.header.num_layers)) - self.written
         if missing:
             self.abort()
             raise ValueError(f"layers {sorted(missing)} were never written; the put is aborted")
-        return [pack_header(self.header._replace(checksums=tuple(s))) for s in self.sums]
+
+    def _header(self, i: int) -> bytes:
+        """Block i's final header (its layers' checksums known)."""
+        return pack_header(self.header._replace(checksums=tuple(self.sums[i])))
+
+    def _headers(self) -> list[bytes]:
+        self._check_complete()
+        return [self._header(i) for i in range(len(self.keys))]
 
     def write_layer(self, layer: int, data: torch.Tensor) -> None: ...
 
@@ -493,18 +615,23 @@ class _ShmWriter(BlockWriter):
             sizes=[header.total_len] * len(keys),
             parent=parent or b"",
             model_fingerprint=header.fingerprint,
+            packed=True,
         )
         try:
             reply = client.stub.Lease(req, timeout=client.timeout)
         except grpc.RpcError as e:
             _raise(e)
         self.lease_id, self.ttl = reply.lease_id, reply.ttl_s
-        self.slots = [
-            (s.index, s.offset) for s in reply.slots
-        ]  # blocks the store does not hold yet
+        # (index in keys, slab offset) of the blocks the store does not hold yet
+        self.slots = [(s.index, s.offset) for s in reply.slots] or list(
+            zip(reply.indices, reply.offsets)
+        )
         if self.slots:
             client._check_slab(reply.shm_path)
         self.renewed = time.monotonic()
+        # every layer's checksum was taken from the slab in the pass that copied it in (only
+        # write_whole): the node then need not hash the payloads again at commit
+        self.hashed_in_copy = False
 
     def _renew(self) -> None:
         # Before writing, never after: once a lease lapses its ranges may belong to another put.
@@ -532,6 +659,7 @@ class _ShmWriter(BlockWriter):
                 dst[n:].zero_()
             self.sums[i][layer] = checksum(slab.view[start : start + h.layer_bytes])
         self.written.add(layer)
+        self.hashed_in_copy = False  # the caller runs between a layer and the commit
 
     def can_write_whole(self, blocks: torch.Tensor) -> bool:
         h = self.header
@@ -544,31 +672,35 @@ class _ShmWriter(BlockWriter):
         )
 
     def write_whole(self, blocks: torch.Tensor) -> None:
-        """All layers of unpadded raw blocks: one copy per block, then the per-layer checksums."""
+        """All layers of unpadded raw blocks: one copy per block, each layer's checksum taken
+        from the copy while it is still in cache."""
         self._renew()
         h, slab = self.header, self.client.slab
+        src = blocks.reshape(-1).view(torch.uint8)
+        src = (src if src.device.type == "cpu" else src.cpu()).numpy()  # one copy off a device
+        n = h.payload_len
         for i, off in self.slots:
             start = off + h.header_len
-            copy_bytes(
-                slab.tensor[start : start + h.payload_len], blocks[i].reshape(-1).view(torch.uint8)
+            self.sums[i] = _copy_hashed(
+                slab.array[start : start + n], src[i * n : (i + 1) * n], h.layer_bytes
             )
-            for layer in range(h.num_layers):
-                lo = off + h.layer_offset(layer)
-                self.sums[i][layer] = checksum(slab.view[lo : lo + h.layer_bytes])
         self.written.update(range(h.num_layers))
+        self.hashed_in_copy = True
 
     def commit(self):
-        headers = self._headers()
+        self._check_complete()
         self._renew()
         self.closed = True
         if not self.slots:
             return PutResult(0, len(self.keys))
         slab = self.client.slab
         for i, off in self.slots:
-            slab.view[off : off + len(headers[i])] = headers[i]
+            header = self._header(i)
+            slab.view[off : off + len(header)] = header
         try:
             reply = self.client.stub.Commit(
-                pb.KVCommitRequest(lease_id=self.lease_id), timeout=self.client.timeout
+                pb.KVCommitRequest(lease_id=self.lease_id, writer_hashed=self.hashed_in_copy),
+                timeout=self.client.timeout,
             )
         except grpc.RpcError as e:
             _raise(e)
@@ -615,13 +747,14 @@ class _GrpcWriter(BlockWriter):
         chunk = self.client.chunk_bytes
         parts, size = [], 0
         start = h.layer_offset(layer)
+        rows = _byte_rows(data) if self.codec.name == "raw" and n == h.layer_bytes else None
         for i in range(len(self.keys)):
-            if self.codec.name == "raw" and n == h.layer_bytes and data[i].is_contiguous():
-                buf = data[i].reshape(-1).view(torch.uint8)  # the caller's bytes as they are
+            if rows is not None:
+                raw = memoryview(rows[i])  # the caller's bytes as they are
             else:
-                buf = torch.zeros(h.layer_bytes, dtype=torch.uint8)
-                self.codec.encode_layer(data[i], buf[:n])
-            raw = memoryview(buf.numpy())
+                buf = np.zeros(h.layer_bytes, np.uint8)
+                self.codec.encode_layer(data[i], torch.from_numpy(buf[:n]))
+                raw = memoryview(buf)
             self.sums[i][layer] = checksum(raw)
             for o in range(0, len(raw), chunk):
                 piece = raw[o : o + chunk]

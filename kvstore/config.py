@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from servekit.security import SecurityConfig, security_config
 
 
 @dataclass
@@ -26,8 +28,11 @@ class StoreConfig:
     # thin cross-host link on one machine, for tests and benchmarks. StoreNode.set_link_gbps
     # changes it while transfers run.
     link_gbps: float = 0.0
+    # TLS and tokens (the cluster's `security` section); every store method is internal
+    security: SecurityConfig = field(default_factory=SecurityConfig)
 
     def __post_init__(self) -> None:
+        self.security = security_config(self.security, "StoreConfig.security")
         if self.dram_bytes < 0 or self.ssd_bytes < 0:
             raise ValueError("dram_bytes and ssd_bytes must be >= 0")
         if self.ssd_bytes and not self.ssd_dir:

@@ -166,9 +166,11 @@ class KVConnector:
         index_period_s: float = 0.2,
         index_ttl_s: float = 5.0,
         store_layout=None,
+        security=None,
     ):
         self.kv, self.layout, self.fingerprint = kv, layout, fingerprint
         self.store_layout = store_layout or layout
+        self.security = security  # servekit.SecurityConfig of the store channels (None: open)
         self.packs = self.store_layout.fingerprint_id != layout.fingerprint_id
         self.store_address, self.store_node, self.device_node = (
             store_address,
@@ -253,7 +255,9 @@ class KVConnector:
                 # Outside inference mode: the client maps its shm slab as a tensor later writes
                 # update, which inference tensors would forbid.
                 with torch.inference_mode(False):
-                    c = self._clients[address] = StoreClient(address, timeout_s=self.timeout_s)
+                    c = self._clients[address] = StoreClient(
+                        address, timeout_s=self.timeout_s, security=self.security
+                    )
             return c
 
     def _node_client(self, node: str) -> StoreClient | None:

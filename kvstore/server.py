@@ -22,6 +22,8 @@ from kvstore.store import BlockStore, StoreFull
 from kvstore.types import NodeInfo
 from kvstore.wire import BadChunk, Part, RawPutData, add_servicer, get_chunk
 from protos import kvstore_pb2 as pb
+from servekit.memory import memory_usage
+from servekit.security import add_port, server_interceptors
 
 log = logging.getLogger(__name__)
 SERVICE = "halfmoon.KVStore"
@@ -79,9 +81,9 @@ class _Servicer:
         except StoreFull as e:
             ctx.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
 
-    def _commit(self, ctx, lease_id: int, keys) -> pb.KVPutReply:
+    def _commit(self, ctx, lease_id: int, keys, payloads: bool = True) -> pb.KVPutReply:
         try:
-            stored = self.store.commit(lease_id)
+            stored = self.store.commit(lease_id, payloads=payloads)
         except BlockCorrupt as e:
             ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, f"block refused: {e}")
         except KeyError as e:
@@ -245,6 +247,16 @@ class _Servicer:
             lease_id, refs = self.store.acquire(list(req.keys), self.cfg.lease_s)
             self.node.flush()
             self.node.metrics.record("get", "shm", sum(r.length for r in refs))
+            if req.packed and all(r.data is None for r in refs):
+                return pb.KVLeaseReply(
+                    lease_id=lease_id,
+                    ttl_s=self.cfg.lease_s,
+                    shm_path=self._shm_path,
+                    indices=range(len(refs)),
+                    offsets=[r.offset for r in refs],
+                    lengths=[r.length for r in refs],
+                    tiers=[r.tier for r in refs],
+                )
             return pb.KVLeaseReply(
                 lease_id=lease_id,
                 ttl_s=self.cfg.lease_s,
@@ -262,6 +274,15 @@ class _Servicer:
             self.node.flush()
             lease_id, slots = self._reserve(ctx, keys, sizes, req.parent)
             self.node.flush()
+            if req.packed:
+                return pb.KVLeaseReply(
+                    lease_id=lease_id if slots else 0,
+                    ttl_s=self.cfg.lease_s,
+                    shm_path=self._shm_path,
+                    indices=[i for i, _ in slots],
+                    offsets=[off for _, off in slots],
+                    lengths=[sizes[i] for i, _ in slots],
+                )
             return pb.KVLeaseReply(
                 lease_id=lease_id if slots else 0,
                 ttl_s=self.cfg.lease_s,
@@ -287,20 +308,27 @@ class _Servicer:
 
     def Commit(self, req, ctx):
         try:
-            keys = [k for k, _, _ in self.store.pending(req.lease_id)]
-            sizes = sum(s for _, _, s in self.store.pending(req.lease_id))
+            pending = self.store.pending(req.lease_id)
         except KeyError:
             ctx.abort(
                 grpc.StatusCode.NOT_FOUND,
                 f"no open write lease {req.lease_id} (expired or never granted)",
             )
-        reply = self._commit(ctx, req.lease_id, keys)
-        self.node.metrics.record("put", "shm", sizes)
+        reply = self._commit(
+            ctx, req.lease_id, [k for k, _, _ in pending], payloads=not req.writer_hashed
+        )
+        self.node.metrics.record("put", "shm", sum(s for _, _, s in pending))
         return reply
 
     def Stats(self, req, ctx):
         s = self.store.stats()
+        mem = memory_usage()
         return pb.KVStatsReply(
+            rss_bytes=mem.rss,
+            uss_bytes=mem.uss,
+            pss_bytes=mem.pss,
+            # what it is configured to hold in memory: its tiers but the SSD
+            configured_bytes=sum(t.capacity_bytes for t in s.tiers if t.tier != "ssd"),
             node_id=s.node_id,
             hits=s.hits,
             misses=s.misses,
@@ -395,11 +423,13 @@ class StoreNode:
         self.server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=cfg.grpc_workers, thread_name_prefix="kvstore"),
             options=grpc_options(cfg.max_message_bytes),
+            # every store method is internal: the cluster token when one is configured
+            interceptors=server_interceptors(cfg.security),
         )
         add_servicer(_Servicer(self), self.server)
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        port = self.server.add_insecure_port(f"{cfg.host}:{cfg.port}")
+        port = add_port(self.server, f"{cfg.host}:{cfg.port}", cfg.security, client_facing=False)
         if port == 0:
             raise RuntimeError(f"store node {cfg.node_id} could not bind {cfg.host}:{cfg.port}")
         self.address = f"{cfg.host}:{port}"

@@ -1,5 +1,5 @@
-"""The ssd tier: encoded blocks in LMDB (a `blocks` table) with their parent keys (`parents`),
-so that a restarted node finds them again."""
+"""The ssd tier: encoded blocks in LMDB (a `blocks` table) with their parent keys (`parents`)
+and sizes (`sizes`), so that a restarted node finds them again without reading them."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ class SsdTier:
         self.env = lmdb.open(
             path,
             map_size=map_size,
-            max_dbs=2,
+            max_dbs=3,
             sync=False,
             metasync=False,
             readahead=False,
@@ -28,11 +28,15 @@ class SsdTier:
         )
         self.blocks = self.env.open_db(b"blocks")
         self.parents = self.env.open_db(b"parents")
+        # Sizes apart from the blocks: finding a block's size in `blocks` touches its pages (and
+        # the kernel's fault-around maps more), which made a restarted node's whole tier resident.
+        self.sizes = self.env.open_db(b"sizes")
 
     def put(self, key: bytes, data, parent: bytes | None) -> None:
         with self.env.begin(write=True) as txn:
             txn.put(key, data, db=self.blocks)
             txn.put(key, parent or b"", db=self.parents)
+            txn.put(key, len(memoryview(data)).to_bytes(8, "little"), db=self.sizes)
 
     def get(self, key: bytes) -> bytes | None:
         with self.env.begin(buffers=False) as txn:
@@ -42,15 +46,30 @@ class SsdTier:
         with self.env.begin(write=True) as txn:
             txn.delete(key, db=self.blocks)
             txn.delete(key, db=self.parents)
+            txn.delete(key, db=self.sizes)
 
     def scan(self) -> list[tuple[bytes, int, bytes | None]]:
-        """(key, size, parent) of every stored block."""
-        out = []
-        with self.env.begin() as txn:
+        """(key, size, parent) of every stored block, from the small `sizes` and `parents`
+        tables. Blocks written before `sizes` existed are measured in `blocks` (their pages read
+        once) and their sizes recorded, so that the next scan reads none."""
+        out, measured = [], []
+        with self.env.begin(buffers=True) as txn:
             parents = txn.cursor(db=self.parents)
-            for key, value in txn.cursor(db=self.blocks):
+            sizes = {bytes(k): int.from_bytes(v, "little") for k, v in txn.cursor(db=self.sizes)}
+            keys = sizes
+            if len(sizes) != txn.stat(self.blocks)["entries"]:
+                keys = [bytes(k) for k in txn.cursor(db=self.blocks).iternext(values=False)]
+            for key in keys:
+                size = sizes.get(key)
+                if size is None:
+                    size = len(txn.get(key, db=self.blocks))
+                    measured.append((key, size))
                 parent = parents.get(key) if parents.set_key(key) else b""
-                out.append((bytes(key), len(value), bytes(parent) or None))
+                out.append((key, size, bytes(parent) or None))
+        if measured:
+            with self.env.begin(write=True) as txn:
+                for key, size in measured:
+                    txn.put(key, size.to_bytes(8, "little"), db=self.sizes)
         return out
 
     def sync(self) -> None:

@@ -50,6 +50,9 @@ class StoreStats(NamedTuple):
     demotions: int  # dram -> ssd moves
     leases: int  # leases held now
     pending_blocks: int  # blocks reserved by writers, not yet committed
+    # the node process's (rss, uss, pss, configured) bytes: set by StoreClient.stats from the
+    # node's reply (servekit.MemoryUsage and its in-memory tiers' capacity); None in-process
+    memory: tuple[int, int, int, int] | None = None
 
 
 class _Entry:
@@ -259,17 +262,21 @@ class BlockStore:
                 raise KeyError(lease_id)
             return [(e.key, e.offset, e.size) for e in lease.entries]
 
-    def commit(self, lease_id: int, check: bool = True) -> int:
+    def commit(self, lease_id: int, check: bool = True, payloads: bool = True) -> int:
         """Make a write lease's blocks visible after checking each (BlockCorrupt: nothing is
-        stored)."""
+        stored). payloads=False checks headers, lengths and fingerprints but not the layers'
+        checksums: for a writer that took them from the stored bytes as it copied them (every
+        reader checks them again)."""
         with self._lock:
             lease = self._leases.get(lease_id)
             if lease is None or not lease.write:
                 raise KeyError(f"no open write lease {lease_id} (expired or never granted)")
         if check:  # hashing outside the lock: these ranges belong to the lease alone
             try:
-                for e in lease.entries:
-                    check_block(self.slab.view[e.offset : e.offset + e.size], self.fingerprint)
+                # last written first: the writer's latest blocks may still be in cache
+                for e in reversed(lease.entries):
+                    view = self.slab.view[e.offset : e.offset + e.size]
+                    check_block(view, self.fingerprint, payloads)
             except BlockCorrupt:
                 self.release(lease_id)
                 raise

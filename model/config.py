@@ -260,11 +260,8 @@ def _mla_fields_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
     """The MLA and MoE fields of a deepseek_v2 / deepseek_v3 config.json (defaults as in
     transformers' DeepseekV2Config / DeepseekV3Config)."""
     v3 = hf["model_type"] == "deepseek_v3"
-    if hf.get("quantization_config"):  # DeepSeek-V3's own release: FP8 blocks with scales
-        raise ValueError(
-            f"quantized checkpoints ({hf['quantization_config'].get('quant_method', '?')}) are "
-            "not supported: dequantize to bf16 first"
-        )
+    # quantization_config (DeepSeek-V3's own release: FP8 blocks with scales) is the loader's
+    # business (model.fp8): the architecture is the same
     if hf.get("attention_bias") or hf.get("mlp_bias"):
         raise ValueError("attention or MLP biases are not supported")
     if hf.get("hidden_act", "silu") != "silu":

@@ -12,7 +12,7 @@ import math
 import mmap
 import struct
 from pathlib import Path
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, Iterator, NamedTuple
 
 import numpy as np
 import torch
@@ -21,6 +21,8 @@ from kernels import KVLayout
 from model import fetch
 from model.config import ModelConfig
 from model.deepseek import DeepseekModel, mla_rope
+from model.fp8 import FP8_DTYPES, SCALE_SUFFIX, dequantize_fp8, fp8_block_size
+from model.gguf_deepseek2 import check_tensors, deepseek2_config, deepseek2_hf_weights
 from model.llama import LlamaModel, rope_inv_freq
 from model.tokenizer import Tokenizer, from_gguf_fields, from_hf_dir, tiny_byte_tokenizer
 
@@ -270,18 +272,32 @@ def _read_gguf_directory(path: Path) -> tuple[dict[str, Any], list[GgufTensor]]:
     return fields, tensors
 
 
+# general.architecture values that load: Llama's (LlamaModel) and llama.cpp's deepseek2
+# (DeepseekModel, through model.gguf_deepseek2).
+GGUF_ARCHITECTURES = ("llama", "mistral", "deepseek2")
+
+
 def read_gguf_meta(path: Path) -> GgufMeta:
     """Config, metadata fields and tensor directory of a GGUF file; ValueError when it is not a
-    valid one (a truncated file included)."""
+    valid one (a truncated file included) or lacks what its architecture needs."""
     fields, tensors = _read_gguf_directory(path)
     arch = fields.get("general.architecture")
-    if arch not in ("llama", "mistral"):
-        raise ValueError(f"{path}: unsupported architecture {arch!r} (supported: llama)")
+    if arch not in GGUF_ARCHITECTURES:
+        raise ValueError(
+            f"{path}: unsupported architecture {arch!r} "
+            f"(supported: {', '.join(GGUF_ARCHITECTURES)})"
+        )
     tensor_names = {t.name for t in tensors}
     if "rope_freqs.weight" in tensor_names:
         raise ValueError(f"{path}: per-frequency rope factors (rope_freqs) are not supported")
     try:
-        config = _gguf_config(arch, fields, tensor_names)
+        if arch == "deepseek2":
+            config = deepseek2_config(fields, tensor_names)
+            check_tensors(config, fields, tensor_names)
+        else:
+            config = _gguf_config(arch, fields, tensor_names)
+    except ValueError as exc:  # a missing key or tensor, a config that does not check out
+        raise ValueError(f"{path}: {exc}") from None
     except (KeyError, IndexError, TypeError) as exc:
         raise ValueError(
             f"{path}: corrupt or unsupported GGUF file ({type(exc).__name__}: {exc})"
@@ -289,30 +305,45 @@ def read_gguf_meta(path: Path) -> GgufMeta:
     return GgufMeta(fields, tensors, config)
 
 
-def read_gguf_weights(meta: GgufMeta, path: Path) -> dict[str, torch.Tensor]:
-    """The fp32 weights in HF names, dequantized, llama.cpp's Q/K permutation undone."""
+def _dequantized(meta: GgufMeta, path: Path) -> Iterator[tuple[str, np.ndarray]]:
+    """Each tensor of the file under its GGUF name, dequantized to fp32, writable and contiguous."""
     import gguf
 
     data = np.memmap(path, dtype=np.uint8, mode="r")
+    for t in meta.tensors:
+        qtype = gguf.GGMLQuantizationType(t.qtype)
+        raw = data[t.offset : t.offset + t.nbytes]
+        raw = raw.reshape(gguf.quant_shape_to_byte_shape(t.shape, qtype))
+        w = gguf.quants.dequantize(raw, qtype).astype(np.float32, copy=False).reshape(t.shape)
+        if not (w.flags.writeable and w.flags.c_contiguous):
+            w = w.copy()  # torch wants writable memory; a float32 tensor is a view of the map
+        yield t.name, w
+
+
+def _llama_hf_weights(meta: GgufMeta, path: Path) -> dict[str, torch.Tensor]:
     sd: dict[str, torch.Tensor] = {}
+    for name, w in _dequantized(meta, path):
+        if name.endswith("attn_q.weight"):
+            w = _unpermute(w, meta.config.num_heads)
+        elif name.endswith("attn_k.weight"):
+            w = _unpermute(w, meta.config.num_kv_heads)
+        sd[_hf_name(name)] = torch.from_numpy(np.ascontiguousarray(w))
+    return sd
+
+
+def read_gguf_weights(meta: GgufMeta, path: Path) -> dict[str, torch.Tensor]:
+    """The fp32 weights in HF names, dequantized; for Llama llama.cpp's Q/K permutation undone,
+    for deepseek2 the stacked experts and split kv_b_proj taken apart and joined again."""
     try:
-        for t in meta.tensors:
-            qtype = gguf.GGMLQuantizationType(t.qtype)
-            raw = data[t.offset : t.offset + t.nbytes]
-            raw = raw.reshape(gguf.quant_shape_to_byte_shape(t.shape, qtype))
-            w = gguf.quants.dequantize(raw, qtype).astype(np.float32, copy=False).reshape(t.shape)
-            if t.name.endswith("attn_q.weight"):
-                w = _unpermute(w, meta.config.num_heads)
-            elif t.name.endswith("attn_k.weight"):
-                w = _unpermute(w, meta.config.num_kv_heads)
-            if not (w.flags.writeable and w.flags.c_contiguous):
-                w = w.copy()  # torch wants writable memory; a float32 tensor is a view of the map
-            sd[_hf_name(t.name)] = torch.from_numpy(w)
+        if meta.fields.get("general.architecture") == "deepseek2":
+            return deepseek2_hf_weights(_dequantized(meta, path), meta.config)
+        return _llama_hf_weights(meta, path)
+    except ValueError as exc:
+        raise ValueError(f"{path}: {exc}") from None
     except (KeyError, IndexError, TypeError, NotImplementedError) as exc:
         raise ValueError(
             f"{path}: corrupt or unsupported GGUF file ({type(exc).__name__}: {exc})"
         ) from None
-    return sd
 
 
 def _gguf_config(arch: str, fields: dict, tensor_names: set[str]) -> ModelConfig:
@@ -367,6 +398,7 @@ class HfMeta(NamedTuple):
     path: Path
     config: ModelConfig  # config.json, with generation_config.json's extra EOS ids
     files: list[Path]  # the *.safetensors files, sorted (the order they are hashed in)
+    fp8_block: tuple[int, int] | None = None  # block-scaled FP8 weights (model.fp8), else None
 
 
 def read_hf_meta(path: Path) -> HfMeta:
@@ -374,11 +406,15 @@ def read_hf_meta(path: Path) -> HfMeta:
     if not cfg_path.exists():
         raise FileNotFoundError(f"{path} has no config.json")
     try:
-        config = ModelConfig.from_hf(json.loads(cfg_path.read_text()))
+        hf_config = json.loads(cfg_path.read_text())
+        config = ModelConfig.from_hf(hf_config)
+        fp8_block = fp8_block_size(hf_config)
     except (KeyError, json.JSONDecodeError) as exc:
         raise ValueError(
             f"{cfg_path}: not a usable Llama or DeepSeek-V2 config ({type(exc).__name__}: {exc})"
         ) from None
+    except ValueError as exc:
+        raise ValueError(f"{cfg_path}: {exc}") from None
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{path} has no *.safetensors files")
@@ -388,11 +424,12 @@ def read_hf_meta(path: Path) -> HfMeta:
         if eos is not None:
             extra = [eos] if isinstance(eos, int) else eos
             config.eos_token_ids = sorted({*config.eos_token_ids, *extra})
-    return HfMeta(path, config, files)
+    return HfMeta(path, config, files, fp8_block)
 
 
 def read_hf_weights(meta: HfMeta) -> dict[str, torch.Tensor]:
-    """The fp32 weights in HF names (a tied lm_head dropped)."""
+    """The fp32 weights in HF names (a tied lm_head dropped; FP8 ones multiplied out by their
+    block scales)."""
     from safetensors import safe_open
 
     sd = {}
@@ -400,11 +437,22 @@ def read_hf_weights(meta: HfMeta) -> dict[str, torch.Tensor]:
         for f in meta.files:
             with safe_open(str(f), framework="pt") as st:
                 for k in st.keys():
-                    sd[k] = st.get_tensor(k).float()
+                    t = st.get_tensor(k)
+                    sd[k] = t if t.dtype in FP8_DTYPES or k.endswith(SCALE_SUFFIX) else t.float()
     except Exception as exc:  # safetensors raises its own error types on bad headers
         raise ValueError(
             f"{meta.path}: corrupt safetensors file ({type(exc).__name__}: {exc})"
         ) from None
+    fp8 = [k for k, t in sd.items() if t.dtype in FP8_DTYPES]
+    if fp8 and meta.fp8_block is None:
+        raise ValueError(
+            f"{meta.path}: {fp8[0]} is FP8 but config.json declares no quantization_config"
+        )
+    if meta.fp8_block is not None:
+        try:
+            sd = dequantize_fp8(sd, meta.fp8_block)
+        except ValueError as exc:
+            raise ValueError(f"{meta.path}: {exc}") from None
     if meta.config.tie_word_embeddings:
         sd.pop("lm_head.weight", None)
     return sd

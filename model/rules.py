@@ -37,7 +37,11 @@ def finish_reason(
     if tok in params.stop_token_ids or (not params.ignore_eos and tok in eos_ids):
         return "stop"
     if params.stop:
-        text = decode(list(out))
+        # Checked after every token, so only a stop string ending in the newest token is new:
+        # decode the tail that can hold one (up to 4 tokens a character for byte-level pieces),
+        # not the whole answer again at every step.
+        tail = 4 * max(len(s) for s in params.stop) + 4
+        text = decode(list(out[-tail:]))
         if any(s in text for s in params.stop):
             return "stop"
     if len(out) >= budget:

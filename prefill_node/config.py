@@ -5,7 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvstore import CACHEGEN_LEVELS
-from servekit import check_dtype_device, check_kv_cache
+from servekit import (
+    SecurityConfig,
+    check_dtype_device,
+    check_kv_cache,
+    parse_cpu_list,
+    security_config,
+)
 
 
 @dataclass
@@ -47,10 +53,16 @@ class PrefillConfig:
     cachegen_chunk_blocks: int = 64
     cachegen_prior_gbps: float = 1.0  # assumed link throughput until one is measured
     max_queue: int = 256  # queued requests beyond this are refused (RESOURCE_EXHAUSTED)
-    torch_threads: int = 0  # torch intra-op threads; 0 = torch's default
+    torch_threads: int = 0  # torch intra-op threads; 0 = torch's default (or one per `cpus`)
+    # CPUs this worker's process runs on, e.g. "0-3" or "0,2" ("" = any): a prefill and a decode
+    # worker on one host each keep to their own cores instead of thrashing each other's threads
+    cpus: str = ""
     grpc_workers: int = 32
+    # TLS and tokens (the cluster's `security` section); every worker method is internal
+    security: SecurityConfig = field(default_factory=SecurityConfig)
 
     def __post_init__(self) -> None:
+        self.security = security_config(self.security, "PrefillConfig.security")
         if self.block_size <= 0 or self.num_blocks <= 0:
             raise ValueError("PrefillConfig: block_size and num_blocks must be positive")
         if self.chunk_size <= 0 or self.chunk_size % self.block_size:
@@ -59,6 +71,7 @@ class PrefillConfig:
                 f"block_size ({self.block_size})"
             )
         check_dtype_device("PrefillConfig", self.dtype, self.device)
+        parse_cpu_list("PrefillConfig.cpus", self.cpus)
         check_kv_cache("PrefillConfig", self)
         bad = [lv for lv in self.cachegen_levels if lv not in CACHEGEN_LEVELS]
         if bad:

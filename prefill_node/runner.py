@@ -73,6 +73,7 @@ class PrefillRunner:
             worker=config.worker_id,
             registry=registry,
             store_layout=self.store_layout,
+            security=config.security,
         )
 
     def close(self) -> None:

@@ -8,6 +8,7 @@ import threading
 import time
 
 import grpc
+import torch
 
 from prefill_node.config import PrefillConfig
 from prefill_node.job import Failure, PrefillJob
@@ -30,7 +31,9 @@ class PrefillScheduler:
         self._queued: list[PrefillJob] = []  # the jobs in _queue, for load reports
         self._queued_lock = threading.Lock()
         self._current: tuple[float, float] | None = None  # (start, predicted ms) of this round
+        self._round_jobs: list[PrefillJob] = []  # the jobs of the round computing now
         self.max_batch_seen = 0  # the most requests one batched forward has carried
+        self.calibration_failures = 0  # start-up calibrations that failed (the prior stood)
         self.requests_done = 0
         self._thread: threading.Thread | None = None
 
@@ -54,18 +57,68 @@ class PrefillScheduler:
         with self._queued_lock:
             lengths = [len(j.ids) for j in self._queued]
         predicted = sum(self.timing.predict(t, t) for t in lengths)
-        current = self._current
+        current, left = self._current, self.running_tokens()
         if current is not None:
-            predicted += max(0.0, current[1] - (time.perf_counter() - current[0]) * 1000.0)
+            # A round that overran its prediction still has its tokens left to compute.
+            late = max(0.0, current[1] - (time.perf_counter() - current[0]) * 1000.0)
+            predicted += max(late, self.timing.predict(left, left) if left else 0.0)
         return lengths, predicted
+
+    def running_tokens(self) -> int:
+        """Prompt tokens the round computing now has left to compute."""
+        return sum(max(0, len(j.ids) - j.pos) for j in list(self._round_jobs) if j.error is None)
 
     # ---- the loop ----
 
     def start(self) -> None:
+        self.calibrate()
         self._thread = threading.Thread(
             target=self._loop, daemon=True, name=f"{self.config.worker_id}-prefill"
         )
         self._thread.start()
+
+    def calibrate(self) -> None:
+        """Seed the time model with timed forwards of the sizes a chunk can have, before the
+        port opens: the first burst of a cold cluster is routed on measured costs, not on the
+        prior (which can be off by 5x). The forwards fill scratch blocks and publish nothing."""
+        r, cfg = self.runner, self.config
+        bs = cfg.block_size
+        top = min(cfg.chunk_size, (r.pool.num_blocks // 2) * bs)
+        t0 = time.perf_counter()
+        try:
+            # Cold chunks of several sizes, then chunks after a prefix (the tokens*context term):
+            # eight forwards, what the model needs before it fits.
+            small, mid = max(bs, top // 8), max(bs, top // 2)
+            shapes = [(bs, 0), (small, 0), (mid, 0), (top, 0), (small, top), (mid, top)]
+            shapes += [(small, 0), (small, top)]
+            # Each shape once untimed first: the first touches of weights, pool pages and lazy
+            # kernels cost several times a forward.
+            for i, (tokens, prefix) in enumerate(shapes + shapes):
+                table = r.allocate(-(-(prefix + tokens) // bs))
+                try:
+                    ids = torch.full((tokens,), 10, dtype=torch.long)
+                    c0 = time.perf_counter()
+                    r.lm.model.prefill_batch([(ids, table, prefix)], r.pool)
+                    ms = (time.perf_counter() - c0) * 1000.0
+                finally:
+                    r.free(table)
+                if i >= len(shapes):
+                    self.timing.seed(ms, tokens, prefix + tokens)
+        except Exception as exc:  # noqa: BLE001 - serving goes on with the prior
+            self.calibration_failures += 1
+            log.warning(
+                "%s: time model calibration failed (%s); the prior stands until requests are "
+                "measured",
+                cfg.worker_id,
+                exc,
+            )
+            return
+        log.info(
+            "%s: prefill time model calibrated in %.1f s: %s",
+            cfg.worker_id,
+            time.perf_counter() - t0,
+            [round(c, 5) for c in self.timing.coef],
+        )
 
     def stop(self) -> None:
         self._queue.put(None)
@@ -128,11 +181,11 @@ class PrefillScheduler:
             computing.update(job.keys[job.pos // self.config.block_size :])
             jobs.append(job)
         predicted = sum(self.timing.predict(len(j.ids) - j.pos, len(j.ids)) for j in jobs)
-        self._current = (time.perf_counter(), predicted)
+        self._current, self._round_jobs = (time.perf_counter(), predicted), jobs
         try:
             self._compute(jobs)
         finally:
-            self._current = None
+            self._current, self._round_jobs = None, []
         return later
 
     def _shares_new_blocks(self, job: PrefillJob, computing: set[bytes]) -> bool:

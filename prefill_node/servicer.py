@@ -51,7 +51,10 @@ class PrefillWorker(WorkerServer, pb_grpc.PrefillWorkerServicer):
             context.abort(exc.code, str(exc))
 
     def Load(self, request: pb.LoadRequest, context: grpc.ServicerContext) -> pb.WorkerLoad:
-        return self.load()
+        load = self.load()
+        if request.memory:
+            self.memory_report(load.memory)
+        return load
 
     def ClearCache(self, request: pb.ClearCacheRequest, context) -> pb.ClearCacheReply:
         """Drop the device tier's blocks (those a running request holds stay until it ends)."""
@@ -83,6 +86,7 @@ class PrefillWorker(WorkerServer, pb_grpc.PrefillWorkerServicer):
             kv_cache_dtype=cfg.kv_cache_dtype,
             capacity_tokens=pool.num_blocks * pool.block_size,
             fetch_block_bytes=self.runner.fetch_block_bytes,
+            running_tokens=self.scheduler.running_tokens(),
         )
 
     def _validate(self, request: pb.PrefillRequest) -> str:

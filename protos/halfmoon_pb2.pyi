@@ -81,7 +81,7 @@ class GenerateRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., model: _Optional[str] = ..., cache_salt: _Optional[str] = ..., policy: _Optional[str] = ..., ttft_slo_ms: _Optional[float] = ..., tbt_slo_ms: _Optional[float] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens", "cached_device_tokens", "cached_dram_tokens", "cached_ssd_tokens", "cached_remote_tokens", "computed_prompt_tokens", "ttft_ms", "tbt_mean_ms", "tbt_p90_ms", "prefill_worker", "decode_worker", "queue_ms", "transfer_ms", "max_decode_batch", "predicted_ttft_ms", "policy")
+    __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens", "cached_device_tokens", "cached_dram_tokens", "cached_ssd_tokens", "cached_remote_tokens", "computed_prompt_tokens", "ttft_ms", "tbt_mean_ms", "tbt_p90_ms", "prefill_worker", "decode_worker", "queue_ms", "transfer_ms", "max_decode_batch", "predicted_ttft_ms", "policy", "predicted_tbt_ms", "prefill_ms")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -100,6 +100,8 @@ class Usage(_message.Message):
     MAX_DECODE_BATCH_FIELD_NUMBER: _ClassVar[int]
     PREDICTED_TTFT_MS_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_TBT_MS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_MS_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
@@ -118,7 +120,9 @@ class Usage(_message.Message):
     max_decode_batch: int
     predicted_ttft_ms: float
     policy: str
-    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., cached_device_tokens: _Optional[int] = ..., cached_dram_tokens: _Optional[int] = ..., cached_ssd_tokens: _Optional[int] = ..., cached_remote_tokens: _Optional[int] = ..., computed_prompt_tokens: _Optional[int] = ..., ttft_ms: _Optional[float] = ..., tbt_mean_ms: _Optional[float] = ..., tbt_p90_ms: _Optional[float] = ..., prefill_worker: _Optional[str] = ..., decode_worker: _Optional[str] = ..., queue_ms: _Optional[float] = ..., transfer_ms: _Optional[float] = ..., max_decode_batch: _Optional[int] = ..., predicted_ttft_ms: _Optional[float] = ..., policy: _Optional[str] = ...) -> None: ...
+    predicted_tbt_ms: float
+    prefill_ms: float
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., cached_device_tokens: _Optional[int] = ..., cached_dram_tokens: _Optional[int] = ..., cached_ssd_tokens: _Optional[int] = ..., cached_remote_tokens: _Optional[int] = ..., computed_prompt_tokens: _Optional[int] = ..., ttft_ms: _Optional[float] = ..., tbt_mean_ms: _Optional[float] = ..., tbt_p90_ms: _Optional[float] = ..., prefill_worker: _Optional[str] = ..., decode_worker: _Optional[str] = ..., queue_ms: _Optional[float] = ..., transfer_ms: _Optional[float] = ..., max_decode_batch: _Optional[int] = ..., predicted_ttft_ms: _Optional[float] = ..., policy: _Optional[str] = ..., predicted_tbt_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "token_ids", "text", "token_times_ms", "finished", "finish_reason", "usage")
@@ -157,14 +161,28 @@ class WorkerStatus(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., kind: _Optional[str] = ..., address: _Optional[str] = ..., healthy: _Optional[bool] = ..., load: _Optional[_Union[WorkerLoad, _Mapping]] = ...) -> None: ...
 
 class StoreStatus(_message.Message):
-    __slots__ = ("node_id", "address", "tiers")
+    __slots__ = ("node_id", "address", "tiers", "memory")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     TIERS_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     address: str
     tiers: _containers.RepeatedCompositeFieldContainer[TierUsage]
-    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., tiers: _Optional[_Iterable[_Union[TierUsage, _Mapping]]] = ...) -> None: ...
+    memory: MemoryReport
+    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., tiers: _Optional[_Iterable[_Union[TierUsage, _Mapping]]] = ..., memory: _Optional[_Union[MemoryReport, _Mapping]] = ...) -> None: ...
+
+class MemoryReport(_message.Message):
+    __slots__ = ("rss_bytes", "uss_bytes", "pss_bytes", "configured_bytes")
+    RSS_BYTES_FIELD_NUMBER: _ClassVar[int]
+    USS_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PSS_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CONFIGURED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    rss_bytes: int
+    uss_bytes: int
+    pss_bytes: int
+    configured_bytes: int
+    def __init__(self, rss_bytes: _Optional[int] = ..., uss_bytes: _Optional[int] = ..., pss_bytes: _Optional[int] = ..., configured_bytes: _Optional[int] = ...) -> None: ...
 
 class TierUsage(_message.Message):
     __slots__ = ("tier", "used_bytes", "capacity_bytes", "blocks", "hits", "misses", "evictions")
@@ -185,7 +203,7 @@ class TierUsage(_message.Message):
     def __init__(self, tier: _Optional[str] = ..., used_bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., blocks: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., evictions: _Optional[int] = ...) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("model", "block_size", "default_policy", "workers", "stores", "requests_total", "requests_rejected", "prompt_tokens_total", "cached_tokens_total", "vocab_size", "conductor_rss_bytes", "model_fingerprint", "kv_dtype")
+    __slots__ = ("model", "block_size", "default_policy", "workers", "stores", "requests_total", "requests_rejected", "prompt_tokens_total", "cached_tokens_total", "vocab_size", "conductor_rss_bytes", "model_fingerprint", "kv_dtype", "conductor_memory")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     DEFAULT_POLICY_FIELD_NUMBER: _ClassVar[int]
@@ -199,6 +217,7 @@ class StatusReply(_message.Message):
     CONDUCTOR_RSS_BYTES_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     KV_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    CONDUCTOR_MEMORY_FIELD_NUMBER: _ClassVar[int]
     model: str
     block_size: int
     default_policy: str
@@ -212,10 +231,11 @@ class StatusReply(_message.Message):
     conductor_rss_bytes: int
     model_fingerprint: str
     kv_dtype: str
-    def __init__(self, model: _Optional[str] = ..., block_size: _Optional[int] = ..., default_policy: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., stores: _Optional[_Iterable[_Union[StoreStatus, _Mapping]]] = ..., requests_total: _Optional[int] = ..., requests_rejected: _Optional[int] = ..., prompt_tokens_total: _Optional[int] = ..., cached_tokens_total: _Optional[int] = ..., vocab_size: _Optional[int] = ..., conductor_rss_bytes: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., kv_dtype: _Optional[str] = ...) -> None: ...
+    conductor_memory: MemoryReport
+    def __init__(self, model: _Optional[str] = ..., block_size: _Optional[int] = ..., default_policy: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., stores: _Optional[_Iterable[_Union[StoreStatus, _Mapping]]] = ..., requests_total: _Optional[int] = ..., requests_rejected: _Optional[int] = ..., prompt_tokens_total: _Optional[int] = ..., cached_tokens_total: _Optional[int] = ..., vocab_size: _Optional[int] = ..., conductor_rss_bytes: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., kv_dtype: _Optional[str] = ..., conductor_memory: _Optional[_Union[MemoryReport, _Mapping]] = ...) -> None: ...
 
 class WorkerLoad(_message.Message):
-    __slots__ = ("worker_id", "queued_requests", "queued_tokens", "predicted_queue_ms", "running", "free_blocks", "total_blocks", "prefill_coef", "decode_coef", "total_context_tokens", "kind", "nodes", "block_bytes", "block_size", "model_fingerprint", "waiting", "max_batch_seen", "requests_done", "device", "device_node", "kv_cache_dtype", "capacity_tokens", "fetch_block_bytes")
+    __slots__ = ("worker_id", "queued_requests", "queued_tokens", "predicted_queue_ms", "running", "free_blocks", "total_blocks", "prefill_coef", "decode_coef", "total_context_tokens", "kind", "nodes", "block_bytes", "block_size", "model_fingerprint", "waiting", "max_batch_seen", "requests_done", "device", "device_node", "kv_cache_dtype", "capacity_tokens", "fetch_block_bytes", "running_tokens", "seq_positions", "seq_remaining", "seq_blocks", "waiting_positions", "waiting_remaining", "waiting_blocks", "max_batch", "memory")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     QUEUED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     QUEUED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -239,6 +259,15 @@ class WorkerLoad(_message.Message):
     KV_CACHE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_TOKENS_FIELD_NUMBER: _ClassVar[int]
     FETCH_BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SEQ_POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    SEQ_REMAINING_FIELD_NUMBER: _ClassVar[int]
+    SEQ_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    WAITING_POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    WAITING_REMAINING_FIELD_NUMBER: _ClassVar[int]
+    WAITING_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    MAX_BATCH_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     queued_requests: int
     queued_tokens: int
@@ -262,11 +291,22 @@ class WorkerLoad(_message.Message):
     kv_cache_dtype: str
     capacity_tokens: int
     fetch_block_bytes: float
-    def __init__(self, worker_id: _Optional[str] = ..., queued_requests: _Optional[int] = ..., queued_tokens: _Optional[int] = ..., predicted_queue_ms: _Optional[float] = ..., running: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., prefill_coef: _Optional[_Iterable[float]] = ..., decode_coef: _Optional[_Iterable[float]] = ..., total_context_tokens: _Optional[int] = ..., kind: _Optional[str] = ..., nodes: _Optional[_Iterable[str]] = ..., block_bytes: _Optional[int] = ..., block_size: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., waiting: _Optional[int] = ..., max_batch_seen: _Optional[int] = ..., requests_done: _Optional[int] = ..., device: _Optional[str] = ..., device_node: _Optional[str] = ..., kv_cache_dtype: _Optional[str] = ..., capacity_tokens: _Optional[int] = ..., fetch_block_bytes: _Optional[float] = ...) -> None: ...
+    running_tokens: int
+    seq_positions: _containers.RepeatedScalarFieldContainer[int]
+    seq_remaining: _containers.RepeatedScalarFieldContainer[int]
+    seq_blocks: _containers.RepeatedScalarFieldContainer[int]
+    waiting_positions: _containers.RepeatedScalarFieldContainer[int]
+    waiting_remaining: _containers.RepeatedScalarFieldContainer[int]
+    waiting_blocks: _containers.RepeatedScalarFieldContainer[int]
+    max_batch: int
+    memory: MemoryReport
+    def __init__(self, worker_id: _Optional[str] = ..., queued_requests: _Optional[int] = ..., queued_tokens: _Optional[int] = ..., predicted_queue_ms: _Optional[float] = ..., running: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., prefill_coef: _Optional[_Iterable[float]] = ..., decode_coef: _Optional[_Iterable[float]] = ..., total_context_tokens: _Optional[int] = ..., kind: _Optional[str] = ..., nodes: _Optional[_Iterable[str]] = ..., block_bytes: _Optional[int] = ..., block_size: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., waiting: _Optional[int] = ..., max_batch_seen: _Optional[int] = ..., requests_done: _Optional[int] = ..., device: _Optional[str] = ..., device_node: _Optional[str] = ..., kv_cache_dtype: _Optional[str] = ..., capacity_tokens: _Optional[int] = ..., fetch_block_bytes: _Optional[float] = ..., running_tokens: _Optional[int] = ..., seq_positions: _Optional[_Iterable[int]] = ..., seq_remaining: _Optional[_Iterable[int]] = ..., seq_blocks: _Optional[_Iterable[int]] = ..., waiting_positions: _Optional[_Iterable[int]] = ..., waiting_remaining: _Optional[_Iterable[int]] = ..., waiting_blocks: _Optional[_Iterable[int]] = ..., max_batch: _Optional[int] = ..., memory: _Optional[_Union[MemoryReport, _Mapping]] = ...) -> None: ...
 
 class LoadRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("memory",)
+    MEMORY_FIELD_NUMBER: _ClassVar[int]
+    memory: bool
+    def __init__(self, memory: _Optional[bool] = ...) -> None: ...
 
 class KVHandle(_message.Message):
     __slots__ = ("block_keys", "store_node", "store_address", "num_tokens", "tail", "tail_tokens", "window_blocks")

@@ -106,7 +106,7 @@ class KVPutReply(_message.Message):
     def __init__(self, stored: _Optional[int] = ..., held: _Optional[int] = ...) -> None: ...
 
 class KVLeaseRequest(_message.Message):
-    __slots__ = ("mode", "keys", "sizes", "parent", "model_fingerprint", "lease_id")
+    __slots__ = ("mode", "keys", "sizes", "parent", "model_fingerprint", "lease_id", "packed")
     class Mode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         READ: _ClassVar[KVLeaseRequest.Mode]
@@ -121,13 +121,15 @@ class KVLeaseRequest(_message.Message):
     PARENT_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    PACKED_FIELD_NUMBER: _ClassVar[int]
     mode: KVLeaseRequest.Mode
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     sizes: _containers.RepeatedScalarFieldContainer[int]
     parent: bytes
     model_fingerprint: str
     lease_id: int
-    def __init__(self, mode: _Optional[_Union[KVLeaseRequest.Mode, str]] = ..., keys: _Optional[_Iterable[bytes]] = ..., sizes: _Optional[_Iterable[int]] = ..., parent: _Optional[bytes] = ..., model_fingerprint: _Optional[str] = ..., lease_id: _Optional[int] = ...) -> None: ...
+    packed: bool
+    def __init__(self, mode: _Optional[_Union[KVLeaseRequest.Mode, str]] = ..., keys: _Optional[_Iterable[bytes]] = ..., sizes: _Optional[_Iterable[int]] = ..., parent: _Optional[bytes] = ..., model_fingerprint: _Optional[str] = ..., lease_id: _Optional[int] = ..., packed: _Optional[bool] = ...) -> None: ...
 
 class KVBlockSlot(_message.Message):
     __slots__ = ("index", "offset", "length", "tier", "data")
@@ -144,16 +146,24 @@ class KVBlockSlot(_message.Message):
     def __init__(self, index: _Optional[int] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., tier: _Optional[str] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class KVLeaseReply(_message.Message):
-    __slots__ = ("lease_id", "ttl_s", "slots", "shm_path")
+    __slots__ = ("lease_id", "ttl_s", "slots", "shm_path", "indices", "offsets", "lengths", "tiers")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     TTL_S_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FIELD_NUMBER: _ClassVar[int]
     SHM_PATH_FIELD_NUMBER: _ClassVar[int]
+    INDICES_FIELD_NUMBER: _ClassVar[int]
+    OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    LENGTHS_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
     lease_id: int
     ttl_s: float
     slots: _containers.RepeatedCompositeFieldContainer[KVBlockSlot]
     shm_path: str
-    def __init__(self, lease_id: _Optional[int] = ..., ttl_s: _Optional[float] = ..., slots: _Optional[_Iterable[_Union[KVBlockSlot, _Mapping]]] = ..., shm_path: _Optional[str] = ...) -> None: ...
+    indices: _containers.RepeatedScalarFieldContainer[int]
+    offsets: _containers.RepeatedScalarFieldContainer[int]
+    lengths: _containers.RepeatedScalarFieldContainer[int]
+    tiers: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, lease_id: _Optional[int] = ..., ttl_s: _Optional[float] = ..., slots: _Optional[_Iterable[_Union[KVBlockSlot, _Mapping]]] = ..., shm_path: _Optional[str] = ..., indices: _Optional[_Iterable[int]] = ..., offsets: _Optional[_Iterable[int]] = ..., lengths: _Optional[_Iterable[int]] = ..., tiers: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class KVReleaseRequest(_message.Message):
     __slots__ = ("lease_id", "corrupt")
@@ -170,10 +180,12 @@ class KVReleaseReply(_message.Message):
     def __init__(self, released: _Optional[bool] = ...) -> None: ...
 
 class KVCommitRequest(_message.Message):
-    __slots__ = ("lease_id",)
+    __slots__ = ("lease_id", "writer_hashed")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    WRITER_HASHED_FIELD_NUMBER: _ClassVar[int]
     lease_id: int
-    def __init__(self, lease_id: _Optional[int] = ...) -> None: ...
+    writer_hashed: bool
+    def __init__(self, lease_id: _Optional[int] = ..., writer_hashed: _Optional[bool] = ...) -> None: ...
 
 class KVStatsRequest(_message.Message):
     __slots__ = ()
@@ -196,7 +208,7 @@ class KVTierStats(_message.Message):
     def __init__(self, tier: _Optional[str] = ..., used_bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., blocks: _Optional[int] = ..., hits: _Optional[int] = ..., evictions: _Optional[int] = ...) -> None: ...
 
 class KVStatsReply(_message.Message):
-    __slots__ = ("node_id", "tiers", "hits", "misses", "promotions", "demotions", "leases", "pending_blocks")
+    __slots__ = ("node_id", "tiers", "hits", "misses", "promotions", "demotions", "leases", "pending_blocks", "rss_bytes", "uss_bytes", "pss_bytes", "configured_bytes")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     TIERS_FIELD_NUMBER: _ClassVar[int]
     HITS_FIELD_NUMBER: _ClassVar[int]
@@ -205,6 +217,10 @@ class KVStatsReply(_message.Message):
     DEMOTIONS_FIELD_NUMBER: _ClassVar[int]
     LEASES_FIELD_NUMBER: _ClassVar[int]
     PENDING_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    RSS_BYTES_FIELD_NUMBER: _ClassVar[int]
+    USS_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PSS_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CONFIGURED_BYTES_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     tiers: _containers.RepeatedCompositeFieldContainer[KVTierStats]
     hits: int
@@ -213,7 +229,11 @@ class KVStatsReply(_message.Message):
     demotions: int
     leases: int
     pending_blocks: int
-    def __init__(self, node_id: _Optional[str] = ..., tiers: _Optional[_Iterable[_Union[KVTierStats, _Mapping]]] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., promotions: _Optional[int] = ..., demotions: _Optional[int] = ..., leases: _Optional[int] = ..., pending_blocks: _Optional[int] = ...) -> None: ...
+    rss_bytes: int
+    uss_bytes: int
+    pss_bytes: int
+    configured_bytes: int
+    def __init__(self, node_id: _Optional[str] = ..., tiers: _Optional[_Iterable[_Union[KVTierStats, _Mapping]]] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., promotions: _Optional[int] = ..., demotions: _Optional[int] = ..., leases: _Optional[int] = ..., pending_blocks: _Optional[int] = ..., rss_bytes: _Optional[int] = ..., uss_bytes: _Optional[int] = ..., pss_bytes: _Optional[int] = ..., configured_bytes: _Optional[int] = ...) -> None: ...
 
 class KVInfoRequest(_message.Message):
     __slots__ = ()

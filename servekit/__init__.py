@@ -14,7 +14,23 @@ from servekit.kv_cache import (
     is_kivi,
     kv_cache_layout,
 )
+from servekit.cpus import parse_cpu_list, pin_process
+from servekit.memory import MemoryUsage, memory_usage, release_freed_heap, tensor_bytes
 from servekit.roles import ROLES, Role, role_classes
+from servekit.security import (
+    AuthInterceptor,
+    Caller,
+    CertPaths,
+    SecurityConfig,
+    Tokens,
+    add_port,
+    caller_of,
+    make_certs,
+    open_channel,
+    security_config,
+    server_interceptors,
+    tenant_salt,
+)
 from servekit.sampling import (
     DTYPE_NAMES,
     check_device,
@@ -36,6 +52,24 @@ from servekit.worker_model import WorkerModel, load_worker_model
 from servekit.validation import prompt_ids_problem, sampling_problem
 
 __all__ = [
+    "AuthInterceptor",
+    "Caller",
+    "CertPaths",
+    "SecurityConfig",
+    "add_port",
+    "caller_of",
+    "make_certs",
+    "open_channel",
+    "security_config",
+    "server_interceptors",
+    "tenant_salt",
+    "Tokens",
+    "MemoryUsage",
+    "parse_cpu_list",
+    "pin_process",
+    "memory_usage",
+    "release_freed_heap",
+    "tensor_bytes",
     "DTYPE_NAMES",
     "KIVI_WINDOW_DTYPES",
     "KV_CACHE_DTYPES",

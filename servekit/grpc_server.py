@@ -1,19 +1,27 @@
 """The gRPC server scaffold every halfmoon server stands on: start/stop, health, a Prometheus
-endpoint."""
+endpoint, and access control (TLS and bearer tokens, from the config's `security` section)."""
 
 from __future__ import annotations
 
 import abc
 import threading
 from concurrent import futures
+from typing import ClassVar
+
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry, start_http_server
+
+from servekit.security import SecurityConfig, add_port, server_interceptors
 
 
 class GrpcServer(abc.ABC):
     """A gRPC server with the health service and an optional Prometheus endpoint (its own
     registry)."""
+
+    # Methods ("/pkg.Service/Method") a client's API token may call; the rest are internal to the
+    # cluster (cluster token). A server with any is client-facing: no client certificates asked.
+    client_methods: ClassVar[frozenset[str]] = frozenset()
 
     def __init__(self, host: str, port: int, metrics_port: int = 0, max_workers: int = 32):
         self._host, self._port, self._metrics_port, self._max_workers = (
@@ -41,19 +49,26 @@ class GrpcServer(abc.ABC):
     def _on_stop(self) -> None:
         """Stop background threads (called after the port closes)."""
 
+    def security(self) -> SecurityConfig:
+        """The access settings: the server config's `security` section (none: all open)."""
+        return getattr(getattr(self, "config", None), "security", None) or SecurityConfig()
+
     def start(self) -> str:
         """Open the port and serve; returns "HOST:PORT"."""
+        security = self.security()
         server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=self._max_workers),
             options=[
                 ("grpc.max_send_message_length", 256 << 20),
                 ("grpc.max_receive_message_length", 256 << 20),
             ],
+            interceptors=server_interceptors(security, self.client_methods),
         )
         names = self._add_services(server)
         self._health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
-        port = server.add_insecure_port(f"{self._host}:{self._port}")
+        address = f"{self._host}:{self._port}"
+        port = add_port(server, address, security, client_facing=bool(self.client_methods))
         if port == 0:
             raise OSError(f"cannot listen on {self._host}:{self._port}")
         self._on_start()

@@ -31,6 +31,10 @@ class LinearTimeModel:
         self.prior = [float(c) for c in prior]
         self._coef = list(self.prior)
         self._rows: deque[tuple[list[float], float]] = deque(maxlen=window)
+        # Calibration measurements taken before serving: the fit stands on them until
+        # `min_samples` served measurements arrive, then on those alone (a start-up forward,
+        # first touching memory beside a neighbour's start-up, is not what serving costs).
+        self._seeds: list[tuple[list[float], float]] = []
         self._min_samples = min_samples
         self._prior_weight = prior_weight
         self._seen = 0
@@ -49,17 +53,39 @@ class LinearTimeModel:
     def samples(self) -> int:
         return len(self._rows)
 
+    def seed(self, ms: float, *args: float) -> None:
+        """Record one calibration measurement (see `_seeds`) and refit."""
+        with self._lock:
+            self._seeds.append((self.features(*args), float(ms)))
+            rows = self._training_rows()
+            if len(rows) >= self._min_samples:
+                # Measured here, on this hardware: the calibration replaces the default prior
+                # (which can be an order of magnitude off) as what later fits are anchored to.
+                self._coef = self._fit(rows, prior_weight=1e-4)
+                if len(self._rows) < self._min_samples:
+                    self.prior = list(self._coef)
+
     def observe(self, ms: float, *args: float) -> None:
         """Record one measured time and refit."""
         with self._lock:
             self._rows.append((self.features(*args), float(ms)))
             self._seen += 1
-            if len(self._rows) >= self._min_samples and (self._seen < 64 or self._seen % 8 == 0):
-                self._coef = self._fit()
+            if self._seeds and len(self._rows) < self._min_samples:
+                return  # the calibration stands until enough served measurements replace it
+            rows = self._training_rows()
+            if len(rows) >= self._min_samples and (self._seen < 64 or self._seen % 8 == 0):
+                self._coef = self._fit(rows)
 
-    def _fit(self) -> list[float]:
-        x = np.array([r for r, _ in self._rows], dtype=np.float64)
-        y = np.array([t for _, t in self._rows], dtype=np.float64)
+    def _training_rows(self) -> list[tuple[list[float], float]]:
+        if len(self._rows) >= self._min_samples:
+            return list(self._rows)
+        return self._seeds + list(self._rows)
+
+    def _fit(
+        self, rows: list[tuple[list[float], float]], prior_weight: float | None = None
+    ) -> list[float]:
+        x = np.array([r for r, _ in rows], dtype=np.float64)
+        y = np.array([t for _, t in rows], dtype=np.float64)
         prior = np.array(self.prior)
         # A column with no spread (batch always 1) cannot be told from the intercept: it keeps its
         # prior.
@@ -69,7 +95,8 @@ class LinearTimeModel:
         x = x[:, free]
         # Ridge rows: each coefficient pulled toward its prior with the weight of `prior_weight`
         # rows at the column's largest value, where a lone slow measurement has the most leverage.
-        scale = np.maximum(np.abs(x).max(axis=0), 1e-9) * np.sqrt(self._prior_weight)
+        weight = self._prior_weight if prior_weight is None else prior_weight
+        scale = np.maximum(np.abs(x).max(axis=0), 1e-9) * np.sqrt(weight)
         xa = np.vstack([x, np.diag(scale)])
         ya = np.concatenate([y, scale * prior[free]])
         w = np.ones(len(ya))
@@ -81,6 +108,9 @@ class LinearTimeModel:
             r = np.abs(y - x @ sol)
             mad = 1.4826 * np.median(r) + 1e-3 * (np.median(np.abs(y)) + 1e-9)
             w[: len(y)] = np.minimum(1.0, 1.345 * mad / np.maximum(r, 1e-12))
+            # The prior stays worth `prior_weight` of a measurement as weighted now: at full
+            # weight against downweighted measurements it would outvote them all.
+            w[len(y) :] = float(np.mean(w[: len(y)]))
         coef = prior.copy()
         coef[free] = np.maximum(sol, 0.0)
         return coef.tolist()

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 from typing import ClassVar
 
+from servekit.cpus import pin_process
 from servekit.grpc_server import GrpcServer
+from servekit.memory import memory_usage, release_freed_heap, tensor_bytes
 
 
 class WorkerServer(GrpcServer):
@@ -23,16 +25,29 @@ class WorkerServer(GrpcServer):
         if not config.store_address:
             raise ValueError(f"{type(config).__name__}.store_address is required: {self.store_use}")
         self.config = config
-        if config.torch_threads:
+        threads = pin_process(f"{type(config).__name__}.cpus", config.cpus, config.torch_threads)
+        if threads:
             import torch
 
-            torch.set_num_threads(config.torch_threads)
+            torch.set_num_threads(threads)
         self.metrics = self.metrics_class(self.registry, config.worker_id)
         self.runner = self.runner_class(config, self.metrics, self.registry, lm)
         self.scheduler = self.scheduler_class(config, self.runner, self.metrics)
         self.lm, self.pool = self.runner.lm, self.runner.pool
         self.fingerprint = self.runner.fingerprint
         self.metrics.free.set(self.pool.num_free)
+        # what this worker is configured to hold: its weights and its pool
+        model = self.lm.model
+        self.configured_bytes = (
+            tensor_bytes(*model.parameters(), *model.buffers()) + self.pool.bytes()
+        )
+        release_freed_heap()  # the load's freed buffers go back to the system
+
+    def memory_report(self, report) -> None:
+        """Fill a halfmoon.MemoryReport with this process's memory."""
+        m = memory_usage()
+        report.rss_bytes, report.uss_bytes, report.pss_bytes = m.rss, m.uss, m.pss
+        report.configured_bytes = self.configured_bytes
 
     @property
     def max_batch_seen(self) -> int:

@@ -136,3 +136,23 @@ def test_cachegen_and_link_settings_are_checked():
         cluster_config_from_dict({"prefill": {"cachegen_levels": [9]}})
     with pytest.raises(ValueError, match="link_gbps"):
         cluster_config_from_dict({"store": {"link_gbps": -1}})
+
+
+def test_worker_cpus_are_checked_and_pin_the_process():
+    import subprocess
+    import sys
+
+    cfg = load_cluster_config(None, ["prefill.cpus=0", "decode.cpus=0-0"])
+    assert str(cfg.prefill.cpus) == "0" and cfg.decode.cpus == "0-0"
+    with pytest.raises(ValueError, match=r"DecodeConfig.cpus: '1-0' is not a range"):
+        load_cluster_config(None, ["decode.cpus=1-0"])
+    # in a process of its own (pinning is per process): CPU 0 only, one torch thread per CPU
+    code = (
+        "import os; from servekit import pin_process; "
+        "print(pin_process('DecodeConfig.cpus', '0', 0), sorted(os.sched_getaffinity(0)))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["1", "[0]"]
+    code = "from servekit import pin_process; pin_process('DecodeConfig.cpus', '4096', 0)"
+    bad = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert bad.returncode != 0 and "CPUs [4096] are not available here" in bad.stderr

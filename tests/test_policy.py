@@ -188,3 +188,47 @@ def test_timing_model_does_not_extrapolate_from_a_few_noisy_points():
     assert 40.0 < d.predict(1, 1024) < 120.0
     # The batch never varied: its coefficient stays near the prior.
     assert d.coef[1] == pytest.approx(2.0, rel=0.05)
+
+
+def test_tbt_estimate_holds_the_admission_wait():
+    from conductor.policy import decode_estimate
+
+    # No free block: the request (32 + 16 tokens = 3 blocks) waits until the sequence ending in
+    # 10 steps frees its 5; the other runs 50 more. Each step costs 10 + 1*batch ms.
+    d = DecodeCandidate(
+        "d", 2, 0, 10, 200, (10.0, 1.0, 0.0), True, seqs=((100, 10, 5), (100, 50, 5))
+    )
+    r = req(tokens=32, max_tokens=16)
+    est = decode_estimate(d, r, BS)
+    # 10 steps of two (12 ms), then the step in flight when it joins (the one left: 11 ms)
+    assert est.admission_wait_ms == pytest.approx(10 * 12.0 + 11.0)
+    assert est.step_ms == pytest.approx(12.0)  # it joins the one left: a batch of two
+    # 15 gaps: Mooncake's TBT is the mean of the slowest 2, the first holding the wait
+    assert est.tbt_ms == pytest.approx((131.0 + 12.0 + 12.0) / 2)
+    # room now: only the step in flight (two running, 12 ms), then a batch of three
+    roomy = d._replace(free_blocks=10)
+    est = decode_estimate(roomy, r, BS)
+    assert est.admission_wait_ms == pytest.approx(12.0) and est.step_ms == pytest.approx(13.0)
+
+
+def test_tbt_estimate_follows_the_context_the_batch_grows_to():
+    from conductor.policy import decode_estimate
+
+    # 1 ms a step per 100 KV tokens: a long answer alongside a long-running sequence sees the
+    # context grow; Mooncake's TBT (slowest 10%) is near its end, above the first step's cost.
+    d = DecodeCandidate("d", 1, 100, 100, 1000, (0.0, 0.0, 0.01), True, seqs=((1000, 400, 10),))
+    est = decode_estimate(d, req(tokens=100, max_tokens=300), BS)
+    assert est.step_ms == pytest.approx(11.0)
+    assert est.tbt_ms == pytest.approx(0.01 * (1000 + 100 + 2 * 299), rel=0.02)
+
+
+def test_mooncake_steers_around_a_decode_worker_that_would_make_it_wait():
+    busy = DecodeCandidate("a", 1, 0, 10, 100, (10.0, 1.0, 0.0), True, seqs=((100, 400, 10),))
+    idle = DecodeCandidate("b", 3, 10, 10, 300, (10.0, 1.0, 0.0), True, seqs=())
+    s = state([prefill("p")], [busy, idle], {})
+    d = make_policy("mooncake").choose(req(tokens=32, max_tokens=16, tbt=100.0), s)
+    assert d.decode == "b"
+    with pytest.raises(Rejected, match="time between tokens"):
+        make_policy("mooncake").choose(
+            req(tokens=32, max_tokens=16, tbt=100.0), state([prefill("p")], [busy], {})
+        )

@@ -109,3 +109,38 @@ def test_records_round_trip_table_and_png(tmp_path):
     png = plot_cdfs({"mooncake": a, "cache_off": b}, 400.0, 20.0, tmp_path / "out" / "cdf.png")
     data = png.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
+
+
+def test_prediction_error_against_the_measures():
+    # predicted TTFT 100 / 150 / 0 (no estimate) against measured 100 / 100 / 100; TBT by
+    # Mooncake's definition (a lone gap is the TBT) against the estimates.
+    records = [
+        rec(0, ttft=100.0, gaps=[20.0])._replace(predicted_ttft_ms=100.0, predicted_tbt_ms=10.0),
+        rec(1, ttft=100.0, gaps=[20.0])._replace(predicted_ttft_ms=150.0, predicted_tbt_ms=30.0),
+        rec(2, ttft=100.0, gaps=[20.0]),
+        rec(3, status="rejected"),
+    ]
+    r = compute_report(records, 1000.0, 100.0)
+    assert r.ttft_prediction.requests == 2  # the one without an estimate and the rejected left out
+    assert r.ttft_prediction.median_abs == pytest.approx(0.25)
+    assert r.ttft_prediction.median == pytest.approx(0.25)  # over-predicted on the whole
+    assert r.ttft_prediction.p90_abs == pytest.approx(0.45)
+    assert r.tbt_prediction.median_abs == pytest.approx(0.5)
+    assert r.tbt_prediction.median == pytest.approx(0.0)  # one under by half, one over by half
+    text = format_reports([r])
+    assert "TTFT pred. error" in text and "25% / 45% (+25%)" in text
+
+
+def test_records_from_before_the_prediction_fields_still_read(tmp_path):
+    path = tmp_path / "r.jsonl"
+    write_records(path, [rec(0, gaps=[5.0])])
+    lines = path.read_text().splitlines()
+    import json
+
+    old = json.loads(lines[0])
+    for k in ("predicted_ttft_ms", "predicted_tbt_ms", "queue_ms"):
+        old.pop(k)
+    path.write_text(json.dumps(old) + "\n")
+    (r,) = read_records(path)
+    assert r.predicted_ttft_ms == 0.0
+    assert compute_report([r], 1000.0, 100.0).ttft_prediction.requests == 0

@@ -92,6 +92,23 @@ def test_the_same_bytes_hold_more_tokens_packed(lm):
     assert loads["kivi2"].capacity_tokens > loads["kivi4"].capacity_tokens
 
 
+def test_admission_reserves_only_the_blocks_that_are_ever_packed(lm):
+    # A sequence's last `residual` tokens stay in its window (reserved apart), so of 101 + 40
+    # tokens at most (141 - 16) // 16 = 7 blocks are ever packed: a packed pool of exactly 7
+    # blocks serves it (a full-precision reservation would ask for 9 and be refused), and the
+    # answer equals a roomy pool's.
+    rng = random.Random(5)
+    prompt = rand_ids(rng, 6 * BS + 5)
+    settings = kivi(4, 16)
+    answers = []
+    for decode in ({"num_blocks": 7, "max_batch": 1}, {"num_blocks": 64, "max_batch": 1}):
+        with Cluster(lm, cluster=settings, decode=decode) as c:
+            assert c.decodes[0].runner.blocks_to_reserve(len(prompt) + 40) == 7
+            ids, _, _ = c.generate(token_ids=prompt, max_tokens=40)
+            answers.append(ids)
+    assert len(answers[0]) == 40 and answers[0] == answers[1]
+
+
 def test_a_store_that_cannot_hold_the_blocks_means_recompute_not_wrong_tokens(lm):
     rng = random.Random(3)
     prompt = rand_ids(rng, 7 * BS + 3)

@@ -1,0 +1,55 @@
+"""A server's memory: what it holds resident against what it was configured to hold (weights,
+pools, tiers), and handing freed heap back to the system after a load."""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+from typing import NamedTuple
+
+import psutil
+
+log = logging.getLogger(__name__)
+
+
+class MemoryUsage(NamedTuple):
+    """One process's resident memory (bytes), from /proc/<pid>/smaps_rollup."""
+
+    rss: int  # resident pages it maps, shared ones (the store's slab, libraries) in full
+    uss: int  # resident pages only this process maps
+    pss: int  # rss with each shared page divided among the processes mapping it: summed over
+    # a cluster's processes, a shared slab counts once
+
+
+def memory_usage(pid: int | None = None) -> MemoryUsage:
+    """This process's (or `pid`'s) resident memory."""
+    m = psutil.Process(pid).memory_full_info()
+    return MemoryUsage(m.rss, m.uss, getattr(m, "pss", m.uss))
+
+
+def release_freed_heap() -> bool:
+    """Return the heap that loading freed to the system. glibc keeps freed memory in its arenas;
+    a model load (a file read, dequantized, converted and copied) leaves ~0.4 GB of it behind
+    for SmolLM2 in fp32, resident until malloc_trim. False where there is no glibc."""
+    name = ctypes.util.find_library("c")
+    try:
+        trim = ctypes.CDLL(name).malloc_trim if name else None
+    except (OSError, AttributeError):
+        trim = None
+    if trim is None:
+        log.info("malloc_trim unavailable (no glibc): freed heap stays with the process")
+        return False
+    trim(0)
+    return True
+
+
+def tensor_bytes(*tensors) -> int:
+    """Bytes the tensors' storage holds (each storage once)."""
+    seen, total = set(), 0
+    for t in tensors:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            total += storage.nbytes()
+    return total

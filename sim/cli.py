@@ -1,0 +1,178 @@
+"""`halfmoon simulate` and `halfmoon fit-profile`."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+from pathlib import Path
+
+import yaml
+
+from client.plot import plot_cdfs
+from client.report import format_reports, report_dict, write_records
+from client.traces import SHIPPED_TRACE, load_trace
+from sim.arrivals import make_arrivals
+from sim.config import SimConfig, load_sim_config
+from sim.driver import ClusterSpec, simulate
+from sim.fit import fit_profile
+from sim.profile import PROFILE_DIR, load_profile, profile_to_dict
+from sim.sweep import finite, format_sweep, plot_sweep, sweep
+
+log = logging.getLogger(__name__)
+
+
+def add_simulate_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", default=None, help="sim config: a name in sim/configs/ or a path")
+    p.add_argument("--profile", default=None, help="profile name in sim/profiles/ or a YAML path")
+    p.add_argument("--trace", default=None, help="trace file (default: the config's, else shipped)")
+    p.add_argument("--format", default="auto", choices=["auto", "mooncake", "azure"])
+    p.add_argument("--limit", type=int, default=None)
+    p.add_argument("--policy", default=None, help="route every cluster with this policy")
+    p.add_argument("--prefill", type=int, default=None, help="one cluster: prefill instances")
+    p.add_argument("--decode", type=int, default=None, help="one cluster: decode instances")
+    p.add_argument("--colocated", type=int, default=None, help="one cluster: colocated instances")
+    p.add_argument("--rate-scale", type=float, default=None, help="arrival rate x this")
+    p.add_argument("--length-scale", type=float, default=None)
+    p.add_argument("--max-output", type=int, default=None)
+    p.add_argument("--max-input", type=int, default=None)
+    p.add_argument("--ttft-slo-ms", type=float, default=None)
+    p.add_argument("--tbt-slo-ms", type=float, default=None)
+    p.add_argument(
+        "--sweep",
+        default=None,
+        help="comma-separated rate scales: attainment per rate and effective capacity",
+    )
+    p.add_argument("--target", type=float, default=None, help="attainment of an effective rate")
+    p.add_argument("--output", default="runs/sim")
+
+
+def add_fit_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("run_dir", help="a `halfmoon replay` output folder")
+    p.add_argument("--base", default="smollm2-cpu", help="profile whose other figures it keeps")
+    p.add_argument("--name", default="", help="the new profile's name")
+    p.add_argument("--output", default=None, help="YAML to write (default: print it)")
+
+
+def _apply_overrides(cfg: SimConfig, args: argparse.Namespace) -> SimConfig:
+    sc = cfg.scaling
+    for name in ("rate_scale", "length_scale", "max_output", "max_input"):
+        v = getattr(args, name, None)
+        if v is not None:
+            if name in ("rate_scale", "length_scale") and not v > 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be > 0")
+            sc = sc._replace(**{name: v})
+    clusters = list(cfg.clusters)
+    shape = {k: getattr(args, k) for k in ("prefill", "decode", "colocated")}
+    if any(v is not None for v in shape.values()):
+        base = clusters[0]
+        if shape["colocated"]:
+            merged = {"colocated": shape["colocated"], "prefill": shape["prefill"] or 0,
+                      "decode": shape["decode"] or 0}  # fmt: skip
+        else:
+            merged = {
+                "colocated": 0,
+                "prefill": shape["prefill"] if shape["prefill"] is not None else base.prefill or 1,
+                "decode": shape["decode"] if shape["decode"] is not None else base.decode or 1,
+            }
+        clusters = [dataclasses.replace(base, **merged)]
+    if args.policy:
+        clusters = [dataclasses.replace(c, policy=args.policy) for c in clusters]
+    slo = {k: getattr(args, k) for k in ("ttft_slo_ms", "tbt_slo_ms") if getattr(args, k)}
+    clusters = [dataclasses.replace(c, **slo) for c in clusters]
+    rates = cfg.sweep
+    if args.sweep:
+        try:
+            rates = tuple(float(x) for x in args.sweep.split(",") if x.strip())
+        except ValueError:
+            raise ValueError(f"--sweep: comma-separated numbers, got {args.sweep!r}") from None
+        if not rates or min(rates) <= 0:
+            raise ValueError("--sweep: rate scales must be > 0")
+    return dataclasses.replace(
+        cfg,
+        clusters=clusters,
+        scaling=sc,
+        sweep=rates,
+        profile=args.profile or cfg.profile,
+        trace=args.trace or cfg.trace,
+        target=args.target if args.target is not None else cfg.target,
+    )
+
+
+def simulate_cmd(args: argparse.Namespace) -> int:
+    cfg = _apply_overrides(load_sim_config(args.config), args)
+    if args.limit is not None and args.limit < 1:
+        raise ValueError("--limit must be >= 1")
+    profile = load_profile(cfg.profile)
+    trace = cfg.trace or SHIPPED_TRACE
+    reqs = load_trace(trace, args.format, args.limit)
+    if not reqs:
+        raise ValueError(f"{trace}: no requests")
+    out = Path(args.output)
+    out.mkdir(parents=True, exist_ok=True)
+    if cfg.sweep:
+        points = sweep(reqs, cfg.scaling, profile, cfg.clusters, cfg.sweep)
+        table = format_sweep(points, cfg.target)
+        png = plot_sweep(
+            points,
+            cfg.target,
+            out / "sweep.png",
+            title=f"{Path(trace).name} ({len(reqs)} requests), profile {profile.name}",
+        )
+        (out / "sweep.txt").write_text(table + "\n", encoding="utf-8")
+        (out / "sweep.json").write_text(
+            json.dumps(finite({"points": [p._asdict() for p in points]}), indent=2) + "\n",
+            encoding="utf-8",
+        )
+        print(table)
+        print(f"sweep in {out}/sweep.txt, plot in {png}")
+        return 0
+    arrivals = make_arrivals(reqs, cfg.scaling, profile.block_size)
+    reports, by_label = [], {}
+    for spec in cfg.clusters:
+        r = simulate(arrivals, profile, spec)
+        write_records(out / f"records-{spec.label}.jsonl", r.records)
+        by_label[spec.label] = r.records
+        reports.append(r.report)
+        print(
+            f"{spec.label}: {len(arrivals)} requests, {r.events} events in {r.wall_s:.2f} s "
+            f"({r.events / max(r.wall_s, 1e-9):,.0f} events/s, "
+            f"{len(arrivals) / max(r.wall_s, 1e-9):,.0f} requests/s), "
+            f"{r.sim_s:.1f} s simulated"
+        )
+    table = format_reports(reports)
+    png = plot_cdfs(
+        by_label,
+        cfg.clusters[0].ttft_slo_ms,
+        cfg.clusters[0].tbt_slo_ms,
+        out / "cdf.png",
+        title=f"simulated: {Path(trace).name}, {len(arrivals)} requests, profile {profile.name}",
+    )
+    (out / "report.txt").write_text(table + "\n", encoding="utf-8")
+    (out / "report.json").write_text(
+        json.dumps(finite({"reports": [report_dict(r) for r in reports]}), indent=2) + "\n",
+        encoding="utf-8",
+    )
+    print(table)
+    print(f"records and report in {out}/, CDFs in {png}")
+    return 0
+
+
+def fit_profile_cmd(args: argparse.Namespace) -> int:
+    base = load_profile(args.base)
+    profile, fit = fit_profile(args.run_dir, base, args.name)
+    text = yaml.safe_dump(profile_to_dict(profile), sort_keys=False, width=100)
+    if args.output:
+        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.output).write_text(text, encoding="utf-8")
+        print(
+            f"profile {profile.name} written to {args.output} "
+            f"(decode from {fit.decode_rows} token gaps; see its sources)"
+        )
+    else:
+        print(text, end="")
+    return 0
+
+
+__all__ = ["ClusterSpec", "PROFILE_DIR", "add_fit_args", "add_simulate_args"]

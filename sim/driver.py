@@ -1,0 +1,254 @@
+"""The simulation: arrivals from a trace, each routed by the live conductor's policy object on
+a ClusterState built from the simulated instances, then prefill, KV transfer and decode on them.
+The result is the same records `halfmoon replay` writes, so the same report comes out."""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from client.report import ReplayRecord, Report, compute_report
+from conductor import (
+    ClusterState,
+    DecodeCandidate,
+    Policy,
+    PrefillCandidate,
+    Rejected,
+    RequestInfo,
+    make_policy,
+)
+from sim.arrivals import SimRequest
+from sim.cache import BlockCache
+from sim.events import EventLoop
+from sim.index import GlobalIndex
+from sim.instances import ColocatedInstance, DecodeInstance, Job, PrefillInstance
+from sim.profile import Profile
+from sim.timing import transfer_ms
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ClusterSpec:
+    """The simulated cluster's shape and what requests ask of it."""
+
+    prefill: int | None = None  # prefill instances, one node each (default 1; 0 if colocated)
+    decode: int | None = None  # decode instances, one node each (default 1; 0 if colocated)
+    colocated: int = 0  # > 0: this many instances that each prefill and decode (no P/D split)
+    policy: str = "mooncake"  # any name conductor.make_policy knows
+    policy_options: dict = field(default_factory=dict)
+    ttft_slo_ms: float = 2000.0
+    tbt_slo_ms: float = 200.0
+
+    def __post_init__(self) -> None:
+        default = 0 if self.colocated else 1
+        self.prefill = default if self.prefill is None else self.prefill
+        self.decode = default if self.decode is None else self.decode
+        if self.colocated < 0 or self.prefill < 0 or self.decode < 0:
+            raise ValueError("instance counts must be >= 0")
+        if self.colocated and (self.prefill or self.decode):
+            raise ValueError("colocated instances replace prefill/decode ones: set those to 0")
+        if not self.colocated and (self.prefill < 1 or self.decode < 1):
+            raise ValueError("need at least one prefill and one decode instance (or colocated)")
+
+    @property
+    def label(self) -> str:
+        shape = f"{self.colocated}M" if self.colocated else f"{self.prefill}P+{self.decode}D"
+        return f"{self.policy}[{shape}]"
+
+
+class SimResult(NamedTuple):
+    records: list[ReplayRecord]
+    report: Report
+    events: int  # callbacks the event loop ran
+    wall_s: float  # time the simulation took
+    sim_s: float  # simulated time, first arrival to last answer
+    redirected: int  # colocated: decisions whose decode worker differed (served where prefilled)
+
+
+class _Sim:
+    def __init__(self, profile: Profile, spec: ClusterSpec, policy: Policy):
+        self.p, self.spec, self.policy = profile, spec, policy
+        self.loop = EventLoop()
+        self.index = GlobalIndex()
+        self.caches: dict[str, BlockCache] = {}
+        self.prefill: dict[str, PrefillInstance | ColocatedInstance] = {}
+        self.decode: dict[str, DecodeInstance] = {}
+        self.nodes: dict[str, tuple[str, ...]] = {}  # prefill id -> its index node ids
+        self.device_nodes: set[str] = set()
+        self.jobs: list[Job] = []
+        self.rejected: list[tuple[SimRequest, str]] = []
+        self.redirected = 0
+        p = profile
+        for i in range(spec.colocated):
+            dev = f"m{i}-dev"
+            cache = self.caches[dev] = BlockCache(dev, self.index, p.kv_blocks)
+            inst = ColocatedInstance(self.loop, f"m{i}", p, cache, self._first, self._done)
+            self.prefill[inst.id] = inst
+            self.decode[inst.id] = inst
+            self.nodes[inst.id] = (dev,)
+            self.device_nodes.add(dev)
+        for i in range(spec.prefill):
+            node = f"node-p{i}"
+            store = None
+            if p.dram_blocks > 0:
+                store = self.caches[node] = BlockCache(
+                    node, self.index, p.dram_blocks, p.ssd_blocks
+                )
+            device = None
+            if p.device_cache_blocks > 0:
+                dev = f"p{i}-dev"
+                device = self.caches[dev] = BlockCache(dev, self.index, p.device_cache_blocks)
+                self.device_nodes.add(dev)
+            inst = PrefillInstance(self.loop, f"p{i}", p, store, device, self.caches, self._first)
+            self.prefill[inst.id] = inst
+            self.nodes[inst.id] = tuple(c.node for c in (store, device) if c is not None)
+        for i in range(spec.decode):
+            inst = DecodeInstance(self.loop, f"d{i}", p, self._done)
+            self.decode[inst.id] = inst
+
+    # ---- routing: the live policy on the simulated cluster's state ----
+
+    def _state(self, req: SimRequest) -> ClusterState:
+        p = self.p
+        prefill = [
+            PrefillCandidate(
+                iid, self.nodes[iid], w.queue_ms(), p.prefill_coef, True, 0.0, w.queued_tokens
+            )
+            for iid, w in self.prefill.items()
+        ]
+        decode = [
+            DecodeCandidate(
+                iid,
+                len(d.running) + len(d.joining) + len(d.waiting),
+                d.free,
+                p.kv_blocks,
+                d.context_tokens(),
+                p.decode_coef,
+                True,
+                d.seqs(),
+                d.waiting_seqs(),
+                p.max_batch,
+            )
+            for iid, d in self.decode.items()
+        ]
+        matches = self.index.longest_prefix(req.keys)
+        return ClusterState(
+            prefill, decode, matches, p.block_size, p.block_bytes, frozenset(self.device_nodes)
+        )
+
+    def arrive(self, req: SimRequest) -> None:
+        spec = self.spec
+        info = RequestInfo(req.input_tokens, req.output_tokens, spec.ttft_slo_ms, spec.tbt_slo_ms)
+        try:
+            d = self.policy.choose(info, self._state(req))
+        except Rejected as exc:
+            self.rejected.append((req, str(exc)))
+            return
+        job = Job(req, d, self.loop.now, self.p.block_size)
+        job.predicted_ms = d.predicted_prefill_ms
+        self.jobs.append(job)
+        if self.spec.colocated and d.decode != d.prefill:
+            self.redirected += 1  # one instance does both: it decodes where it prefilled
+        job.decode_id = d.prefill if self.spec.colocated else d.decode
+        self.prefill[d.prefill].submit(job)
+
+    def _first(self, job: Job) -> None:
+        if job.remaining <= 0:
+            job.done_at = self.loop.now
+            inst = self.decode.get(job.prefill_id)
+            if isinstance(inst, ColocatedInstance):
+                inst.free += job.need
+            return
+        kv = 0.0
+        if not self.spec.colocated:
+            # Streamed layer by layer while the prefill computes (Mooncake's layer-wise
+            # transfer): the decode side waits only for what the compute time did not cover.
+            blocks = -(-job.req.input_tokens // self.p.block_size)
+            moved = transfer_ms(blocks, self.p.block_bytes, self.p.network_gbps)
+            kv = max(0.0, moved - job.compute_ms)
+
+        self.decode[job.decode_id].arrive(job, kv)
+
+    def _done(self, job: Job) -> None:
+        pass
+
+    # ---- records ----
+
+    def records(self) -> list[ReplayRecord]:
+        name = self.policy.name
+        out = []
+        for job in self.jobs:
+            r, d = job.req, job.decision
+            done = job.done_at >= 0
+            out.append(
+                ReplayRecord(
+                    index=r.index,
+                    policy=name,
+                    arrival_s=r.arrival_ms / 1000.0,
+                    sent_s=r.arrival_ms / 1000.0,
+                    status="ok" if done else "error",
+                    error="" if done else "unfinished when the simulation ended",
+                    prompt_tokens=r.input_tokens,
+                    output_tokens=1 + len(job.gaps) if job.first_at >= 0 else 0,
+                    ttft_ms=job.first_at - job.arrived if job.first_at >= 0 else math.nan,
+                    gaps_ms=job.gaps,
+                    e2e_ms=(job.done_at - job.arrived) if done else math.nan,
+                    cached_tokens=dict(job.cached),
+                    computed_tokens=job.computed,
+                    prefill_worker=job.prefill_id,
+                    decode_worker=job.decode_id,
+                    predicted_ttft_ms=d.predicted_ttft_ms,
+                    predicted_tbt_ms=d.predicted_tbt_ms,
+                )
+            )
+        for r, why in self.rejected:
+            out.append(
+                ReplayRecord(
+                    r.index,
+                    name,
+                    r.arrival_ms / 1000.0,
+                    r.arrival_ms / 1000.0,
+                    "rejected",
+                    f"RESOURCE_EXHAUSTED: {why}",
+                    r.input_tokens,
+                    0,
+                    math.nan,
+                    [],
+                    0.0,
+                    {"device": 0, "dram": 0, "ssd": 0, "remote": 0},
+                    0,
+                    "",
+                    "",
+                )  # fmt: skip
+            )
+        return sorted(out, key=lambda x: x.index)
+
+
+def simulate(
+    arrivals: list[SimRequest], profile: Profile, spec: ClusterSpec, policy: Policy | None = None
+) -> SimResult:
+    """Run the arrivals through the cluster to the last answer."""
+    if policy is None:
+        options = dict(spec.policy_options)
+        if spec.policy == "mooncake":
+            options.setdefault("transfer_mb_per_ms", profile.network_gbps)
+        policy = make_policy(spec.policy, **options)
+    sim = _Sim(profile, spec, policy)
+    t0 = time.perf_counter()
+    for req in arrivals:
+        sim.loop.at(req.arrival_ms, sim.arrive, req)
+    sim.loop.run()
+    wall = time.perf_counter() - t0
+    if sim.redirected:
+        log.info(
+            "%d decisions named another decode instance; colocated instances decode where they "
+            "prefilled",
+            sim.redirected,
+        )
+    records = sim.records()
+    report = compute_report(records, spec.ttft_slo_ms, spec.tbt_slo_ms, spec.label)
+    return SimResult(records, report, sim.loop.events, wall, sim.loop.now / 1000.0, sim.redirected)

@@ -1,0 +1,227 @@
+"""A profile fitted from a real run: `halfmoon replay` output (records-*.jsonl, and report.json's
+`cluster`, the workers' last load reports). Prefill: the workers' own per-forward fit (rounds
+rebuilt from the records when there is none), plus the per-request answer overhead the records
+show; decode: each token gap against the batch and context of that moment, rebuilt from every
+request's decode interval on the same worker."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from pathlib import Path
+from typing import NamedTuple
+
+from client.report import ReplayRecord, read_records
+from servekit import DecodeTimeModel, PrefillTimeModel
+from sim.profile import Profile
+
+log = logging.getLogger(__name__)
+
+MAX_GAP_ROWS = 4000  # decode gaps a fit takes (evenly spread over the run)
+
+
+class Fit(NamedTuple):
+    prefill_coef: tuple[float, float, float]
+    decode_coef: tuple[float, float, float]
+    prefill_rows: int
+    decode_rows: int
+
+
+ROUND_GAP_MS = 30.0  # requests whose rounds start this close together shared one round
+
+
+def fit_prefill(
+    records: list[ReplayRecord], prior, chunk_size: int
+) -> tuple[tuple[float, ...], int]:
+    """The live worker computes in rounds: the requests waiting when a round starts go through
+    batched forwards of up to `chunk_size` tokens each, and the round ends with the last one's
+    answer. Rounds are rebuilt from the records (a request's round starts when its queue wait
+    ends, on its worker), and each round's length, per forward, is fitted against its tokens
+    and tokens*context per forward."""
+    by_worker: dict[str, list[tuple[float, float, int, int]]] = {}
+    for r in records:
+        if r.status != "ok" or math.isnan(r.ttft_ms) or r.computed_tokens <= 0:
+            continue
+        start = r.sent_s * 1000.0 + r.queue_ms
+        by_worker.setdefault(r.prefill_worker, []).append(
+            (start, r.sent_s * 1000.0 + r.ttft_ms, r.computed_tokens, r.prompt_tokens)
+        )
+    model = PrefillTimeModel(prior=prior, window=1 << 20, min_samples=4)
+    rounds = 0
+    for jobs in by_worker.values():
+        jobs.sort()
+        groups: list[list[tuple[float, float, int, int]]] = []
+        for j in jobs:
+            if groups and j[0] - groups[-1][0][0] <= ROUND_GAP_MS:
+                groups[-1].append(j)
+            else:
+                groups.append([j])
+        for g in groups:
+            chunk = chunk_size or max(c for _, _, c, _ in g)
+            forwards = max(-(-c // chunk) for _, _, c, _ in g)
+            tokens = sum(c for _, _, c, _ in g)
+            work = 0.0  # sum over forwards of tokens * the position each chunk ends at
+            for _, _, c, n in g:
+                pos = n - c
+                while pos < n:
+                    e = min(n, pos + chunk)
+                    work += (e - pos) * e
+                    pos = e
+            ms = max(e for _, e, _, _ in g) - min(s for s, _, _, _ in g)
+            if ms <= 0:
+                continue
+            model.observe(ms / forwards, tokens / forwards, work / tokens)
+            rounds += 1
+    return tuple(model.coef), rounds
+
+
+def fit_decode(records: list[ReplayRecord], prior) -> tuple[tuple[float, ...], int]:
+    """Each gap but a request's first (that one holds its admission and KV pull) against the
+    batch and KV tokens its worker held at that moment."""
+    by_worker: dict[str, list[ReplayRecord]] = {}
+    for r in records:
+        if r.status == "ok" and len(r.gaps_ms) > 1 and not math.isnan(r.ttft_ms):
+            by_worker.setdefault(r.decode_worker, []).append(r)
+    rows: list[tuple[float, int, float]] = []
+    for recs in by_worker.values():
+        # each request's decode: (start, end, prompt, tokens over that time)
+        spans = []
+        for r in recs:
+            start = r.sent_s * 1000.0 + r.ttft_ms
+            spans.append((start, start + sum(r.gaps_ms), r.prompt_tokens, len(r.gaps_ms)))
+        for r in recs:
+            t = r.sent_s * 1000.0 + r.ttft_ms
+            for g in r.gaps_ms[:1]:
+                t += g
+            for g in r.gaps_ms[1:]:
+                mid = t + g / 2
+                t += g
+                batch, context = 0, 0.0
+                for s0, s1, prompt, tokens in spans:
+                    if s0 <= mid <= s1:
+                        batch += 1
+                        context += prompt + tokens * (mid - s0) / max(s1 - s0, 1e-9)
+                if batch:
+                    rows.append((g, batch, context))
+    if len(rows) > MAX_GAP_ROWS:
+        step = len(rows) / MAX_GAP_ROWS
+        rows = [rows[int(i * step)] for i in range(MAX_GAP_ROWS)]
+    model = DecodeTimeModel(prior=prior, window=1 << 20, min_samples=4)
+    for g, b, c in rows:
+        model.observe(g, b, c)
+    return tuple(model.coef), len(rows)
+
+
+def request_overhead(records: list[ReplayRecord]) -> float:
+    """The time a request's answer takes beyond its forwards: TTFT less the queue wait and the
+    prefill round. Requests answered by one forward report the same round time; the first of
+    them answered waited for no other's answer, so each such group's least is one answer's
+    overhead; the median over groups (0 if unknown)."""
+    groups: dict[tuple[str, float], float] = {}
+    for r in records:
+        if r.status != "ok" or r.prefill_ms <= 0 or math.isnan(r.ttft_ms):
+            continue
+        key = (r.prefill_worker, round(r.prefill_ms, 3))
+        extra = r.ttft_ms - r.queue_ms - r.prefill_ms
+        groups[key] = min(groups.get(key, extra), extra)
+    xs = sorted(groups.values())
+    return max(0.0, xs[len(xs) // 2]) if xs else 0.0
+
+
+def read_run(run_dir: str | Path) -> tuple[list[ReplayRecord], dict]:
+    """Every records-*.jsonl of a replay output folder, and the cluster status ({} if none)."""
+    d = Path(run_dir)
+    files = sorted(d.glob("records-*.jsonl"))
+    if not files:
+        raise ValueError(f"{d}: no records-*.jsonl (the output folder of `halfmoon replay`)")
+    records = [r for f in files for r in read_records(f)]
+    cluster = {}
+    if (d / "report.json").is_file():
+        cluster = json.loads((d / "report.json").read_text(encoding="utf-8")).get("cluster") or {}
+    if not cluster and (d / "cluster.json").is_file():  # written apart by earlier tools
+        cluster = json.loads((d / "cluster.json").read_text(encoding="utf-8"))
+    if not cluster:
+        log.warning(
+            "%s: report.json holds no cluster status; the time models and pool sizes come "
+            "from the records and the base profile",
+            d,
+        )
+    return records, cluster
+
+
+def _loads(cluster: dict, kind: str) -> list[dict]:
+    return [
+        w.get("load", {})
+        for w in cluster.get("workers", [])
+        if w.get("load", {}).get("kind") == kind
+    ]
+
+
+def _mean_coef(loads: list[dict], key: str) -> tuple[float, float, float] | None:
+    coefs = [tuple(ld[key]) for ld in loads if len(ld.get(key, ())) == 3]
+    if not coefs:
+        return None
+    return tuple(sum(c[i] for c in coefs) / len(coefs) for i in range(3))  # type: ignore[return-value]
+
+
+def fit_profile(run_dir: str | Path, base: Profile, name: str = "") -> tuple[Profile, Fit]:
+    """`base` with the time models (and the pool and store sizes) of the run."""
+    records, cluster = read_run(run_dir)
+    pre, dec = _loads(cluster, "prefill"), _loads(cluster, "decode")
+    # The workers' own fits anchor the records' fits (the ridge prior).
+    p_prior = _mean_coef(pre, "prefill_coef") or base.prefill_coef
+    d_prior = _mean_coef(dec, "decode_coef") or base.decode_coef
+    worker_coef = _mean_coef(pre, "prefill_coef")
+    if worker_coef is not None:
+        # The workers' own per-forward fit is the model the simulator charges per forward;
+        # rebuilding rounds from client-side times is the fallback (it cannot see which requests
+        # shared a forward).
+        p_coef, p_rows = worker_coef, len(pre)
+    else:
+        p_coef, p_rows = fit_prefill(records, p_prior, base.chunk_size)
+    overhead = request_overhead(records)
+    d_coef, d_rows = fit_decode(records, d_prior)
+    if worker_coef is None and p_rows < 4:
+        log.warning("only %d prefill rounds: the prefill model leans on the base profile", p_rows)
+    if d_rows < 4:
+        log.warning("only %d token gaps: the decode model is the workers' own", d_rows)
+    sizes = {}
+    if dec:
+        sizes["kv_blocks"] = int(dec[0].get("total_blocks", base.kv_blocks))
+        sizes["max_batch"] = int(dec[0].get("max_batch", 0) or base.max_batch)
+    if pre:
+        sizes["block_bytes"] = int(pre[0].get("block_bytes", base.block_bytes))
+        sizes["block_size"] = int(pre[0].get("block_size", base.block_size))
+        if pre[0].get("device_node"):
+            sizes["device_cache_blocks"] = int(pre[0].get("total_blocks", 0))
+    for store in cluster.get("stores", [])[:1]:
+        bb = sizes.get("block_bytes", base.block_bytes)
+        for tier in store.get("tiers", []):
+            key = {"dram": "dram_blocks", "ssd": "ssd_blocks"}.get(tier.get("tier"))
+            if key:
+                sizes[key] = int(int(tier.get("capacity_bytes", 0)) // bb)
+    fitted = Fit(p_coef, d_coef, p_rows, d_rows)  # type: ignore[arg-type]
+    profile = Profile(
+        **{
+            **base.__dict__,
+            **sizes,
+            "name": name or base.name,
+            "prefill_coef": tuple(round(c, 9) for c in p_coef),
+            "request_overhead_ms": round(overhead, 3),
+            "decode_coef": tuple(round(c, 9) for c in d_coef),
+            "sources": (
+                f"fitted by `halfmoon fit-profile` from {run_dir}: prefill "
+                + (
+                    f"the mean of {p_rows} workers' own per-forward fits"
+                    if worker_coef is not None
+                    else f"from {p_rows} rounds rebuilt from the records"
+                )
+                + ", the per-request overhead the median of TTFT less queue wait and prefill "
+                f"round, decode from {d_rows} token gaps against the batch and context rebuilt "
+                "from the records; pool and store sizes from the workers' load reports",
+                *base.sources,
+            ),
+        }
+    )
+    return profile, fitted

@@ -1,0 +1,93 @@
+"""Simulated against real: the slice a `halfmoon replay` output folder replayed, simulated once
+per policy it holds on a cluster of the same shape, with the same report computed from both."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import NamedTuple
+
+from client.report import Report, compute_report, read_records
+from client.traces import load_trace
+from sim.arrivals import TraceScaling, make_arrivals
+from sim.driver import ClusterSpec, simulate
+from sim.profile import Profile
+
+
+class Comparison(NamedTuple):
+    policy: str
+    real: Report
+    sim: Report
+    ttft_p50_error: float  # (sim - real) / real
+    ttft_p90_error: float
+    attainment_error_pts: float  # sim - real, in percentage points
+
+
+def _rel(sim: float, real: float) -> float:
+    if math.isnan(sim) or math.isnan(real) or real <= 0:
+        return math.nan
+    return (sim - real) / real
+
+
+def compare_run(
+    run_dir: str | Path, profile: Profile, trace: str | Path | None = None
+) -> list[Comparison]:
+    """One comparison per policy the run replayed."""
+    d = Path(run_dir)
+    summary = json.loads((d / "report.json").read_text(encoding="utf-8"))
+    sc = summary["scaling"]
+    scaling = TraceScaling(
+        length_scale=sc["length_scale"],
+        rate_scale=1.0 / sc["time_scale"],
+        max_output=sc.get("max_output"),
+        max_input=sc.get("max_input"),
+        trace_block_tokens=sc.get("trace_block_tokens", 512),
+    )
+    reqs = load_trace(trace or summary["trace"], "auto", summary["requests"])
+    arrivals = make_arrivals(reqs, scaling, profile.block_size)
+    cluster = summary.get("cluster") or {}
+    if not cluster and (d / "cluster.json").is_file():
+        cluster = json.loads((d / "cluster.json").read_text(encoding="utf-8"))
+    kinds = [w.get("load", {}).get("kind") for w in cluster.get("workers", [])]
+    n_pre, n_dec = max(1, kinds.count("prefill")), max(1, kinds.count("decode"))
+    out = []
+    for rep in summary["reports"]:
+        policy = rep["policy"] or "mooncake"
+        real = read_records(d / f"records-{rep['policy'] or 'default'}.jsonl")
+        real_report = compute_report(real, rep["ttft_slo_ms"], rep["tbt_slo_ms"], policy)
+        spec = ClusterSpec(
+            prefill=n_pre,
+            decode=n_dec,
+            policy=policy,
+            ttft_slo_ms=rep["ttft_slo_ms"],
+            tbt_slo_ms=rep["tbt_slo_ms"],
+        )
+        s = simulate(arrivals, profile, spec).report
+        out.append(
+            Comparison(
+                policy,
+                real_report,
+                s,
+                _rel(s.ttft_ms.p50, real_report.ttft_ms.p50),
+                _rel(s.ttft_ms.p90, real_report.ttft_ms.p90),
+                100.0 * (s.slo_attainment - real_report.slo_attainment),
+            )
+        )
+    return out
+
+
+def format_comparisons(rows: list[Comparison]) -> str:
+    lines = [
+        f"{'policy':14} {'TTFT p50 real/sim ms':>24} {'TTFT p90 real/sim ms':>24} "
+        f"{'attainment real/sim':>22}"
+    ]
+    for c in rows:
+        real, sim = c.real, c.sim
+        lines.append(
+            f"{c.policy:14} {real.ttft_ms.p50:9.0f} /{sim.ttft_ms.p50:7.0f} "
+            f"({100 * c.ttft_p50_error:+4.0f}%) {real.ttft_ms.p90:9.0f} /{sim.ttft_ms.p90:7.0f} "
+            f"({100 * c.ttft_p90_error:+4.0f}%) {100 * real.slo_attainment:8.1f}% /"
+            f"{100 * sim.slo_attainment:5.1f}% ({c.attainment_error_pts:+.1f} pts)"
+        )
+    return "\n".join(lines)
