@@ -74,6 +74,9 @@ class ClusterState(NamedTuple):
     # own match (it lists them in its nodes) but are never a fetch source, since no other worker
     # can read another's device memory.
     device_nodes: frozenset[str] = frozenset()
+    # tokens of each sequence a decode worker keeps outside its pool (KIVI's full-precision
+    # window, kivi_residual): its pool holds blocks for the rest only (servekit.blocks_needed)
+    window_tokens: int = 0
 
 
 class Decision(NamedTuple):
@@ -112,7 +115,9 @@ def _healthy(items):
 
 
 def _decode_fits(request: RequestInfo, state: ClusterState) -> list[DecodeCandidate]:
-    need = blocks_needed(request.num_tokens, request.max_tokens, state.block_size)
+    need = blocks_needed(
+        request.num_tokens, request.max_tokens, state.block_size, state.window_tokens
+    )
     fits = [d for d in _healthy(state.decode) if d.total_blocks >= need]
     if not fits:
         raise Rejected(f"no decode worker has a KV pool large enough for {need} blocks")
@@ -132,12 +137,14 @@ def tbt_of_times(times_ms: Sequence[float]) -> float:
     return sum(gaps[:k]) / k
 
 
-def decode_estimate(d: DecodeCandidate, request: RequestInfo, block_size: int) -> DecodeEstimate:
+def decode_estimate(
+    d: DecodeCandidate, request: RequestInfo, block_size: int, window_tokens: int = 0
+) -> DecodeEstimate:
     """The TBT a new sequence would see on `d`: it waits after its first token until the pool
     holds its whole answer (and the batch has a slot), behind the sequences admitted before it;
     then each step costs the fitted model at the batch and context of that moment, running
     sequences growing a token a step and leaving when their answers end."""
-    need = blocks_needed(request.num_tokens, request.max_tokens, block_size)
+    need = blocks_needed(request.num_tokens, request.max_tokens, block_size, window_tokens)
     ahead = need + sum(w[2] for w in d.waiting)
     if not d.seqs and d.running > len(d.waiting):
         # Totals only: the batch and context as they are now, the wait unknown.
@@ -203,11 +210,13 @@ def _least_loaded_decode(
     by TBT."""
     best, best_key, best_tbt = None, None, 0.0
     for d in _decode_fits(request, state):
-        est = decode_estimate(d, request, state.block_size)
+        est = decode_estimate(d, request, state.block_size, state.window_tokens)
         tbt = est.tbt_ms
         if slo and request.tbt_slo_ms > 0 and tbt > request.tbt_slo_ms:
             continue
-        need = blocks_needed(request.num_tokens, request.max_tokens, state.block_size)
+        need = blocks_needed(
+            request.num_tokens, request.max_tokens, state.block_size, state.window_tokens
+        )
         short = est.admission_wait_ms > 0 or d.free_blocks < need
         key = (short, d.running, tbt, d.worker_id)
         if best_key is None or key < best_key:
@@ -330,7 +339,7 @@ class RandomPolicy(Policy):
         w = self._rng.choice(sorted(_prefill_workers(state)))
         d = self._rng.choice(sorted(_decode_fits(request, state)))
         compute_ms = _cold_prefill_ms(w, request)
-        tbt = decode_estimate(d, request, state.block_size).tbt_ms
+        tbt = decode_estimate(d, request, state.block_size, state.window_tokens).tbt_ms
         # Its own tiers only, nothing fetched remotely.
         return Decision(
             w.worker_id,

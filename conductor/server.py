@@ -37,6 +37,7 @@ from servekit import (
     Tokens,
     blocks_needed,
     caller_of,
+    is_kivi,
     kv_cache_layout,
     memory_usage,
     open_channel,
@@ -678,7 +679,13 @@ class Conductor(GrpcServer, pb_grpc.ConductorServicer):
                         )
                     )
         return ClusterState(
-            prefill, decode, matches, self.config.block_size, block_bytes, frozenset(device_nodes)
+            prefill,
+            decode,
+            matches,
+            self.config.block_size,
+            block_bytes,
+            frozenset(device_nodes),
+            self.config.kivi_residual if is_kivi(self.config.kv_cache_dtype) else 0,
         )
 
     def _route(

@@ -13,6 +13,7 @@ from decode_node.runner import DecodeRunner, _tables
 from decode_node.seq import Seq
 from kvstore import write_tokens
 from model import KiviPool, KVPool
+from servekit import blocks_needed
 
 
 class KiviDecodeRunner(DecodeRunner):
@@ -40,7 +41,7 @@ class KiviDecodeRunner(DecodeRunner):
         """Packed blocks only: a sequence's last `residual` tokens (at least) stay in its window
         and are never packed, so it packs at most (tokens - residual) // block_size blocks (the
         rule `step` and the prefill's handle follow). Its window blocks are reserved apart."""
-        return max(0, (tokens - self.layout.residual) // self.config.block_size)
+        return blocks_needed(tokens, 0, self.config.block_size, self.layout.residual)
 
     def admit(self, s: Seq) -> bool:
         """Packed blocks for the whole answer and the window's blocks; False when short."""

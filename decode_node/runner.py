@@ -14,7 +14,7 @@ from decode_node.seq import Seq
 from kernels import native_status
 from kvstore import KVConnector, block_keys
 from model import KVPool, finish_reason, sample
-from servekit import load_worker_model
+from servekit import blocks_needed, load_worker_model
 
 
 def _tables(rows: list[list[int]]) -> torch.Tensor:
@@ -80,7 +80,7 @@ class DecodeRunner:
     def blocks_to_reserve(self, tokens: int) -> int:
         """Pool blocks a sequence of `tokens` tokens (prompt + every new token) holds at its
         longest: what admission reserves."""
-        return -(-tokens // self.config.block_size)
+        return blocks_needed(tokens, 0, self.config.block_size)
 
     def admit(self, s: Seq) -> bool:
         """Reserve the sequence's blocks (its whole answer); False when the pool is short."""

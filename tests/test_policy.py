@@ -142,6 +142,19 @@ def test_rejections():
     assert make_policy("load_balance").choose(req(ttft=1.0, tbt=1.0), s).prefill == "a"
 
 
+def test_a_kivi_window_is_not_counted_against_the_decode_pool():
+    # 101 + 40 tokens: 9 blocks in a full-precision pool; with a 16-token KIVI window kept apart,
+    # at most (141 - 16) // 16 = 7 packed blocks (what the decode worker reserves)
+    pol = make_policy("load_balance")
+    small = [decode("d", free=7, total=7)]
+    with pytest.raises(Rejected, match="large enough for 9 blocks"):
+        pol.choose(req(tokens=101, max_tokens=40), state([prefill("a")], small, {}))
+    kivi = state([prefill("a")], small, {})._replace(window_tokens=16)
+    assert pol.choose(req(tokens=101, max_tokens=40), kivi).decode == "d"
+    with pytest.raises(Rejected, match="large enough for 8 blocks"):
+        pol.choose(req(tokens=101, max_tokens=56), kivi)
+
+
 def test_baselines():
     s = state(
         [prefill("a", queue_ms=5.0), prefill("b", queue_ms=1.0)],
