@@ -265,8 +265,12 @@ class AsyncClient:
         self._stub = pb_grpc.ConductorStub(self._channel)
 
     async def generate_stream(self, prompt: str | None = None, **kwargs) -> AsyncIterator[Chunk]:
+        """`token=` sends that bearer token for this call instead of the client's own (a front
+        end passing on its caller's API token)."""
+        token = kwargs.pop("token", None)
+        metadata = (("authorization", f"Bearer {token}"),) if token else self._metadata
         request = kwargs.pop("request", None) or build_request(prompt, **kwargs)
-        call = self._stub.Generate(request, timeout=self.timeout_s, metadata=self._metadata)
+        call = self._stub.Generate(request, timeout=self.timeout_s, metadata=metadata)
         try:
             async for msg in call:
                 yield _chunk(msg)
@@ -279,9 +283,11 @@ class AsyncClient:
             gather.add(c)
         return gather.result()
 
-    async def status(self) -> pb.StatusReply:
+    async def status(self, token: str | None = None) -> pb.StatusReply:
+        """`token=` as for generate_stream."""
+        metadata = (("authorization", f"Bearer {token}"),) if token else self._metadata
         return await self._stub.Status(
-            pb.StatusRequest(), timeout=STATUS_TIMEOUT_S, metadata=self._metadata
+            pb.StatusRequest(), timeout=STATUS_TIMEOUT_S, metadata=metadata
         )
 
     async def clear_cache(self) -> pb.ClearCacheReply:

@@ -149,6 +149,7 @@ def cluster_config_from_dict(data: dict) -> ClusterConfig:
     if "port" in http:
         raise ValueError("cluster config: set the HTTP server's port with http_port, not http.port")
     http.setdefault("host", cfg.host)
+    http.setdefault("security", cfg.security)
     cfg.http = config_from_dict(HttpConfig, http, "http")
     for role in ROLES:
         config_cls, _ = role_classes(role)  # imports the role's package

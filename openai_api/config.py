@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from servekit import SecurityConfig
+
 
 @dataclass
 class HttpConfig:
@@ -15,6 +17,11 @@ class HttpConfig:
     # Set: a request must carry one of the keys, and its tenant becomes the cache salt, so
     # tenants never share KV blocks (keys of one tenant do).
     api_keys: dict[str, str] = field(default_factory=dict)
+    # The cluster's TLS and tokens (deploy gives it the cluster's `security`): with TLS it dials
+    # the conductor over TLS (presenting the node certificate under mutual TLS); with API tokens
+    # (security.api_tokens) it accepts those as the gRPC front door does and passes the caller's
+    # token on, so the conductor authenticates the call and derives the tenant's cache salt.
+    security: SecurityConfig = field(default_factory=SecurityConfig)
     model_name: str = ""  # the name /v1/models lists and requests use; "" = the cluster's model
     completion_max_tokens: int = 16  # /v1/completions without max_tokens (OpenAI's default)
     chat_max_tokens: int = 1024  # /v1/chat/completions without max_tokens/max_completion_tokens
@@ -36,6 +43,11 @@ class HttpConfig:
                 raise ValueError(
                     f"HttpConfig.api_keys[...]: the tenant must be a string, got {tenant!r}"
                 )
+        if self.api_keys and self.security.api_tokens:
+            raise ValueError(
+                "HttpConfig: http.api_keys and security.api_tokens both set: with the cluster's "
+                "tokens configured, the HTTP server uses those (drop http.api_keys)"
+            )
         if self.completion_max_tokens < 1 or self.chat_max_tokens < 1:
             raise ValueError("HttpConfig: completion_max_tokens and chat_max_tokens must be >= 1")
         if self.request_timeout_s <= 0 or self.health_timeout_s <= 0:

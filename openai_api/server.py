@@ -22,6 +22,7 @@ from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from client import AsyncClient, Chunk, build_request
+from client.api import Access
 from openai_api.config import HttpConfig
 from openai_api.metrics import HttpMetrics
 from openai_api.protocol import (
@@ -141,8 +142,28 @@ class _Api:
     # ---- lifecycle (inside the server's event loop: grpc.aio channels belong to one) ----
 
     async def open(self) -> None:
-        self.client = AsyncClient(self.config.conductor, timeout_s=self.config.request_timeout_s)
-        self.health_channel = grpc.aio.insecure_channel(self.config.conductor)
+        access = self._access()
+        self.client = AsyncClient(
+            self.config.conductor, timeout_s=self.config.request_timeout_s, access=access
+        )
+        creds = access.credentials()
+        self.health_channel = (
+            grpc.aio.secure_channel(self.config.conductor, creds, options=access.options())
+            if creds is not None
+            else grpc.aio.insecure_channel(self.config.conductor, options=access.options())
+        )
+
+    def _access(self) -> Access:
+        """How this server reaches the conductor: over TLS when the cluster has it (with the node
+        certificate under mutual TLS); no token of its own (each call carries its caller's)."""
+        sec = self.config.security
+        mutual = sec.mutual_tls and sec.tls_cert
+        return Access(
+            tls_ca=sec.tls_ca,
+            tls_cert=sec.tls_cert if mutual else "",
+            tls_key=sec.tls_key if mutual else "",
+            tls_server_name=sec.tls_server_name,
+        )
 
     async def close(self) -> None:
         if self.client is not None:
@@ -159,12 +180,13 @@ class _Api:
         return await self._generate(request, CHAT)
 
     async def models(self, request: Request) -> Response:
-        self._tenant(request)
-        return JSONResponse({"object": "list", "data": [self._model_card(await self._served())]})
+        _, token = self._caller(request)
+        served = await self._served(token)
+        return JSONResponse({"object": "list", "data": [self._model_card(served)]})
 
     async def one_model(self, request: Request, model: str) -> Response:
-        self._tenant(request)
-        served = await self._served()
+        _, token = self._caller(request)
+        served = await self._served(token)
         if model != served:
             raise self._unknown_model(model, served)
         return JSONResponse(self._model_card(served))
@@ -191,20 +213,20 @@ class _Api:
 
     async def _generate(self, request: Request, endpoint: str) -> Response:
         arrived = time.perf_counter()
-        salt = self._tenant(request)
+        salt, token = self._caller(request)
         default_max = (
             self.config.completion_max_tokens
             if endpoint == COMPLETIONS
             else self.config.chat_max_tokens
         )
         spec = parse_request(endpoint, await self._json(request), default_max)
-        served = await self._served()
+        served = await self._served(token)
         if spec.model and spec.model != served:
             raise self._unknown_model(spec.model, served)
         rid = uuid.uuid4().hex
         prefix = "cmpl-" if endpoint == COMPLETIONS else "chatcmpl-"
         answer = Answer(endpoint, prefix + rid, int(time.time()), served)
-        chunks = self.client.generate_stream(request=_grpc_request(spec, rid, salt))
+        chunks = self.client.generate_stream(request=_grpc_request(spec, rid, salt), token=token)
         try:
             if not spec.stream:
                 text, last = await _until_disconnected(request, _gather(chunks))
@@ -279,12 +301,26 @@ class _Api:
 
     # ---- request parts ----
 
+    def _caller(self, request: Request) -> tuple[str, str]:
+        """(cache salt, token to pass on). With the cluster's API tokens (security.api_tokens)
+        the caller's token goes on to the conductor, which authenticates it and derives the
+        tenant's salt; else the tenant of http.api_keys is the salt and no token goes on."""
+        if self.config.security.api_tokens:
+            return "", self._bearer(request, self.config.security.api_tokens)
+        return self._tenant(request), ""
+
     def _tenant(self, request: Request) -> str:
         """The request's tenant (its cache salt): "" without api_keys; else the tenant of the
         bearer key it carries, or a 401."""
         keys = self.config.api_keys
         if not keys:
             return ""
+        token = self._bearer(request, keys)
+        return keys[token]
+
+    @staticmethod
+    def _bearer(request: Request, keys: dict[str, str]) -> str:
+        """The bearer key the request carries, when it is one of `keys`; else a 401."""
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
         token = token.strip()
         if scheme.lower() != "bearer" or not token:
@@ -293,14 +329,14 @@ class _Api:
                 "You didn't provide an API key: pass it as 'Authorization: Bearer KEY'",
                 code="invalid_api_key",
             )
-        tenant = None
+        found = None
         given = token.encode()
-        for key, t in keys.items():  # every key compared, in constant time
+        for key in keys:  # every key compared, in constant time
             if hmac.compare_digest(key.encode(), given):
-                tenant = t
-        if tenant is None:
+                found = key
+        if found is None:
             raise ApiError(401, "Incorrect API key provided", code="invalid_api_key")
-        return tenant
+        return found
 
     @staticmethod
     async def _json(request: Request):
@@ -310,10 +346,11 @@ class _Api:
         except ValueError as exc:
             raise ApiError(400, f"the request body is not valid JSON: {exc}") from None
 
-    async def _served(self) -> str:
+    async def _served(self, token: str = "") -> str:
+        """The served model's name, asked of the conductor once (with the caller's token)."""
         if not self.model:
             try:
-                self.model = (await self.client.status()).model
+                self.model = (await self.client.status(token=token)).model
             except grpc.RpcError as exc:
                 raise self._from_grpc(exc, None) from None
         return self.model

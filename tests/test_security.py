@@ -236,3 +236,43 @@ def test_security_config_errors(tmp_path):
     missing = str(tmp_path / "nope.pem")
     with pytest.raises(ValueError, match="tls_ca"):
         open_channel("127.0.0.1:1", SecurityConfig(tls_ca=missing))
+
+
+def test_http_front_door_speaks_tls_to_the_conductor_and_passes_api_tokens_on(cluster, security):
+    # The HTTP server in front of a TLS cluster with tokens: it dials the conductor over TLS,
+    # accepts the cluster's API tokens (no keys of its own) and passes the caller's token on,
+    # so the conductor authenticates it and derives the tenant's salt.
+    import json
+    import urllib.error
+    import urllib.request
+
+    from openai_api import HttpConfig, HttpServer
+
+    server = HttpServer(HttpConfig(conductor=cluster.address, security=security))
+    base = f"http://{server.start()}"
+    try:
+
+        def complete(token: str, prompt: list[int]) -> dict:
+            req = urllib.request.Request(
+                f"{base}/v1/completions",
+                data=json.dumps({"prompt": prompt, "max_tokens": 2}).encode(),
+                headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"},
+            )
+            with urllib.request.urlopen(req, timeout=60) as r:
+                return json.loads(r.read())
+
+        with urllib.request.urlopen(f"{base}/health", timeout=30) as r:
+            assert r.status == 200  # its health channel reached the conductor over TLS
+        with pytest.raises(urllib.error.HTTPError) as err:
+            complete("not-a-token", [5, 6, 7])
+        assert err.value.code == 401
+        with pytest.raises(urllib.error.HTTPError) as err:
+            complete(CLUSTER_TOKEN, [5, 6, 7])  # the cluster's own token is not an API token
+        assert err.value.code == 401
+        prompt = rand_ids(31, 3 * BS + 5)
+        cached = lambda body: body["usage"]["prompt_tokens_details"]["cached_tokens"]  # noqa: E731
+        assert cached(complete("tok-alice", prompt)) == 0
+        assert cached(complete("tok-alice", prompt)) == 3 * BS  # her tenant's blocks
+        assert cached(complete("tok-bob", prompt)) == 0  # never another tenant's
+    finally:
+        server.stop()
