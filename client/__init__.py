@@ -1,6 +1,6 @@
 """gRPC client library, the halfmoon CLI, trace loaders and replay, reports and plots."""
 
-from client.api import AsyncClient, Chunk, Client, Completion, build_request
+from client.api import Access, AsyncClient, Chunk, Client, Completion, build_request
 from client.plot import plot_cdfs
 from client.replay import ReplaySettings, replay, replay_async
 from client.replay_cmd import ReplayResult, parse_policies, replay_trace
@@ -27,6 +27,7 @@ from client.traces import (
 )
 
 __all__ = [
+    "Access",
     "AsyncClient",
     "Chunk",
     "Client",

@@ -21,8 +21,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from client import AsyncClient, Chunk, build_request
-from client.api import Access
+from client import Access, AsyncClient, Chunk, build_request
+
 from openai_api.config import HttpConfig
 from openai_api.metrics import HttpMetrics
 from openai_api.protocol import (
