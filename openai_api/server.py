@@ -22,7 +22,6 @@ from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from client import Access, AsyncClient, Chunk, build_request
-
 from openai_api.config import HttpConfig
 from openai_api.metrics import HttpMetrics
 from openai_api.protocol import (
