@@ -43,6 +43,10 @@ class KiviDecodeRunner(DecodeRunner):
         rule `step` and the prefill's handle follow). Its window blocks are reserved apart."""
         return blocks_needed(tokens, 0, self.config.block_size, self.layout.residual)
 
+    def as_if_filled(self, s: Seq) -> None:
+        """All but the last `residual` (or more) prompt tokens packed, as `fill` leaves them."""
+        s.n_packed = blocks_needed(len(s.prompt), 0, self.config.block_size, self.layout.residual)
+
     def admit(self, s: Seq) -> bool:
         """Packed blocks for the whole answer and the window's blocks; False when short."""
         pool = self.pool

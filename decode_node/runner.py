@@ -82,6 +82,10 @@ class DecodeRunner:
         longest: what admission reserves."""
         return blocks_needed(tokens, 0, self.config.block_size)
 
+    def as_if_filled(self, s: Seq) -> None:
+        """Make an admitted scratch sequence look as if its prompt's KV were in the pool (its
+        slots hold whatever they hold): for timing steps, not for answers."""
+
     def admit(self, s: Seq) -> bool:
         """Reserve the sequence's blocks (its whole answer); False when the pool is short."""
         with self._pool_lock:

@@ -90,7 +90,6 @@ class DecodeScheduler:
         and lengths, before the port opens: a cold cluster's first TBT estimates are measured,
         not the prior."""
         r, cfg = self.runner, self.config
-        bs = cfg.block_size
         t0 = time.perf_counter()
         seqs: list[Seq] = []
         try:
@@ -103,7 +102,7 @@ class DecodeScheduler:
                 (cfg.max_batch, 64),
             ):
                 batch = min(batch, cfg.max_batch)
-                need = -(-(length + 1) // bs)
+                need = r.blocks_to_reserve(length + 1)
                 if need * batch > r.pool.num_blocks // 2:
                     continue
                 request = pb.DecodeRequest(prompt_ids=[10] * length, first_token=10)
@@ -111,6 +110,7 @@ class DecodeScheduler:
                 for s in seqs:
                     if not r.admit(s):
                         raise RuntimeError("pool short of blocks for a scratch batch")
+                    r.as_if_filled(s)
                 r.step(seqs)  # warm-up (lazy kernels, allocations): not timed
                 for _ in range(2):
                     c0 = time.perf_counter()

@@ -53,6 +53,8 @@ def test_packed_blocks_and_a_small_window_serve_and_reuse(lm, bits):
     settings = kivi(bits, 16)
     engine = Engine(lm)
     with Cluster(lm, cluster=settings) as c:
+        # the decode worker timed scratch steps over packed blocks + windows before serving
+        assert c.decodes[0].scheduler.calibration_failures == 0
         first, _, u1 = c.generate(token_ids=a, max_tokens=40)
         assert len(first) == 40 and u1.usage.cached_tokens == 0
         c.wait_idle()
