@@ -23,7 +23,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#ifdef __F16C__
+#if defined(__F16C__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -145,7 +145,7 @@ static inline void hm_affine(float *row, const float *scale, const float *zero, 
 static inline float hm_exp(float x) {
   x = x < -87.0f ? -87.0f : x;
   const float y = x * 1.44269504088896341f;
-  const float n = __builtin_roundf(y);
+  const float n = __builtin_floorf(y + 0.5f); /* inlined (roundf is a libm call) */
   const float f = y - n;
   float p = 1.5403530393381609954e-4f;
   p = p * f + 1.3333558146428443423e-3f;
@@ -160,12 +160,53 @@ static inline float hm_exp(float x) {
   return x <= -87.0f ? 0.0f : p * scale;
 }
 
-/* Scores of query row q against the n key rows k[0..n) (d values each, fp32), plus `bias`:
- * four rows at a time, so q is loaded once per four dot products and the four sums run as
- * independent chains. */
+#if defined(__AVX2__) && defined(__FMA__)
+/* hm_exp on eight lanes: the same steps (clamp, split into 2^n and the polynomial, 0 below -87). */
+static inline __m256 hm_exp8(__m256 x) {
+  const __m256 lowest = _mm256_set1_ps(-87.0f);
+  x = _mm256_max_ps(x, lowest);
+  const __m256 y = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f));
+  const __m256 n = _mm256_floor_ps(_mm256_add_ps(y, _mm256_set1_ps(0.5f)));
+  const __m256 f = _mm256_sub_ps(y, n);
+  __m256 p = _mm256_set1_ps(1.5403530393381609954e-4f);
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.3333558146428443423e-3f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.6181291076284771619e-3f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.5504108664821579953e-2f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.4022650695910071233e-1f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.9314718055994530942e-1f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  const __m256 r = _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+  return _mm256_andnot_ps(_mm256_cmp_ps(x, lowest, _CMP_LE_OQ), r);
+}
+#endif
+
+/* Scores of query row q against the n key rows k[0..n) (d values each, fp32), plus `bias`. With
+ * AVX2, eight rows at a time: eight vector sums, then one reduction tree (hadd, lane swap) that
+ * turns them into the eight scores at once, instead of one horizontal sum per score; otherwise
+ * four rows at a time, so q is loaded once per four dot products. */
 static void hm_scores(const float *q, const float *const *k, int n, int d, float bias,
                       float *s) {
   int t = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+  if (d % 8 == 0) {
+    for (; t + 8 <= n; t += 8) {
+      __m256 a[8];
+      for (int j = 0; j < 8; j++) a[j] = _mm256_setzero_ps();
+      for (int i = 0; i < d; i += 8) {
+        const __m256 qv = _mm256_loadu_ps(q + i);
+        for (int j = 0; j < 8; j++) a[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[t + j] + i), a[j]);
+      }
+      const __m256 h01 = _mm256_hadd_ps(a[0], a[1]), h23 = _mm256_hadd_ps(a[2], a[3]);
+      const __m256 h45 = _mm256_hadd_ps(a[4], a[5]), h67 = _mm256_hadd_ps(a[6], a[7]);
+      const __m256 h0123 = _mm256_hadd_ps(h01, h23), h4567 = _mm256_hadd_ps(h45, h67);
+      /* lane 0 of h0123 holds the low halves' sums of rows 0-3, lane 1 the high halves' */
+      const __m256 sum = _mm256_add_ps(_mm256_permute2f128_ps(h0123, h4567, 0x20),
+                                       _mm256_permute2f128_ps(h0123, h4567, 0x31));
+      _mm256_storeu_ps(s + t, _mm256_add_ps(sum, _mm256_set1_ps(bias)));
+    }
+  }
+#endif
   for (; t + 4 <= n; t += 4) {
     const float *k0 = k[t], *k1 = k[t + 1], *k2 = k[t + 2], *k3 = k[t + 3];
     float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f, a3 = 0.0f;
@@ -199,6 +240,13 @@ static void hm_accumulate(float *acc, const float *p, const float *const *v, int
 #pragma omp simd
     for (int i = 0; i < d; i++) acc[i] += pt * vt[i];
   }
+}
+
+/* Ask for `bytes` from p on into the cache ahead of use: the next block's KV is fetched from
+ * memory while this block is computed on (a decode step reads KV that is in no cache, and the
+ * hardware prefetcher does not follow a block table from one block to the next). */
+static inline void hm_prefetch(const void *p, int64_t bytes) {
+  for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch((const char *)p + i, 0, 3);
 }
 
 /* Online-softmax state of one sequence's query rows (all heads), and its scratch. */
@@ -254,8 +302,22 @@ static void hm_softmax_block(hm_state *st, int r0, int g, int n) {
       st->m[r] = m_new;
     }
     float mass = 0.0f;
-#pragma omp simd reduction(+ : mass)
-    for (int t = 0; t < n; t++) {
+    int t0 = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+    if (n >= 8) {
+      const __m256 mv = _mm256_set1_ps(m_new);
+      __m256 sum = _mm256_setzero_ps();
+      for (; t0 + 8 <= n; t0 += 8) {
+        const __m256 pv = hm_exp8(_mm256_sub_ps(_mm256_loadu_ps(s + t0), mv));
+        _mm256_storeu_ps(s + t0, pv);
+        sum = _mm256_add_ps(sum, pv);
+      }
+      float lanes[8];
+      _mm256_storeu_ps(lanes, sum);
+      for (int i = 0; i < 8; i++) mass += lanes[i];
+    }
+#endif
+    for (int t = t0; t < n; t++) {
       float p = hm_exp(s[t] - m_new);
       s[t] = p;
       mass += p;
@@ -311,6 +373,13 @@ static int hm_full_blocks(hm_state *st, const hm_full_pool *p, const int32_t *ta
     const int64_t blk = table[j];
     if (blk < 0 || blk >= p->num_blocks) return 1;
     const int n = len - j * block_size < block_size ? len - j * block_size : block_size;
+    if ((j + 1) * block_size < len && table[j + 1] >= 0 && table[j + 1] < p->num_blocks) {
+      const int64_t next = table[j + 1] * p->blk_stride * esize;
+      const int64_t span = ((int64_t)(block_size - 1) * p->tok_stride +
+                            (int64_t)(kv_heads - 1) * p->head_stride + d) * esize;
+      hm_prefetch((const char *)p->k + next, span);
+      hm_prefetch((const char *)p->v + next, span);
+    }
     for (int h = 0; h < kv_heads; h++) {
       const int64_t base = blk * p->blk_stride + (int64_t)h * p->head_stride;
       for (int t = 0; t < n; t++) {
@@ -343,6 +412,9 @@ static int hm_kivi_blocks(hm_state *st, const hm_kivi_pool *p, const int32_t *ta
     const uint16_t *vze = (const uint16_t *)((const char *)p->ptr[3] + blk * p->blk_bytes[3]);
     const uint8_t *kc = (const uint8_t *)p->ptr[4] + blk * p->blk_bytes[4];
     const uint8_t *vc = (const uint8_t *)p->ptr[5] + blk * p->blk_bytes[5];
+    if ((j + 1) * block_size < len && table[j + 1] >= 0 && table[j + 1] < p->num_blocks)
+      for (int f = 0; f < 6; f++) /* a field's block is blk_bytes long: C-contiguous within */
+        hm_prefetch((const char *)p->ptr[f] + table[j + 1] * p->blk_bytes[f], p->blk_bytes[f]);
     for (int h = 0; h < kv_heads; h++) {
       for (int t = 0; t < n; t++) {
         float *kr = st->kbuf + (size_t)t * d, *vr = st->vbuf + (size_t)t * d;
