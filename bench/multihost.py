@@ -1,16 +1,25 @@
-"""Fetching a long cached prefix across a real link against recomputing it, on hosts made of
-network namespaces (deploy.netns; needs root): TTFT when a prefill worker on host B pulls the
-prefix from host A's store over a link `tc` shapes to each --gbps speed, against TTFT when it
-computes the whole prompt; and the choice the conductor's Mooncake policy makes for that request
-(given the same link speed as its transfer bandwidth), scored against whichever was faster.
+"""Fetching a cached prefix across a real link against recomputing it, on hosts made of network
+namespaces (deploy.netns; needs root), and whether the conductor's Mooncake policy picks the
+faster of the two from what it can know: the link as the prefill worker's own fetches measured it.
 
-The cluster is the real one: `ray start` on three hosts (head; prefill hosts A and B, each with
-a store node and a prefill worker), `halfmoon serve --config deploy/configs/multinode.yaml` from
-the head. Each measurement is one Prefill RPC (its wall time is the TTFT the worker gives) on a
-prompt of --context cached tokens + --suffix new ones; each repeat uses its own cache salt, so
-host B never holds the prefix before it fetches it. The final line is one JSON object.
+The cluster is the real one: `ray start` on three hosts (head; hosts A and B, each with a store
+node and a prefill worker), `halfmoon serve --config deploy/configs/multinode.yaml` from the head.
+The link out of host A is shaped to each --gbps speed (a tbf rate; no netem delay where the
+kernel lacks netem, which the JSON says). At each speed, host B's worker first fetches two warm-up
+prefixes from A, so that it has measured the link; then for each prefix length (--context) and
+repeat, with a cache salt of its own (B never holds the prefix before it fetches it):
+- recompute: A prefills the whole prompt (its TTFT, one Prefill RPC's wall time);
+- the policy's choice for B: MooncakePolicy on B's Load report as the conductor reads it (its
+  fitted prefill model, its queue, the bytes a block moves at the store's codec, and its measured
+  link to A's store), the index saying A's store holds the prefix;
+- fetch: B prefills the prompt, fetching the prefix from A's store (its TTFT).
+A case is correct when the policy fetches exactly when fetching measured faster. Speeds go from
+the fastest down, so that each is measured by fetches over it, never by ones over a faster link.
 
-    .venv/bin/python bench/multihost.py [--context 1024 --gbps 0.5,1,5 --repeats 2]
+    .venv/bin/python bench/multihost.py [--context 256,512,1024 --gbps 0.02,0.5,1,5 --repeats 1]
+
+The final line is one JSON object: `remote_fetch_vs_recompute_5gbps` (fetch TTFT / recompute TTFT
+at 5 Gbit/s, longest prefix; aim < 1) and `policy_choice_correct` (aim >= 0.9), with every case.
 """
 
 from __future__ import annotations
@@ -30,10 +39,21 @@ from deploy.hosts import HostCluster, HostSpec  # noqa: E402
 from deploy.netns import netns_problem  # noqa: E402
 
 HOSTS = (HostSpec("head"), HostSpec("hosta", {"prefill": 1.0}), HostSpec("hostb", {"prefill": 1.0}))
+WARM_TOKENS = (256, 128)  # the warm-up prefixes B fetches at each speed before its cases
 
 
 def say(*a) -> None:
     print(*a, file=sys.stderr, flush=True)
+
+
+def _ints(text: str, what: str) -> list[int]:
+    try:
+        out = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        out = []
+    if not out or min(out) <= 0:
+        raise SystemExit(f"{what}: expected positive integers, got {text!r}")
+    return out
 
 
 def main(argv=None) -> int:
@@ -41,27 +61,41 @@ def main(argv=None) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--context", type=int, default=1024, help="cached prompt tokens")
+    ap.add_argument("--context", default="256,512,1024", help="cached prefix lengths, tokens")
     ap.add_argument("--suffix", type=int, default=16, help="new prompt tokens after the prefix")
-    ap.add_argument("--gbps", default="0.5,1,5", help="link speeds, Gbit/s")
-    ap.add_argument("--repeats", type=int, default=2)
+    # 0.02: a link where recomputing wins clearly, so the score weighs both choices (at 0.05
+    # the two are within a few percent of each other for SmolLM2 on this CPU: a coin toss)
+    ap.add_argument("--gbps", default="0.02,0.5,1,5", help="link speeds, Gbit/s")
+    ap.add_argument("--repeats", type=int, default=1)
     args = ap.parse_args(argv)
     problem = netns_problem()
     if problem:
         say(f"bench/multihost.py: cannot make hosts here: {problem}")
         return 2
-    rates = [float(x) for x in args.gbps.split(",") if x.strip()]
+    try:
+        rates = sorted({float(x) for x in args.gbps.split(",") if x.strip()}, reverse=True)
+    except ValueError:
+        rates = []
     if not rates or min(rates) <= 0:
         say(f"--gbps: expected positive speeds, got {args.gbps!r}")
         return 2
+    contexts = _ints(args.context, "--context")
 
     import grpc
 
-    from conductor import ClusterState, DecodeCandidate, PrefillCandidate, RequestInfo, make_policy
+    from conductor import (
+        ClusterState,
+        DecodeCandidate,
+        Link,
+        PrefillCandidate,
+        RequestInfo,
+        make_policy,
+    )
     from protos import halfmoon_pb2 as pb
     from protos import halfmoon_pb2_grpc as pb_grpc
 
     hc = HostCluster(HOSTS, log=say)
+    rows, netem = [], True
     try:
         hc.start()
         served = hc.serve(
@@ -73,7 +107,7 @@ def main(argv=None) -> int:
                 "http_port=0",
                 "placement.worker_num_cpus=0",
                 "placement.gpus_per_worker=0",
-                "store.dram_bytes=536870912",
+                "store.dram_bytes=536870912",  # within each host's 1 GiB /dev/shm
                 f"store.ssd_dir={hc.work_dir}/ssd/{{node_id}}",
                 "store.ssd_bytes=1073741824",
                 "prefill.num_blocks=512",
@@ -96,12 +130,12 @@ def main(argv=None) -> int:
         say(f"prefill workers {workers}, stores {stores}")
         rng = random.Random(0)
         vocab = status.vocab_size or 32000
-        prefix = [rng.randrange(100, vocab - 1) for _ in range(args.context)]
-        prompt = prefix + [rng.randrange(100, vocab - 1) for _ in range(args.suffix)]
-        block_size = status.block_size
-        n_blocks = args.context // block_size
+        bs = status.block_size
 
-        def prefill(host: str, salt: str, **extra) -> tuple[float, pb.PrefillReply]:
+        def tokens(n: int) -> list[int]:
+            return [rng.randrange(100, vocab - 1) for _ in range(n)]
+
+        def prefill(host: str, prompt: list[int], salt: str, **extra):
             with grpc.insecure_channel(workers[host]) as ch:
                 req = pb.PrefillRequest(
                     token_ids=prompt,
@@ -113,87 +147,113 @@ def main(argv=None) -> int:
                 reply = pb_grpc.PrefillWorkerStub(ch).Prefill(req, timeout=600)
                 return (time.perf_counter() - t0) * 1000.0, reply
 
-        prefill("hosta", "warm")  # first forward of each worker: allocations, kernel builds
-        prefill("hostb", "warm-b")
-        rows = []
-        for rate in rates:
-            for host in ("hosta", "hostb"):
-                hc.hosts.shape(hc.hosts[host], rate_gbit=rate, delay_ms=1.0)
-            fetch_ms, recompute_ms, bytes_moved = [], [], 0
-            for r in range(args.repeats):
-                salt = f"{rate}-{r}"
-                ms, reply = prefill("hosta", salt)  # host A computes it all: the recompute time
-                assert reply.computed_tokens == len(prompt), reply
-                recompute_ms.append(ms)
-                ms, reply = prefill(
-                    "hostb", salt, fetch_from=stores["hosta"], fetch_blocks=n_blocks
-                )
-                assert reply.cached_remote_tokens == n_blocks * block_size, reply
-                fetch_ms.append(ms)
-            block_bytes = _block_bytes(status)
-            bytes_moved = n_blocks * block_bytes
-            # what the policy decides for host B's request, with this link as its bandwidth
-            policy = make_policy("mooncake", transfer_mb_per_ms=rate / 8.0, reject=False)
-            recompute = statistics.median(recompute_ms)
-            coef = (0.0, recompute / len(prompt), 0.0)  # the worker's measured cost per token
-            state = ClusterState(
-                prefill=[PrefillCandidate("prefill-b", (stores["hostb"],), 0.0, coef)],
-                decode=[DecodeCandidate("decode-0", 0, 1024, 1024, 0, (1.0, 0.0, 0.0))],
-                matches={stores["hosta"]: n_blocks},
-                block_size=block_size,
-                block_bytes=block_bytes,
+        def load(host: str) -> pb.WorkerLoad:
+            with grpc.insecure_channel(workers[host]) as ch:
+                return pb_grpc.PrefillWorkerStub(ch).Load(pb.LoadRequest(), timeout=30)
+
+        def choice(ld: pb.WorkerLoad, prompt_tokens: int, prefix_blocks: int):
+            """What the conductor's policy decides for this request, given B's report (as the
+            conductor builds its candidate, without its measured/predicted correction)."""
+            b = PrefillCandidate(
+                ld.worker_id,
+                tuple(ld.nodes),
+                ld.predicted_queue_ms,
+                tuple(ld.prefill_coef),
+                True,
+                ld.fetch_block_bytes,
+                ld.queued_tokens,
+                tuple(Link(x.node, x.fixed_ms, x.bytes_per_ms) for x in ld.links),
             )
-            decision = policy.choose(RequestInfo(len(prompt), 1, 0.0, 0.0), state)
-            fetch = statistics.median(fetch_ms)
-            row = {
-                "gbps": rate,
-                "fetch_ttft_ms": round(fetch, 1),
-                "recompute_ttft_ms": round(recompute, 1),
-                "prefix_mb": round(bytes_moved / 1e6, 2),
-                "wire_ms": round(bytes_moved * 8 / (rate * 1e9) * 1000, 1),
-                "policy_fetches": bool(decision.fetch_from),
-                "policy_predicted_ttft_ms": round(decision.predicted_ttft_ms, 1),
-                "faster": "fetch" if fetch < recompute else "recompute",
-            }
-            rows.append(row)
-            say(json.dumps(row))
-        for host in ("hosta", "hostb"):
-            hc.hosts.shape(hc.hosts[host])
+            state = ClusterState(
+                prefill=[b],
+                decode=[DecodeCandidate("decode-0", 0, 4096, 4096, 0, (1.0, 0.0, 0.0))],
+                matches={stores["hosta"]: prefix_blocks},
+                block_size=bs,
+                block_bytes=ld.block_bytes,
+            )
+            policy = make_policy("mooncake", reject=False)
+            return policy.choose(RequestInfo(prompt_tokens, 1, 0.0, 0.0), state)
+
+        prefill("hosta", tokens(64), "warm")  # first forward of each worker: allocations
+        prefill("hostb", tokens(64), "warm-b")
+        for rate in rates:
+            shape = hc.hosts.shape(hc.hosts["hosta"], rate_gbit=rate, delay_ms=1.0, direction="out")
+            netem = netem and shape.delay_ms > 0
+            for i, n in enumerate(WARM_TOKENS):  # B measures the link it now is
+                warm = tokens(n + args.suffix)
+                prefill("hosta", warm, f"warm-{rate}-{i}")
+                _, r = prefill(
+                    "hostb",
+                    warm,
+                    f"warm-{rate}-{i}",
+                    fetch_from=stores["hosta"],
+                    fetch_blocks=n // bs,
+                )
+                say(
+                    f"{rate:g} Gbit/s warm-up: {r.fetched_bytes / 1e6:.1f} MB in "
+                    f"{r.fetch_ms:.0f} ms ({r.fetched_bytes * 8 / r.fetch_ms / 1e6:.2f} Gbit/s)"
+                )
+            for context in contexts:
+                n_blocks = context // bs
+                for rep in range(args.repeats):
+                    salt = f"{rate}-{context}-{rep}"
+                    prompt = tokens(n_blocks * bs + args.suffix)
+                    recompute_ms, r = prefill("hosta", prompt, salt)
+                    assert r.computed_tokens == len(prompt), r
+                    ld = load("hostb")
+                    d = choice(ld, len(prompt), n_blocks)
+                    link = next((x for x in ld.links if x.node == stores["hosta"]), None)
+                    fetch_ms, r = prefill(
+                        "hostb", prompt, salt, fetch_from=stores["hosta"], fetch_blocks=n_blocks
+                    )
+                    assert r.cached_remote_tokens == n_blocks * bs, r
+                    row = {
+                        "gbps": rate,
+                        "prefix_tokens": n_blocks * bs,
+                        "fetch_ttft_ms": round(fetch_ms, 1),
+                        "recompute_ttft_ms": round(recompute_ms, 1),
+                        "prefix_mb": round(r.fetched_bytes / 1e6, 2),
+                        "fetch_ms": round(r.fetch_ms, 1),
+                        "wire_ms": round(r.fetched_bytes * 8 / (rate * 1e9) * 1000, 1),
+                        "link_gbps_measured": round(link.bytes_per_ms * 8 / 1e6, 3) if link else 0,
+                        "policy_fetches": bool(d.fetch_from),
+                        "policy_predicted_ttft_ms": round(d.predicted_ttft_ms, 1),
+                        "policy_assumed_link": bool(d.assumed_link),
+                        "faster": "fetch" if fetch_ms < recompute_ms else "recompute",
+                    }
+                    rows.append(row)
+                    say(json.dumps(row))
+        hc.hosts.shape(hc.hosts["hosta"])
     finally:
         hc.stop()
 
-    say(f"{'Gbit/s':>7} {'fetch ms':>9} {'recompute':>10} {'wire ms':>8} {'policy':>9} faster")
+    say(
+        f"{'Gbit/s':>7} {'prefix':>6} {'fetch ms':>9} {'recompute':>10} {'wire ms':>8} "
+        f"{'measured':>9} {'policy':>9} faster"
+    )
     for row in rows:
-        choice = "fetch" if row["policy_fetches"] else "recompute"
+        pick = "fetch" if row["policy_fetches"] else "recompute"
         say(
-            f"{row['gbps']:>7g} {row['fetch_ttft_ms']:>9.1f} {row['recompute_ttft_ms']:>10.1f} "
-            f"{row['wire_ms']:>8.1f} {choice:>9} {row['faster']}"
+            f"{row['gbps']:>7g} {row['prefix_tokens']:>6} {row['fetch_ttft_ms']:>9.1f} "
+            f"{row['recompute_ttft_ms']:>10.1f} {row['wire_ms']:>8.1f} "
+            f"{row['link_gbps_measured']:>9.3f} {pick:>9} {row['faster']}"
         )
-    correct = [
-        (row["policy_fetches"] and row["faster"] == "fetch")
-        or (not row["policy_fetches"] and row["faster"] == "recompute")
-        for row in rows
-    ]
+    correct = [row["policy_fetches"] == (row["faster"] == "fetch") for row in rows]
     out = {
         "model": args.model,
-        "context_tokens": args.context,
-        "rows": rows,
+        "prefix_tokens": contexts,
+        "netem_delay": netem,  # False: this kernel has no netem, the links are rate-shaped only
         "policy_choice_correct": round(sum(correct) / len(correct), 3),
+        "policy_assumed_links": sum(row["policy_assumed_link"] for row in rows),
     }
-    for row in rows:
-        key = f"remote_fetch_vs_recompute_{row['gbps']:g}gbps".replace(".", "_")
-        out[key] = round(row["fetch_ttft_ms"] / row["recompute_ttft_ms"], 3)
+    longest = max(row["prefix_tokens"] for row in rows)
+    for rate in rates:
+        at = [row for row in rows if row["gbps"] == rate and row["prefix_tokens"] == longest]
+        ratio = statistics.median(row["fetch_ttft_ms"] / row["recompute_ttft_ms"] for row in at)
+        out[f"remote_fetch_vs_recompute_{rate:g}gbps".replace(".", "_")] = round(ratio, 3)
+    out["rows"] = rows
     print(json.dumps(out), flush=True)
     return 0
-
-
-def _block_bytes(status) -> int:
-    """Bytes of one full-precision fp32 block of the served model (from its config)."""
-    from model import load_model_info
-
-    info = load_model_info(status.model)
-    c = info.config
-    return c.num_layers * 2 * status.block_size * c.num_kv_heads * c.head_dim * 4
 
 
 if __name__ == "__main__":

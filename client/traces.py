@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import csv
+import io
 import json
 import math
+import re
 from datetime import datetime
 from pathlib import Path
 from typing import Callable, NamedTuple
 
 MOONCAKE_BLOCK_TOKENS = 512  # tokens per hash id in Mooncake's released traces
+# More tokens than any context window: a length beyond it is a broken line, not a request (and
+# would make replay build a prompt of that size).
+MAX_TRACE_TOKENS = 1 << 24
 
 # Mooncake's released synthetic trace (Apache-2.0), installed with this package: see data/README.md.
 SHIPPED_TRACE = Path(__file__).resolve().parent / "data" / "mooncake_synthetic_trace.jsonl"
@@ -36,25 +41,45 @@ def _int_field(obj: dict, name: str, where: str, minimum: int) -> int:
     if name not in obj:
         raise TraceError(f"{where}: missing field {name!r}")
     v = obj[name]
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or v != int(v) or v < minimum:
-        raise TraceError(f"{where}: {name!r} must be an integer >= {minimum}, got {v!r}")
+    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    if not ok or v != int(v) or not minimum <= v <= MAX_TRACE_TOKENS:
+        raise TraceError(
+            f"{where}: {name!r} must be an integer in [{minimum}, {MAX_TRACE_TOKENS}], got {v!r}"
+        )
     return int(v)
+
+
+# Bytes that are not UTF-8 decode to these (surrogateescape), so each line is checked in turn:
+# the first bad line is the one named, whatever is wrong with it.
+_NOT_UTF8 = re.compile("[\udc80-\udcff]")
+
+
+def _text(path: str | Path) -> str:
+    return Path(path).read_bytes().decode("utf-8", errors="surrogateescape")
+
+
+def _check_utf8(text: str, where: str) -> None:
+    if _NOT_UTF8.search(text):
+        raise TraceError(f"{where}: not UTF-8 text")
 
 
 def load_mooncake(path: str | Path, limit: int | None = None) -> list[TraceRequest]:
     """Mooncake JSONL: `timestamp` (ms), `input_length`, `output_length`, `hash_ids`."""
     out: list[TraceRequest] = []
-    with open(path, encoding="utf-8") as f:
+    with io.StringIO(_text(path), newline="\n") as f:  # lines end at \n only (as grep counts)
         for lineno, raw in enumerate(f, 1):
             if limit is not None and len(out) >= limit:
                 break
-            if not raw.strip():
+            if not raw.strip(" \t\r\n"):  # blank as JSON sees it (str.strip takes more)
                 continue
             where = f"{path}:{lineno}"
+            _check_utf8(raw, where)
             try:
                 obj = json.loads(raw)
             except json.JSONDecodeError as e:
                 raise TraceError(f"{where}: not valid JSON ({e.msg})") from None
+            except (ValueError, RecursionError) as e:  # a 5000-digit number, arrays nested deep
+                raise TraceError(f"{where}: not a trace record ({e})") from None
             if not isinstance(obj, dict):
                 raise TraceError(f"{where}: expected a JSON object")
             ts = obj.get("timestamp")
@@ -79,9 +104,24 @@ def load_mooncake(path: str | Path, limit: int | None = None) -> list[TraceReque
 def _azure_time(value: str) -> float:
     """Seconds: an ISO date-time (Azure's format) or a plain number of seconds."""
     try:
-        return float(value)
+        seconds = float(value)
     except ValueError:
         return datetime.fromisoformat(value.strip()).timestamp()
+    if not math.isfinite(seconds):
+        raise ValueError(f"not a time: {value!r}")
+    return seconds
+
+
+def _rows(reader, path: str | Path):
+    """(line, row) of a csv reader; a line the csv module refuses is a TraceError naming it."""
+    while True:
+        try:
+            row = next(reader)
+        except StopIteration:
+            return
+        except csv.Error as e:
+            raise TraceError(f"{path}:{reader.line_num}: not a CSV row ({e})") from None
+        yield reader.line_num, row
 
 
 def load_azure(path: str | Path, limit: int | None = None) -> list[TraceRequest]:
@@ -89,28 +129,28 @@ def load_azure(path: str | Path, limit: int | None = None) -> list[TraceRequest]
     out: list[TraceRequest] = []
     next_id = 0
     t0: float | None = None
-    with open(path, encoding="utf-8", newline="") as f:
-        reader = csv.reader(f)
+    with io.StringIO(_text(path), newline="\n") as f:  # lines end at \n only (as grep counts)
+        reader = _rows(csv.reader(f), path)
         header = next(reader, None)
-        cols = [c.strip() for c in header or []]
+        cols = [c.strip() for c in (header[1] if header else [])]
         need = ["TIMESTAMP", "ContextTokens", "GeneratedTokens"]
         if any(c not in cols for c in need):
             raise TraceError(
                 f"{path}:1: expected a header with {','.join(need)}, got {','.join(cols)!r}"
             )
         pos = [cols.index(c) for c in need]
-        for row in reader:
-            lineno = reader.line_num
+        for lineno, row in reader:
             if limit is not None and len(out) >= limit:
                 break
             if not row or not "".join(row).strip():
                 continue
             where = f"{path}:{lineno}"
+            _check_utf8("".join(row), where)
             if len(row) < len(cols):
                 raise TraceError(f"{where}: expected {len(cols)} columns, got {len(row)}")
             try:
                 t = _azure_time(row[pos[0]])
-            except ValueError:
+            except (ValueError, OverflowError, OSError):  # not a time, or none a clock holds
                 raise TraceError(f"{where}: bad TIMESTAMP {row[pos[0]]!r}") from None
             vals = {}
             for name, p, minimum in (("ContextTokens", pos[1], 1), ("GeneratedTokens", pos[2], 0)):
@@ -120,8 +160,11 @@ def load_azure(path: str | Path, limit: int | None = None) -> list[TraceRequest]
                     raise TraceError(
                         f"{where}: {name} must be an integer, got {row[p]!r}"
                     ) from None
-                if vals[name] < minimum:
-                    raise TraceError(f"{where}: {name} must be >= {minimum}, got {vals[name]}")
+                if not minimum <= vals[name] <= MAX_TRACE_TOKENS:
+                    raise TraceError(
+                        f"{where}: {name} must be in [{minimum}, {MAX_TRACE_TOKENS}], "
+                        f"got {vals[name]}"
+                    )
             t0 = t if t0 is None else t0
             n_blocks = -(-vals["ContextTokens"] // MOONCAKE_BLOCK_TOKENS)
             ids = tuple(

@@ -17,6 +17,10 @@ class ConductorConfig:
     decode_workers: list[str] = field(default_factory=list)  # decode workers' gRPC addresses
     store_addresses: list[str] = field(default_factory=list)  # store nodes' addresses (Status)
     index_url: str = ""  # Redis URL of the global block index; "" = route without cache hits
+    # The index is advisory: a lookup gives up after index_timeout_s (routing without cache
+    # hits), and after a failure the next lookups skip it for index_retry_s
+    index_timeout_s: float = 0.25
+    index_retry_s: float = 1.0
     block_size: int = 16  # tokens per block; must match the workers'
     # KV cache type: auto (full precision, the compute dtype) | fp16 | bf16 (full precision kept
     # in 16 bits) | int8 (pools in the compute dtype, blocks stored and moved as int8) | kivi4 |
@@ -34,7 +38,8 @@ class ConductorConfig:
     )
     # mooncake: fetch a longer prefix held elsewhere only beyond this x the worker's own match
     kvcache_balancing_threshold: float = 1.5
-    # mooncake: KV transfer bandwidth assumed between hosts (1.0 = 1 GB/s)
+    # mooncake: KV transfer speed assumed of a link until a prefill worker's fetches measure it
+    # (1.0 = 1 GB/s); measured links replace it (logged and counted: halfmoon_link_assumed)
     transfer_mb_per_ms: float = 1.0
     random_seed: int = 0  # the random policy's seed
     ttft_slo_ms: float = 30_000.0  # default time-to-first-token objective (requests may set theirs)
@@ -44,7 +49,9 @@ class ConductorConfig:
     load_timeout_s: float = 2.0  # deadline of a Load RPC
     prefill_timeout_s: float = 120.0  # deadline of a Prefill RPC
     decode_timeout_s: float = 900.0  # deadline of a Decode stream
-    grpc_workers: int = 128  # one thread per open Generate stream
+    # Generate streams served at once (each holds a thread); the next is refused at once with
+    # RESOURCE_EXHAUSTED, and health and Status keep threads of their own
+    grpc_workers: int = 128
     # TLS and tokens (the cluster's `security` section): Generate and Status take an API token
     # (its tenant chooses the cache salt), ClearCache the cluster token
     security: SecurityConfig = field(default_factory=SecurityConfig)

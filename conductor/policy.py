@@ -22,6 +22,15 @@ class RequestInfo(NamedTuple):
     tbt_slo_ms: float  # time-between-tokens objective; <= 0 = none
 
 
+class Link(NamedTuple):
+    """A link from a store node to a prefill worker, as the worker's fetches measured it: a fetch
+    of n bytes takes fixed_ms + n / bytes_per_ms."""
+
+    node: str  # the store node's index id
+    fixed_ms: float  # round trips before the bytes flow
+    bytes_per_ms: float
+
+
 class PrefillCandidate(NamedTuple):
     worker_id: str
     # Index node ids local to this worker: its device pool's node and its host's store node(s).
@@ -29,12 +38,14 @@ class PrefillCandidate(NamedTuple):
     queue_ms: float  # predicted wait before a new request starts computing
     coef: tuple[float, ...]  # fitted prefill model: ms = c0 + c1*tokens + c2*tokens*context
     healthy: bool = True
-    # bytes per block its last CacheGen fetch moved (0 = it fetches raw blocks): what a fetch
-    # costs on the link, at the level its link allowed
+    # bytes one block moves when it fetches: a block at the store's codec, or what its last
+    # CacheGen fetch moved per block (0 = unknown: the cluster's block_bytes)
     fetch_block_bytes: float = 0.0
     # Prompt tokens ahead of a new request there (queued, and left in the round computing), for
     # reports; `queue_ms` is what the policy adds.
     queued_tokens: int = 0
+    # the links from the store nodes it has fetched from, as measured (others: the default)
+    links: tuple[Link, ...] = ()
 
 
 class DecodeCandidate(NamedTuple):
@@ -96,6 +107,9 @@ class Decision(NamedTuple):
     predicted_tbt_ms: float  # the chosen decode worker's predicted step time
     # The compute part of the TTFT estimate (the work this request adds to the worker's queue).
     predicted_prefill_ms: float = 0.0
+    # A store node the chosen worker was weighed fetching from over a link none of its fetches
+    # has measured yet (the estimate took the policy's default speed); "" = none.
+    assumed_link: str = ""
 
 
 class Rejected(Exception):
@@ -244,13 +258,28 @@ def _prefill_workers(state: ClusterState) -> list[PrefillCandidate]:
 @dataclass
 class MooncakePolicy(Policy):
     """Mooncake's Algorithm 1: KV-cache-aware prefill choice by estimated TTFT, decode by load,
-    early rejection."""
+    early rejection. Where a worker may fetch a longer prefix, it fetches only when that is
+    predicted faster than computing what its own tiers lack, over the link as measured."""
 
     # Fetch a remote prefix only when longer than this x the worker's own match.
     kvcache_balancing_threshold: float = 1.5
-    transfer_mb_per_ms: float = 1.0  # store-to-worker bandwidth (1.0 = 1 GB/s)
+    # The speed assumed of a link no fetch has measured yet (1.0 = 1 GB/s); the workers' measured
+    # links (PrefillCandidate.links) take its place.
+    transfer_mb_per_ms: float = 1.0
     reject: bool = True  # reject when a predicted SLO is missed
     name: str = "mooncake"
+
+    def transfer_ms(
+        self, w: PrefillCandidate, node: str, blocks: int, block_bytes: int
+    ) -> tuple[float, bool]:
+        """(predicted ms for `w` to fetch `blocks` blocks from `node`, whether that link was
+        measured): the bytes a block moves at the store's codec (or CacheGen's level) over the
+        link as `w`'s fetches measured it, else at the default speed."""
+        nbytes = blocks * (w.fetch_block_bytes or block_bytes)
+        link = next((x for x in w.links if x.node == node and x.bytes_per_ms > 0), None)
+        if link is None:
+            return nbytes / (self.transfer_mb_per_ms * 1e6), False
+        return link.fixed_ms + nbytes / link.bytes_per_ms, True
 
     def choose(self, request: RequestInfo, state: ClusterState) -> Decision:
         bs = state.block_size
@@ -262,25 +291,30 @@ class MooncakePolicy(Policy):
                 best_node, best_blocks = node, cap(blocks)
         chosen = None
         for w in _prefill_workers(state):
-            # Its own tiers: its device pool and its host's store node(s), all listed in w.nodes.
+            # Its own tiers: its device pool and its host's store node(s), all listed in w.nodes;
+            # what they lack is computed.
             own = max((cap(state.matches.get(n, 0)) for n in w.nodes), default=0)
-            fetch_from, fetch_blocks, transfer_ms = "", 0, 0.0
-            reuse = own
+            options = [("", 0, own, 0.0)]  # (fetch_from, fetch_blocks, reuse, transfer ms)
+            assumed = ""
             # Fetch only a prefix enough longer than its own to be worth the transfer (Mooncake's
-            # kvcache_balancing_threshold); below that the worker computes what its tiers lack.
+            # kvcache_balancing_threshold), and only when the transfer over the link as measured
+            # beats computing those blocks (the first option wins a tie: nothing moves).
             longer = best_blocks > own and best_blocks > self.kvcache_balancing_threshold * own
             if longer and best_node not in w.nodes:
-                reuse, fetch_from, fetch_blocks = best_blocks, best_node, best_blocks
-                per_block = w.fetch_block_bytes or state.block_bytes
-                transfer_ms = (best_blocks - own) * per_block / (self.transfer_mb_per_ms * 1e6)
-            compute_ms = predict(
-                w.coef, prefill_features(request.num_tokens - reuse * bs, request.num_tokens)
-            )
-            ttft = w.queue_ms + transfer_ms + compute_ms
-            key = (ttft, w.worker_id)
-            if chosen is None or key < chosen[0]:
-                chosen = (key, w, reuse, fetch_from, fetch_blocks, ttft, compute_ms)
-        _, w, reuse, fetch_from, fetch_blocks, ttft, compute_ms = chosen
+                moved, measured = self.transfer_ms(
+                    w, best_node, best_blocks - own, state.block_bytes
+                )
+                options.append((best_node, best_blocks, best_blocks, moved))
+                assumed = "" if measured else best_node
+            for fetch_from, fetch_blocks, reuse, moved in options:
+                compute_ms = predict(
+                    w.coef, prefill_features(request.num_tokens - reuse * bs, request.num_tokens)
+                )
+                ttft = w.queue_ms + moved + compute_ms
+                key = (ttft, w.worker_id)
+                if chosen is None or key < chosen[0]:
+                    chosen = (key, w, reuse, fetch_from, fetch_blocks, ttft, compute_ms, assumed)
+        _, w, reuse, fetch_from, fetch_blocks, ttft, compute_ms, assumed = chosen
         if self.reject and request.ttft_slo_ms > 0 and ttft > request.ttft_slo_ms:
             raise Rejected(
                 f"predicted TTFT {ttft:.0f} ms exceeds the {request.ttft_slo_ms:g} ms SLO "
@@ -288,7 +322,16 @@ class MooncakePolicy(Policy):
             )
         d, tbt = _least_loaded_decode(request, state, slo=self.reject)
         return Decision(
-            w.worker_id, d.worker_id, True, fetch_from, fetch_blocks, reuse, ttft, tbt, compute_ms
+            w.worker_id,
+            d.worker_id,
+            True,
+            fetch_from,
+            fetch_blocks,
+            reuse,
+            ttft,
+            tbt,
+            compute_ms,
+            assumed,
         )
 
 

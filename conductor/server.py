@@ -15,10 +15,12 @@ from prometheus_client import Counter, Histogram
 
 from conductor.config import ConductorConfig
 from conductor.detok import IncrementalText
+from conductor.links import AssumedLinks
 from conductor.policy import (
     POLICIES,
     ClusterState,
     DecodeCandidate,
+    Link,
     Policy,
     PrefillCandidate,
     Rejected,
@@ -43,6 +45,7 @@ from servekit import (
     open_channel,
     prompt_ids_problem,
     sampling_problem,
+    shown,
     tenant_salt,
     torch_dtype,
 )
@@ -153,6 +156,7 @@ class Conductor(GrpcServer, pb_grpc.ConductorServicer):
 
     # what an API token may call; ClearCache wipes every tenant's cache: the cluster token only
     client_methods = frozenset({"/halfmoon.Conductor/Generate", "/halfmoon.Conductor/Status"})
+    data_methods = frozenset({"/halfmoon.Conductor/Generate"})  # a stream holds a thread
 
     def __init__(self, config: ConductorConfig, lm=None):
         GrpcServer.__init__(
@@ -190,9 +194,12 @@ class Conductor(GrpcServer, pb_grpc.ConductorServicer):
         self._workers = [_Worker(a, "prefill", config.security) for a in config.prefill_workers] + [
             _Worker(a, "decode", config.security) for a in config.decode_workers
         ]
-        self._index = Index(config.index_url) if config.index_url else None
+        self._index = (
+            Index(config.index_url, timeout_s=config.index_timeout_s) if config.index_url else None
+        )
         self._tokens = Tokens(config.security)  # API tokens -> tenants, for the cache salt
         self._index_down = False  # the last index lookup failed (logged once per outage)
+        self._index_retry_at = 0.0  # while down, lookups skip the index until then
         self._process = psutil.Process()
         self._lock = threading.Lock()
         self._policy_lock = threading.Lock()
@@ -200,6 +207,7 @@ class Conductor(GrpcServer, pb_grpc.ConductorServicer):
         self._quit = threading.Event()
         self.totals = {"requests": 0, "rejected": 0, "prompt_tokens": 0, "cached_tokens": 0}
         self._init_metrics()
+        self._assumed_links = AssumedLinks(self.registry, config.transfer_mb_per_ms)
 
     # ---- metrics ----
 
@@ -237,7 +245,8 @@ class Conductor(GrpcServer, pb_grpc.ConductorServicer):
         )
         self.m_errors = Counter(
             "halfmoon_conductor_errors",
-            "Failures the conductor worked around (index_lookup, store_status)",
+            "Failures the conductor worked around (index_lookup, index_skipped, store_status, "
+            "worker_load, worker_memory, prefill_lost, decode_lost)",
             ["what"],
             registry=r,
         )
@@ -278,6 +287,7 @@ class Conductor(GrpcServer, pb_grpc.ConductorServicer):
             try:
                 load = f.result()
             except grpc.RpcError as exc:
+                self.m_errors.labels("worker_load").inc()
                 if w.healthy:
                     log.warning("%s worker %s stopped answering: %s", w.kind, w.worker_id, exc)
                 w.healthy = False
@@ -320,10 +330,6 @@ class Conductor(GrpcServer, pb_grpc.ConductorServicer):
                 s.routed = self._route_stream(context, request, s, prompt)
                 try:
                     reply = self._prefill_leg(context, s, prompt)
-                    if s.first is None:
-                        first = s.start(reply)
-                        self.m_ttft.observe(s.ttft_ms / 1000.0)
-                        yield first
                     yield from self._decode_leg(context, s, prompt, reply)
                 except _Retry as r:
                     self._worker_lost(context, s, r)
@@ -387,10 +393,7 @@ class Conductor(GrpcServer, pb_grpc.ConductorServicer):
                     grpc.StatusCode.UNAVAILABLE,
                     f"decode worker lost and no pair left to resume on: {exc}",
                 )
-            with self._lock:
-                self.totals["rejected"] += 1
-            self.m_rejected.labels("slo").inc()
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+            self._reject(context, "slo", str(exc))
         if s.routed is None:  # admitted: counted once, however often it is routed again
             with self._lock:
                 self.totals["requests"] += 1
@@ -431,6 +434,9 @@ class Conductor(GrpcServer, pb_grpc.ConductorServicer):
                     raise _Cancelled() from None
                 if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
                     raise _Retry("prefill", routed.prefill, exc) from None
+                if s.first is None and exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    who = f"prefill worker {routed.prefill.worker_id}"
+                    self._reject(context, "prefill_full", f"{who}: {exc.details()}", routed=True)
                 self._downstream_failed(context, "prefill", routed.prefill, exc)
         finally:
             with self._lock:
@@ -440,12 +446,17 @@ class Conductor(GrpcServer, pb_grpc.ConductorServicer):
         self, context, s: RequestStream, prompt: list[int], reply: pb.PrefillReply
     ) -> Iterator[pb.GenerateResponse]:
         """Relays the decode worker's tokens until the answer ends (s.reason set); _Cancelled
-        when the client went away, _Retry when the stream broke off before its end."""
+        when the client went away, _Retry when the stream broke off before its end.
+
+        A new request's first token (the prefill's) goes to the client only once the decode
+        worker has admitted the sequence (its first message): a wait for pool room is part of
+        TTFT, and no stream stalls after its first token. A refusal before that (the worker's
+        queue is full) is an early rejection."""
         worker = s.routed.decode
         dreq = pb.DecodeRequest(
             request_id=s.rid,
             prompt_ids=prompt,
-            first_token=s.out[-1],
+            first_token=s.out[-1] if s.out else reply.first_token,
             handle=reply.handle,
             sampling=s.decode_sampling(),
             cache_salt=s.salt,
@@ -458,6 +469,10 @@ class Conductor(GrpcServer, pb_grpc.ConductorServicer):
         context.add_callback(call.cancel)
         try:
             for msg in call:
+                if s.first is None:  # admitted (or ended by its first token): it starts now
+                    first = s.start(reply)
+                    self.m_ttft.observe(s.ttft_ms / 1000.0)
+                    yield first
                 if msg.token_ids:
                     out, gaps = s.add(msg)
                     for gap in gaps:
@@ -481,6 +496,9 @@ class Conductor(GrpcServer, pb_grpc.ConductorServicer):
         except grpc.RpcError as exc:
             if not context.is_active():
                 raise _Cancelled() from None
+            if s.first is None and exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                who = f"decode worker {worker.worker_id}"
+                self._reject(context, "decode_full", f"{who}: {exc.details()}", routed=True)
             if not s.reason:
                 raise _Retry("decode", worker, exc) from None
         finally:
@@ -493,6 +511,7 @@ class Conductor(GrpcServer, pb_grpc.ConductorServicer):
         """Out of routing until it answers a Load; the request goes on elsewhere unless every
         worker has failed it or the client is gone."""
         s.failures += 1
+        self.m_errors.labels(f"{r.what}_lost").inc()
         if r.worker is not None:
             r.worker.healthy = False
         if s.failures > len(self._workers) or not context.is_active():
@@ -536,6 +555,16 @@ class Conductor(GrpcServer, pb_grpc.ConductorServicer):
         left = context.time_remaining()
         return cap if left is None else max(0.001, min(cap, left))
 
+    def _reject(self, context, reason: str, message: str, routed: bool = False) -> None:
+        """Refuse the request before its first token: RESOURCE_EXHAUSTED with `message`, counted
+        as a rejection by `reason` (and, once `routed`, no longer as an admitted request)."""
+        with self._lock:
+            self.totals["rejected"] += 1
+            if routed:
+                self.totals["requests"] -= 1
+        self.m_rejected.labels(reason).inc()
+        context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, message)
+
     def _downstream_failed(self, context, what: str, worker: _Worker, exc: grpc.RpcError | None):
         """End the request with the worker's own verdict (INVALID_ARGUMENT, RESOURCE_EXHAUSTED...),
         naming who said it."""
@@ -555,12 +584,13 @@ class Conductor(GrpcServer, pb_grpc.ConductorServicer):
         c = self.model_config
         if r.model and r.model not in (self.model_name, self.config.model):
             raise _Invalid(
-                f"model: unknown model {r.model!r} (this cluster serves {self.model_name!r})"
+                f"model: unknown model {shown(r.model)} (this cluster serves {self.model_name!r})"
             )
         policy = r.policy or self.config.policy
         if policy not in self.policies:
             raise _Invalid(
-                f"policy: unknown policy {policy!r} (known: {', '.join(sorted(self.policies))})"
+                f"policy: unknown policy {shown(policy)} "
+                f"(known: {', '.join(sorted(self.policies))})"
             )
         problem = sampling_problem(r.sampling, self.config.max_tokens_limit)
         if problem:
@@ -583,7 +613,7 @@ class Conductor(GrpcServer, pb_grpc.ConductorServicer):
             for i, m in enumerate(msgs):
                 if m.role not in _ROLES:
                     raise _Invalid(
-                        f"prompt.chat.messages[{i}].role: {m.role!r} is not one of "
+                        f"prompt.chat.messages[{i}].role: {shown(m.role)} is not one of "
                         f"{', '.join(_ROLES)}"
                     )
             chat = [{"role": m.role, "content": m.content} for m in msgs]
@@ -599,6 +629,10 @@ class Conductor(GrpcServer, pb_grpc.ConductorServicer):
         index means routing without cache knowledge, logged once per outage and counted."""
         if self._index is None or not keys:
             return {}
+        if self._index_down and time.monotonic() < self._index_retry_at:
+            # a down (or hung) Redis costs one timeout per index_retry_s, not one per request
+            self.m_errors.labels("index_skipped").inc()
+            return {}
         try:
             found = self._index.longest_prefix(keys)
             matches = {
@@ -610,6 +644,7 @@ class Conductor(GrpcServer, pb_grpc.ConductorServicer):
             if not self._index_down:
                 log.warning("index lookup failed, routing without cache hits: %r", exc)
             self._index_down = True
+            self._index_retry_at = time.monotonic() + self.config.index_retry_s
             return {}
         if self._index_down:
             log.info("index lookups answer again")
@@ -656,6 +691,7 @@ class Conductor(GrpcServer, pb_grpc.ConductorServicer):
                             w.healthy,
                             ld.fetch_block_bytes,
                             queued_tokens,
+                            tuple(Link(x.node, x.fixed_ms, x.bytes_per_ms) for x in ld.links),
                         )
                     )
                 else:
@@ -708,6 +744,7 @@ class Conductor(GrpcServer, pb_grpc.ConductorServicer):
         with self._policy_lock:  # the random policy's generator is not thread-safe either
             state = self._state(keys)
             d = self.policies[policy_name].choose(info, state)
+            self._assumed_links.note(d)
             with self._lock:
                 by_id = {w.worker_id: w for w in self._workers}
                 for w in self._workers:  # routed again after a failure: the old booking goes
@@ -757,8 +794,10 @@ class Conductor(GrpcServer, pb_grpc.ConductorServicer):
                 )
                 if w.load is not None:
                     ws.load.CopyFrom(w.load)
-            reply.requests_total = self.totals["requests"] + self.totals["rejected"]
-            reply.requests_rejected = self.totals["rejected"]
+            # refused at the door when every Generate slot was taken: rejections too
+            rejected = self.totals["rejected"] + self.call_limit.refused
+            reply.requests_total = self.totals["requests"] + rejected
+            reply.requests_rejected = rejected
             reply.prompt_tokens_total = self.totals["prompt_tokens"]
             reply.cached_tokens_total = self.totals["cached_tokens"]
             workers = list(zip(self._workers, reply.workers))

@@ -49,10 +49,11 @@ class RequestStream:
 
     def decode_sampling(self) -> pb.SamplingParams:
         """The client's sampling parameters, max_tokens cut to what is left (the decode worker
-        counts its first token, already sent, too)."""
+        counts its first token too: the last one sent, or the prefill's, sent once it is
+        admitted)."""
         sp = pb.SamplingParams()
         sp.CopyFrom(self.sampling)
-        sp.max_tokens = self.sampling.max_tokens - len(self.out) + 1
+        sp.max_tokens = self.sampling.max_tokens - max(1, len(self.out)) + 1
         return sp
 
     def start(self, reply: pb.PrefillReply) -> pb.GenerateResponse:
@@ -106,6 +107,7 @@ class RequestStream:
             predicted_tbt_ms=routed.predicted_tbt_ms,
             prefill_ms=r.prefill_ms,
             policy=routed.decision_policy,
+            worker_failures=self.failures,
         )
 
 

@@ -42,6 +42,9 @@ class DecodeConfig:
         ""  # this host's store node (gRPC "HOST:PORT"); required (answers are published there)
     )
     store_node: str = ""  # that node's id in the index
+    # Each store call of the KV connector (a lookup, a transfer) gives up after this many seconds:
+    # a stalled store node costs a recomputation, never a hung request
+    kv_timeout_s: float = 30.0
     publish: bool = (
         True  # publish the prompt + answer full blocks at the end (next turn starts warm)
     )
@@ -50,7 +53,10 @@ class DecodeConfig:
     # CPUs this worker's process runs on, e.g. "0-3" or "0,2" ("" = any): a prefill and a decode
     # worker on one host each keep to their own cores instead of thrashing each other's threads
     cpus: str = ""
-    grpc_workers: int = 128  # one per open stream
+    # Decode streams open at once (running, pulling or waiting for admission; each holds a
+    # thread); the next is refused at once with RESOURCE_EXHAUSTED, and health and Load keep
+    # threads of their own
+    grpc_workers: int = 128
     # the global index: with security on, a handle's store must be a node registered there (or
     # this worker's own store, or one of trusted_stores)
     index_url: str = ""
@@ -62,6 +68,10 @@ class DecodeConfig:
         self.security = security_config(self.security, "DecodeConfig.security")
         if self.block_size <= 0 or self.num_blocks <= 0 or self.max_batch <= 0:
             raise ValueError("DecodeConfig: block_size, num_blocks and max_batch must be positive")
+        if self.kv_timeout_s <= 0:
+            raise ValueError(
+                f"DecodeConfig: kv_timeout_s must be positive, got {self.kv_timeout_s}"
+            )
         check_dtype_device("DecodeConfig", self.dtype, self.device)
         parse_cpu_list("DecodeConfig.cpus", self.cpus)
         check_kv_cache("DecodeConfig", self)

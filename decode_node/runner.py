@@ -48,6 +48,7 @@ class DecodeRunner:
             worker=config.worker_id,
             registry=registry,
             security=config.security,
+            timeout_s=config.kv_timeout_s,
         )
 
     def _make_pool(self):
@@ -137,14 +138,24 @@ class DecodeRunner:
             self.metrics.recomputed.inc(s.recomputed)
 
     def _new_full_blocks(self, s: Seq) -> tuple[list[bytes], int]:
-        """(keys of every full block whose KV is in the pool, the first one the store lacks)."""
+        """(keys of every full block whose KV is in the pool, the first one this host's store
+        lacks)."""
         bs = self.config.block_size
         tokens = (s.prompt + s.out[:-1])[: s.position // bs * bs]
         keys = block_keys(tokens, bs, self.fingerprint, s.request.cache_salt)
-        return keys, len(s.request.handle.block_keys)
+        h = s.request.handle
+        # The prompt's blocks are in this host's store only when the prefill's store is this
+        # worker's own; else everything goes from block 0: the index counts a node's prefix
+        # from the first block, so answer blocks alone would never be a hit on this host.
+        if h.store_node and self.config.store_node:
+            here = h.store_node == self.config.store_node
+        else:
+            here = (h.store_address or self.config.store_address) == self.config.store_address
+        return keys, len(h.block_keys) if here else 0
 
     def publish(self, s: Seq) -> None:
-        """The full blocks the answer added (prompt tail + answer) to the store."""
+        """The full blocks the answer added (prompt tail + answer) to this host's store, and the
+        prompt's too when they were computed on another host."""
         keys, start = self._new_full_blocks(s)
         if len(keys) > start:
             parent = keys[start - 1] if start else None

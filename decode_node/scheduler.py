@@ -199,6 +199,7 @@ class DecodeScheduler:
                 self._end_stream(seq, "error", note=f"KV pull failed: {exc}")
             else:
                 self._running.append(seq)
+                seq.events.put(("admitted",))  # its tokens come with the next steps
         self.metrics.running.set(len(self._running))
 
     def _drop_cancelled(self) -> None:

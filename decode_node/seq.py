@@ -24,7 +24,8 @@ class Seq:
         self.table: list[int] = []  # pool blocks (KIVI: packed blocks, the first n_packed used)
         self.window: list[int] = []  # KIVI: full-precision window blocks, oldest first
         self.n_packed = 0  # KIVI: leading tokens' blocks held packed
-        self.events: queue.Queue = queue.Queue()  # ("tok", id, ms, batch) | ("end", reason, note)
+        # ("admitted",) | ("tok", id, ms, batch) | ("end", reason, note)
+        self.events: queue.Queue = queue.Queue()
         self.arrived = time.perf_counter()
         self.cancelled = False
         self.pull: Future | None = None

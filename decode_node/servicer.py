@@ -36,6 +36,7 @@ class DecodeWorker(WorkerServer, pb_grpc.DecodeWorkerServicer):
     runner_class = staticmethod(make_runner)
     scheduler_class = DecodeScheduler
     store_use = "prompts' KV arrives through the store"
+    data_methods = frozenset({"/halfmoon.DecodeWorker/Decode"})  # a stream holds a thread
 
     def __init__(self, config: DecodeConfig, lm=None):
         super().__init__(config, lm)
@@ -104,7 +105,9 @@ class DecodeWorker(WorkerServer, pb_grpc.DecodeWorkerServicer):
                 evs.append(seq.events.get_nowait())
             msg = pb.DecodeResponse()
             for kind, *payload in evs:
-                if kind == "tok":
+                if kind == "admitted":
+                    yield pb.DecodeResponse(admitted=True)
+                elif kind == "tok":
                     tok, t_ms, batch = payload
                     msg.token_ids.append(tok)
                     msg.token_times_ms.append(t_ms)

@@ -13,9 +13,12 @@ import yaml
 from openai_api import HttpConfig
 from servekit import (
     ROLES,
+    ConfigError,
     SecurityConfig,
     config_from_dict,
     field_names,
+    located,
+    read_yaml,
     role_classes,
     security_config,
 )
@@ -130,24 +133,33 @@ def cluster_config_from_dict(data: dict) -> ClusterConfig:
     top = {f.name for f in dataclasses.fields(ClusterConfig)}
     unknown = sorted(set(data) - top)
     if unknown:
-        raise ValueError(
-            f"cluster config: unknown key(s) {', '.join(unknown)} (known: {', '.join(sorted(top))})"
+        known = ", ".join(sorted(top))
+        raise ConfigError(
+            f"cluster config: unknown key(s) {', '.join(unknown)} (known: {known})", (unknown[0],)
         )
     sections = {
         k: data.pop(k, None) or {} for k in (*ROLES, "ray", "placement", "http", "security")
     }
     for k, v in sections.items():
         if not isinstance(v, dict):
-            raise ValueError(f"cluster config: section {k!r} must be a mapping, got {v!r}")
-    cfg = ClusterConfig(**data)
+            raise ConfigError(f"cluster config: section {k!r} must be a mapping, got {v!r}", (k,))
+    cfg = config_from_dict(ClusterConfig, data, "")
     cfg.ray = config_from_dict(RayConfig, sections["ray"], "ray")
     cfg.placement = config_from_dict(PlacementConfig, sections["placement"], "placement")
-    cfg.security = security_config(sections["security"])
+    try:
+        cfg.security = security_config(sections["security"])
+    except ValueError as exc:
+        raise ConfigError(str(exc), getattr(exc, "keys", ()) or ("security",)) from None
     if not 0 <= cfg.http_port <= 65535:
-        raise ValueError(f"cluster config: http_port must be in [0, 65535], got {cfg.http_port}")
+        raise ConfigError(
+            f"cluster config: http_port must be in [0, 65535], got {cfg.http_port}", ("http_port",)
+        )
     http = dict(sections["http"])
     if "port" in http:
-        raise ValueError("cluster config: set the HTTP server's port with http_port, not http.port")
+        raise ConfigError(
+            "cluster config: set the HTTP server's port with http_port, not http.port",
+            ("http", "port"),
+        )
     http.setdefault("host", cfg.host)
     http.setdefault("security", cfg.security)
     cfg.http = config_from_dict(HttpConfig, http, "http")
@@ -162,21 +174,42 @@ def cluster_config_from_dict(data: dict) -> ClusterConfig:
             section["security"] = cfg.security
         setattr(cfg, role, config_from_dict(config_cls, section, role))
     if cfg.prefill_workers < 1 or cfg.decode_workers < 1:
-        raise ValueError("cluster config: prefill_workers and decode_workers must be >= 1")
+        worst = "prefill_workers" if cfg.prefill_workers < 1 else "decode_workers"
+        raise ConfigError(
+            "cluster config: prefill_workers and decode_workers must be >= 1", (worst,)
+        )
     return cfg
 
 
 def load_cluster_config(
     path: str | Path | None = None, overrides: list[str] = (), ray_address: str | None = None
 ) -> ClusterConfig:
-    """The YAML at `path` (default: deploy/configs/local.yaml) with `--set` overrides applied."""
+    """The YAML at `path` (default: deploy/configs/local.yaml) with `--set` overrides applied. An
+    error in the file names its line; one in an override names the override."""
     path = Path(path) if path else DEFAULT_CONFIG
     if not path.is_file():
         raise FileNotFoundError(f"no cluster config at {path}")
-    data = yaml.safe_load(path.read_text()) or {}
+    data, lines = read_yaml(path)
+    data = data or {}
     if not isinstance(data, dict):
-        raise ValueError(f"{path}: expected a mapping at the top level")
-    data = _merge(data, parse_overrides(list(overrides)))
+        raise ValueError(f"{path}:1: expected a mapping at the top level")
+    overridden = parse_overrides(list(overrides))
+    data = _merge(data, overridden)
     if ray_address is not None:
         data = _merge(data, {"ray": {"address": ray_address}})
-    return cluster_config_from_dict(data)
+    try:
+        return cluster_config_from_dict(data)
+    except ConfigError as exc:
+        if _in(overridden, exc.keys):
+            raise ValueError(f"--set: {exc}") from None
+        raise located(path, lines, exc) from None
+
+
+def _in(tree: dict, keys: tuple[str, ...]) -> bool:
+    """Whether the key path (or a section above it) is set in the nested mapping `tree`."""
+    node: Any = tree
+    for k in keys:
+        if not isinstance(node, dict) or k not in node:
+            return False
+        node = node[k]
+    return bool(keys)

@@ -4,9 +4,10 @@ node IP, temp dir and placement resources), Redis for the index on the head, and
 run from the head. The tests and `deploy/try_multihost.sh` use it; on real machines the same
 commands run one per machine (README, "Running a cluster").
 
-    python -m deploy.hosts [--rate-gbit 1] [--delay-ms 1] [--set model=tiny-random ...]
+    python -m deploy.hosts [--rate-gbit 1] [--delay-ms 1] [--secure] [--set model=tiny-random ...]
 
-starts it all, prints the conductor's address, and removes everything on Ctrl-C.
+starts it all, prints the conductor's address (and the HTTP API's URL), and removes everything on
+Ctrl-C.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -54,6 +56,7 @@ class Served(NamedTuple):
     proc: subprocess.Popen
     address: str  # the conductor's HOST:PORT (on the head's IP)
     log_path: Path  # its stderr
+    http_url: str = ""  # the OpenAI-compatible API's base URL ("" = http_port 0: not running)
 
 
 class Secured(NamedTuple):
@@ -66,6 +69,7 @@ class Secured(NamedTuple):
     api_token: str  # a client's bearer token (its tenant: `tenant`)
     tenant: str
     tenant_secret: str
+    cluster_token: str  # what the servers take on internal methods (with a node certificate)
 
 
 def _redis_server_binary() -> str:
@@ -214,7 +218,11 @@ class HostCluster:
         timeout_s: float = 300.0,
     ) -> Served:
         """Run `halfmoon serve --config CONFIG --ray-address HEAD` on the head; returns once it
-        prints the conductor's address."""
+        prints the conductor's address (and, when the config runs it, the HTTP API's URL)."""
+        from deploy.config import load_cluster_config
+
+        # checked here, before anything starts; and says whether an HTTP API URL will follow
+        http_on = bool(load_cluster_config(config, list(overrides)).http_port)
         log_path = self.work_dir / f"serve-{len(self._served)}.log"
         err = open(log_path, "w")
         argv = [
@@ -228,15 +236,20 @@ class HostCluster:
             text=True,
         )  # fmt: skip
         err.close()
-        address = _first_line(proc, timeout_s)
-        if not address:
+        want = [_ADDRESS, _URL] if http_on else [_ADDRESS]
+        lines = _first_lines(proc, want, timeout_s, log_path.with_suffix(".out"))
+        if len(lines) < len(want):
             proc.kill()
             proc.wait()
             tail = log_path.read_text()[-3000:]
-            raise RuntimeError(f"halfmoon serve printed no address; its log ({log_path}):\n{tail}")
-        served = Served(proc, address, log_path)
+            raise RuntimeError(
+                f"halfmoon serve printed no address{' and HTTP URL' if http_on else ''}; "
+                f"its log ({log_path}):\n{tail}"
+            )
+        served = Served(proc, lines[0], log_path, lines[1] if http_on else "")
         self._served.append(served)
-        self.log(f"halfmoon serving at {address} (log {log_path})")
+        http = f", HTTP API at {served.http_url}" if http_on else ""
+        self.log(f"halfmoon serving at {served.address}{http} (log {log_path})")
         return served
 
     def secured(self, tenant: str = "tester") -> Secured:
@@ -248,16 +261,19 @@ class HostCluster:
         ips = [h.ip for h in self.hosts.hosts.values()]
         certs = make_certs(self.work_dir / "certs", [*ips, "127.0.0.1", "localhost"], days=2)
         api_token, secret = secrets.token_hex(24), secrets.token_hex(24)
+        cluster_token = secrets.token_hex(24)
         overrides = [
             f"security.tls_ca={certs.ca}",
             f"security.tls_cert={certs.cert}",
             f"security.tls_key={certs.key}",
             "security.mutual_tls=true",
-            f"security.cluster_token={secrets.token_hex(24)}",
+            f"security.cluster_token={cluster_token}",
             f"security.api_tokens={{{api_token}: {tenant}}}",
             f"security.tenant_secret={secret}",
         ]
-        return Secured(overrides, certs.ca, certs.cert, certs.key, api_token, tenant, secret)
+        return Secured(
+            overrides, certs.ca, certs.cert, certs.key, api_token, tenant, secret, cluster_token
+        )
 
     # ------------------------------------------------------------------ stop
 
@@ -295,13 +311,43 @@ class HostCluster:
         self.stop()
 
 
-def _first_line(proc: subprocess.Popen, timeout_s: float) -> str:
-    """The first line `proc` prints on stdout, "" if it exits or `timeout_s` passes first."""
+# what `halfmoon serve` prints on stdout: the conductor's HOST:PORT, then the HTTP API's URL
+_ADDRESS = re.compile(r"^[\w.\-]+:\d+$")
+_URL = re.compile(r"^https?://\S+$")
+
+
+def _first_lines(
+    proc: subprocess.Popen, patterns: Sequence[re.Pattern], timeout_s: float, rest: Path
+) -> list[str]:
+    """The lines `proc` prints on stdout that match `patterns`, one each in turn; fewer if it
+    exits or `timeout_s` passes first. Every other line, then and later, goes to the file `rest`:
+    Ray prints its own there (a worker it lost, from any host's raylet), and a pipe nobody reads
+    would block the process once full."""
     box: list[str] = []
-    reader = threading.Thread(target=lambda: box.append(proc.stdout.readline()), daemon=True)
-    reader.start()
-    reader.join(timeout_s)
-    return box[0].strip() if box else ""
+    found = threading.Event()  # every pattern matched, or stdout ended
+
+    def read() -> None:
+        with open(rest, "w") as out:
+            try:
+                for pattern in patterns:
+                    while True:
+                        line = proc.stdout.readline()
+                        if not line:
+                            return
+                        if pattern.match(line.strip()):
+                            box.append(line.strip())
+                            break
+                        out.write(line)
+                        out.flush()
+            finally:
+                found.set()
+            for line in proc.stdout:
+                out.write(line)
+                out.flush()
+
+    threading.Thread(target=read, daemon=True).start()
+    found.wait(timeout_s)
+    return list(box)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -338,14 +384,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         # SSD tiers under the cluster's work dir, removed with it (a --set may say otherwise)
         ssd = f"store.ssd_dir={cluster.work_dir}/ssd/{{node_id}}"
         secured = cluster.secured() if args.secure else None
+        # with --secure the HTTP API dials the conductor over TLS (with the node certificate) and
+        # takes the cluster's API tokens, passing the caller's on (fc42670)
         sets = [ssd, *(secured.overrides if secured else []), *args.set]
-        if secured:
-            # the OpenAI-compatible HTTP server has no TLS client for the conductor yet: it could
-            # never become healthy in front of a TLS conductor
-            say("--secure: no HTTP API (http_port=0); use the gRPC address with the token")
-            sets.append("http_port=0")
         served = cluster.serve(sets, args.config)
         print(served.address, flush=True)
+        if served.http_url:
+            print(served.http_url, flush=True)
         if secured:
             say(
                 f"secured: export HALFMOON_TLS_CA={secured.tls_ca} "
@@ -355,6 +400,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"try: .venv/bin/halfmoon generate 'Hello' --address {served.address}; "
             "Ctrl-C removes the hosts"
         )
+        if served.http_url:
+            auth = f" -H 'Authorization: Bearer {secured.api_token}'" if secured else ""
+            body = '{"prompt": "Hello", "max_tokens": 8}'
+            json_type = "-H 'Content-Type: application/json'"
+            say(f"or:  curl {served.http_url}/completions{auth} {json_type} -d '{body}'")
         while not stop.wait(1.0):
             if served.proc.poll() is not None:
                 say(f"halfmoon serve exited ({served.proc.returncode}); see {served.log_path}")

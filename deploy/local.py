@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-from typing import Any
+import time
+from typing import Any, Collection
 
 from deploy.config import ClusterConfig
 from deploy.wiring import ServerInfo, Wiring, metrics_address
@@ -42,9 +43,13 @@ class _Child:
             target=_serve, args=(role, cfg, child), daemon=True, name=f"halfmoon-{role}"
         )
         self.proc.start()
-        if not self._conn.poll(start_timeout_s):
-            self.stop()
-            raise TimeoutError(f"{role} did not start in {start_timeout_s:.0f} s")
+        deadline = time.monotonic() + start_timeout_s
+        while not self._conn.poll(0.2):  # a child that dies starting is not waited for
+            if not self.proc.is_alive():
+                raise RuntimeError(f"{role} exited with {self.proc.exitcode} while starting")
+            if time.monotonic() > deadline:
+                self.stop()
+                raise TimeoutError(f"{role} did not start in {start_timeout_s:.0f} s")
         self.address = self._conn.recv()
 
     def stop(self) -> None:
@@ -61,21 +66,22 @@ class LocalCluster:
     """`with LocalCluster(cfg) as c: c.address`. `hosts` store nodes stand for hosts (workers are
     spread over them in turn); `lm` (a LoadedModel) is shared by in-process workers and the
     conductor instead of each loading it; `processes=True` runs every server in its own
-    process; `http=True` starts the OpenAI-compatible HTTP server in front of the conductor (on
-    cfg.http_port, or a free port when that is 0), at `http_address`. Everything it starts, it
-    stops."""
+    process, a set of names (e.g. {"decode-0", "store-1"}) only those (a process that can be
+    killed, as a fault test needs); `http=True` starts the OpenAI-compatible HTTP server in
+    front of the conductor (on cfg.http_port, or a free port when that is 0), at `http_address`.
+    Everything it starts, it stops."""
 
     def __init__(
         self,
         cfg: ClusterConfig,
         lm=None,
         hosts: int = 1,
-        processes: bool = False,
+        processes: bool | Collection[str] = False,
         http: bool = False,
     ):
         if hosts < 1:
             raise ValueError(f"hosts must be >= 1, got {hosts}")
-        if processes and lm is not None:
+        if processes is True and lm is not None:
             raise ValueError("a loaded model cannot be shared with server processes")
         self.cfg, self.lm, self.hosts, self.processes, self.http = cfg, lm, hosts, processes, http
         self.redis = None  # the EmbeddedRedis this cluster owns, if any
@@ -128,8 +134,12 @@ class LocalCluster:
             self.http_address = self.http_server.address
         return self.address
 
+    def _own_process(self, name: str) -> bool:
+        return self.processes is True or (bool(self.processes) and name in self.processes)
+
     def _run(self, role: str, name: str, config) -> ServerInfo:
-        if self.processes:
+        own_process = self._own_process(name)
+        if own_process:
             server = _Child(role, config, self.cfg.health_timeout_s)
             address, pid = server.address, server.proc.pid
         else:
@@ -139,7 +149,7 @@ class LocalCluster:
             self._stack.append(server)
             address, pid = server.start(), os.getpid()
             self.objects[role].append(server)
-        if self.processes:
+        if own_process:
             self._stack.append(server)
         info = ServerInfo(role, name, address, "local", pid, metrics_address(role, config, address))
         if role != "http":

@@ -236,18 +236,26 @@ class Hosts:
             )
         return proc.stdout
 
-    def shape(self, host: Host, rate_gbit: float = 0.0, delay_ms: float = 0.0) -> LinkShape:
-        """Shape `host`'s link both ways: at most `rate_gbit` (tbf) after `delay_ms` (netem);
-        0 and 0 = unshaped. A kernel without netem gets the rate alone (logged, counted)."""
+    def shape(
+        self, host: Host, rate_gbit: float = 0.0, delay_ms: float = 0.0, direction: str = "both"
+    ) -> LinkShape:
+        """Shape `host`'s link: at most `rate_gbit` (tbf) after `delay_ms` (netem); 0 and 0 =
+        unshaped. `direction`: "both", "out" (what the host sends: its side of the link) or "in"
+        (what it receives); the other way is left unshaped. A kernel without netem gets the rate
+        alone (logged, counted)."""
         if rate_gbit < 0 or delay_ms < 0:
             raise ValueError(
                 f"shape: rate_gbit and delay_ms must be >= 0, got {rate_gbit}, {delay_ms}"
             )
+        ends = {"in": [(None, host.veth)], "out": [(host.netns, host.peer)]}
+        if direction not in (*ends, "both"):
+            raise ValueError(f"shape: direction must be both, in or out, got {direction!r}")
+        shaped = ends["in"] + ends["out"] if direction == "both" else ends[direction]
         applied = LinkShape(0.0, 0.0)
-        for where, dev in ((None, host.veth), (host.netns, host.peer)):
+        for where, dev in ends["in"] + ends["out"]:
             ns = ["-n", where] if where else []
             _run(["tc", *ns, "qdisc", "del", "dev", dev, "root"], check=False)
-            if not rate_gbit and not delay_ms:
+            if (not rate_gbit and not delay_ms) or (where, dev) not in shaped:
                 continue
             parent = ["root"]
             if delay_ms:

@@ -30,6 +30,7 @@ from kvstore.connector import (
 )
 from kvstore.device import DeviceTier
 from kvstore.index import Index
+from kvstore.index_publisher import IndexPublisher
 from kvstore.keys import KEY_BYTES, block_keys
 from kvstore.redis_embed import EmbeddedRedis
 from kvstore.server import StoreNode
@@ -77,6 +78,7 @@ __all__ = [
     "chunk_keys",
     "choose_level",
     "Index",
+    "IndexPublisher",
     "EmbeddedRedis",
     "LookupResult",
     "NodeInfo",

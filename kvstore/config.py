@@ -18,6 +18,7 @@ class StoreConfig:
     redis_url: str = ""  # global index; "" = no index (a standalone node)
     model_fingerprint: str = ""  # puts with another fingerprint are refused; "" = accept any
     heartbeat_s: float = 2.0  # index heartbeat period; the node's entry lives 3 periods
+    index_timeout_s: float = 1.0  # each index call gives up after this (the index is advisory)
     lease_s: float = 30.0  # a lease not released within this is dropped (its holder died)
     metrics_port: int = 0  # Prometheus exporter on this port; 0 = off
     max_message_bytes: int = 64 << 20  # gRPC message size limit, both ways
@@ -39,8 +40,8 @@ class StoreConfig:
             raise ValueError("ssd_bytes > 0 needs ssd_dir")
         if self.link_gbps < 0:
             raise ValueError(f"link_gbps must be >= 0, got {self.link_gbps}")
-        if self.heartbeat_s <= 0 or self.lease_s <= 0:
-            raise ValueError("heartbeat_s and lease_s must be positive")
+        if self.heartbeat_s <= 0 or self.lease_s <= 0 or self.index_timeout_s <= 0:
+            raise ValueError("heartbeat_s, lease_s and index_timeout_s must be positive")
         if self.chunk_bytes <= 0 or self.chunk_bytes > self.max_message_bytes - (1 << 16):
             raise ValueError("chunk_bytes must be positive and below max_message_bytes - 64 KiB")
 

@@ -22,7 +22,13 @@ from typing import Callable, NamedTuple, Sequence
 import torch
 from prometheus_client import CollectorRegistry, Counter
 
-from kvstore.block_format import BlockCorrupt, decode_block, encode_block, parse_header
+from kvstore.block_format import (
+    BlockCorrupt,
+    decode_block,
+    encode_block,
+    make_header,
+    parse_header,
+)
 from kvstore.cachegen_stream import (
     Throughput,
     choose_level,
@@ -35,6 +41,8 @@ from kvstore.cachegen_stream import (
 from kvstore.client import BlockWriter, StoreClient, StoreUnavailable
 from kvstore.device import DeviceTier
 from kvstore.index import Index
+from kvstore.index_publisher import IndexPublisher
+from kvstore.links import LinkModel, LinkSpeed
 from kvstore.store import StoreFull
 from kvstore.types import NodeInfo
 
@@ -53,6 +61,8 @@ class PrefixLoad(NamedTuple):
     pinned: list[bytes]  # device-tier keys pinned for the request: give them to `keep`/`drop`
     counts: dict[str, int]  # blocks by tier they came from: device, dram, ssd, remote
     transfer_ms: float  # time spent moving blocks into the pool
+    fetched_bytes: int = 0  # bytes the remote fetch moved over the link
+    fetch_ms: float = 0.0  # time the remote fetch took (its lookup and transfer)
 
 
 class ChunkPlan(NamedTuple):
@@ -182,6 +192,15 @@ class KVConnector:
         self._clients: dict[str, StoreClient] = {}
         self._clients_lock = threading.Lock()
         self._links: dict[str, Throughput] = {}  # node id -> measured throughput (CacheGen)
+        # node id -> what raw fetches from it measured (the Load report, for the policy)
+        self._fetch_links: dict[str, LinkModel] = {}
+        self._fetch_links_lock = threading.Lock()
+        # what one stored block moves over a link: encoded at the store layout's codec (int8 and
+        # KIVI blocks are smaller than the pool's), header included
+        sl = self.store_layout
+        self.wire_block_bytes = make_header(
+            sl.store_codec, sl.dtype, tuple(sl.block_shape), fingerprint
+        ).total_len
         self._decode_rates: dict[int, float] = {}  # CacheGen level -> pool bytes decoded a second
         # CacheGen: the next chunk crosses the link on this thread while the last one decodes
         self._fetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{worker}-fetch")
@@ -189,14 +208,27 @@ class KVConnector:
         self._publisher = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{self.worker}-kv")
         self._init_metrics(registry or CollectorRegistry())
         self._local = self.client(store_address)  # fails fast when the host's store is away
-        self._quit = threading.Event()
-        self._index_thread: threading.Thread | None = None
-        self._index_period_s, self._index_ttl_s = index_period_s, index_ttl_s
+        # The device tier as an index node of its own (registered, heartbeats, its changes, its
+        # whole listing again after the index lost them), published from a thread of its own.
+        self._index_publisher: IndexPublisher | None = None
         if self.device is not None and self._index is not None:
-            self._index_thread = threading.Thread(
-                target=self._index_loop, name=f"{self.worker}-index", daemon=True
+            info = NodeInfo(
+                device_node, "", socket.gethostname(), "", 0, 0, fingerprint, time.time()
             )
-            self._index_thread.start()
+            self._index_publisher = IndexPublisher(
+                self._index,
+                info,
+                lambda: (self.device.drain_events(), False),
+                self.device.listing,
+                heartbeat_s=index_ttl_s / 3,
+                ttl_s=index_ttl_s,
+                period_s=index_period_s,
+                # counted here; the publisher logs the first failure of an outage
+                on_error=lambda op, exc: self.m_errors.labels(
+                    self.worker, f"index_{op}", _failure_kind(exc)
+                ).inc(),
+            )
+            self._index_publisher.start()
 
     def _init_metrics(self, r: CollectorRegistry) -> None:
         self.m_blocks = Counter(
@@ -291,6 +323,7 @@ class KVConnector:
         table: list[int] = []
         pinned: list[bytes] = []
         counts = dict.fromkeys(TIERS, 0)
+        fetched, fetch_ms = 0, 0.0
         t0 = time.perf_counter()
         try:
             if self.device is not None and cap:
@@ -313,23 +346,30 @@ class KVConnector:
                 if remote is None:
                     self._miss("load_remote", want - len(table))
                 else:
+                    link: list[float] = []
                     got = self._load_run(
-                        remote, keys[len(table) : want], table, allocate, free, "load_remote"
+                        remote, keys[len(table) : want], table, allocate, free, "load_remote", link
                     )
                     counts["remote"] += len(got)
+                    if got:
+                        fetched = len(got) * self.wire_block_bytes
+                        fetch_ms = sum(link)
+                        self._measured(fetch_from, link[0], fetched, link[1])
         except BaseException:
             self.drop(table, pinned, free)
             raise
         for tier in ("dram", "ssd", "remote"):
             if counts[tier]:
                 self.m_blocks.labels(self.worker, tier).inc(counts[tier])
-        return PrefixLoad(table, pinned, counts, (time.perf_counter() - t0) * 1000.0)
+        took = (time.perf_counter() - t0) * 1000.0
+        return PrefixLoad(table, pinned, counts, took, fetched, fetch_ms)
 
-    def _load_run(self, client, keys, table, allocate, free, op) -> list[str]:
+    def _load_run(self, client, keys, table, allocate, free, op, times=None) -> list[str]:
         """Append to `table` pool blocks holding the longest held run of `keys` at `client`;
-        the tiers they came from."""
+        the tiers they came from. `times`, when given, gets the lookup's and the transfer's ms."""
         if not keys:
             return []
+        t0 = time.perf_counter()
         try:
             found = client.lookup(list(keys))
         except Exception as exc:  # noqa: BLE001 - a lookup that fails is a miss
@@ -339,10 +379,22 @@ class KVConnector:
         if n == 0:
             return []
         ids = allocate(n)
+        t1 = time.perf_counter()
         got = self._get_into(client, list(keys[:n]), ids, op)
+        if times is not None:
+            times[:] = [(t1 - t0) * 1000.0, (time.perf_counter() - t1) * 1000.0]
         free(ids[got:])
         table.extend(ids[:got])
         return list(found.tiers[:got])
+
+    def _measured(self, node: str, lookup_ms: float, nbytes: int, transfer_ms: float) -> None:
+        with self._fetch_links_lock:
+            self._fetch_links.setdefault(node, LinkModel()).add(lookup_ms, nbytes, transfer_ms)
+
+    def links(self) -> dict[str, LinkSpeed]:
+        """Store node id -> the link to it as this worker's fetches measured it."""
+        with self._fetch_links_lock:
+            return {node: m.speed() for node, m in self._fetch_links.items()}
 
     def _get_into(self, client: StoreClient, keys: list[bytes], ids: list[int], op: str) -> int:
         """Copy the leading held blocks of `keys` into pool blocks `ids`; how many."""
@@ -692,39 +744,11 @@ class KVConnector:
     def device_blocks(self) -> int:
         return len(self.device) if self.device is not None else 0
 
-    def _index_loop(self) -> None:
-        """Publish the device tier to the index (its node registered, heartbeats, changes)."""
-        info = NodeInfo(
-            self.device_node, "", socket.gethostname(), "", 0, 0, self.fingerprint, time.time()
-        )
-        registered, last_beat = False, 0.0
-        while not self._quit.wait(self._index_period_s):
-            try:
-                now = time.monotonic()
-                if not registered or now - last_beat > self._index_ttl_s / 3:
-                    if not registered or not self._index.heartbeat(
-                        self.device_node, self._index_ttl_s
-                    ):
-                        self._index.register(info, self._index_ttl_s)
-                    registered, last_beat = True, now
-                events = self.device.drain_events()
-                try:
-                    self._index.publish(self.device_node, events)
-                except Exception:
-                    dropped = self.device.requeue_events(events)
-                    if dropped:
-                        self.m_errors.labels(self.worker, "index_publish", "dropped").inc(dropped)
-                    raise
-            except Exception as exc:  # noqa: BLE001 - the index is advisory: routing is blinder
-                registered = False
-                self._error("index_publish", exc)
-
     # ---- lifecycle ----
 
     def close(self) -> None:
-        self._quit.set()
-        if self._index_thread is not None:
-            self._index_thread.join(timeout=5)
+        if self._index_publisher is not None:
+            self._index_publisher.stop()
         self._publisher.shutdown(wait=True)
         self._fetcher.shutdown(wait=True)
         if self._index is not None:

@@ -102,11 +102,9 @@ class DeviceTier:
             events, self._events = self._events, []
         return events
 
-    def requeue_events(self, events: list[tuple[bytes, str | None]], limit: int = 1 << 16) -> int:
-        """Put back events the index did not take (they go first next time); keeps at most
-        `limit` in all and returns how many it dropped."""
+    def listing(self) -> dict[bytes, str]:
+        """Every block held (key -> "device"); the changes queued so far are dropped, since this
+        supersedes them."""
         with self._lock:
-            merged = events + self._events
-            dropped = max(0, len(merged) - limit)
-            self._events = merged[dropped:]
-        return dropped
+            self._events = []
+            return dict.fromkeys(self._blocks, self.name)

@@ -1,5 +1,10 @@
 """Index: the global map, in Redis, of which store nodes hold which blocks in which tier, and the
-registry of live nodes (heartbeat TTLs). longest_prefix answers for every node in one round trip."""
+registry of live nodes (heartbeat TTLs). longest_prefix answers for every node in one round trip.
+
+The index is advisory: every caller treats a failure as "nothing known" and goes on. So a client
+fails fast (short socket timeouts, one immediate retry to ride over a reconnect) instead of
+redis-py's default of retries with back-off, which holds a caller for seconds while Redis is
+down."""
 
 from __future__ import annotations
 
@@ -7,6 +12,8 @@ import json
 import os
 
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from kvstore.redis_embed import EmbeddedRedis
 from kvstore.types import LookupResult, NodeInfo
@@ -47,12 +54,22 @@ return out
 
 
 class Index:
-    """A client of the global index at `redis_url`."""
+    """A client of the global index at `redis_url`; each call gives up after `timeout_s` (connect,
+    and each reply), retried once at once (a connection Redis dropped is remade)."""
 
-    def __init__(self, redis_url: str, embedded: EmbeddedRedis | None = None):
+    def __init__(
+        self, redis_url: str, embedded: EmbeddedRedis | None = None, timeout_s: float = 1.0
+    ):
+        if timeout_s <= 0:
+            raise ValueError(f"index timeout_s must be positive, got {timeout_s}")
         self.url = redis_url
         self._embedded = embedded
-        self.r = redis.Redis.from_url(redis_url, socket_timeout=5, socket_connect_timeout=5)
+        self.r = redis.Redis.from_url(
+            redis_url,
+            socket_timeout=timeout_s,
+            socket_connect_timeout=timeout_s,
+            retry=Retry(NoBackoff(), 1),
+        )
         self._script = self.r.register_script(_LONGEST_PREFIX)
 
     @classmethod
@@ -94,6 +111,11 @@ class Index:
         raw = self.r.mget([_NODE + i for i in ids])
         return {i: NodeInfo(**json.loads(v)) for i, v in zip(ids, raw) if v is not None}
 
+    def server_run(self) -> str:
+        """The Redis server's run id: it changes when the server restarts (and may have lost or
+        rolled back what nodes published)."""
+        return str(self.r.info("server").get("run_id", ""))
+
     def holders(self, key: bytes) -> dict[str, str]:
         """node id -> tier for one block key (live and dead nodes alike)."""
         return {k.decode(): v.decode() for k, v in self.r.hgetall(_BLOCK + key).items()}
@@ -129,6 +151,17 @@ class Index:
         if gone:
             pipe.srem(_NODE_KEYS + node_id, *gone)
         pipe.execute()
+
+    def republish(
+        self, info: NodeInfo, ttl_s: float, held: dict[bytes, str], batch: int = 4096
+    ) -> None:
+        """Replace everything the index holds of a node by `held` (key -> tier, its whole
+        listing) and register it: how the index is rebuilt after it lost or missed updates."""
+        self.purge_node(info.node_id)
+        items = list(held.items())
+        for i in range(0, len(items), batch):  # pipelines of bounded size
+            self.publish(info.node_id, items[i : i + batch])
+        self.register(info, ttl_s)
 
     def purge_node(self, node_id: str) -> int:
         """Forget every block entry of a node; how many."""

@@ -5,14 +5,16 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from kvstore.index_publisher import IndexPublisher
 from kvstore.store import BlockStore
 
 
 class _StoreCollector:
-    """Reads the store's counters at scrape time."""
+    """Reads the store's counters (and its index publisher's) at scrape time."""
 
     def __init__(self, store: BlockStore):
         self.store = store
+        self.publisher: IndexPublisher | None = None
 
     def collect(self):
         s = self.store.stats()
@@ -47,7 +49,35 @@ class _StoreCollector:
         moves.add_metric([s.node_id, "demotion"], s.demotions)
         leases = GaugeMetricFamily("halfmoon_store_leases", "Leases held", labels=["node"])
         leases.add_metric([s.node_id], s.leases)
-        yield from (misses, moves, leases)
+        corrupt = CounterMetricFamily(
+            "halfmoon_store_corrupt_blocks",
+            "Blocks that failed their checksums (dropped; readers recompute them), by tier",
+            labels=["node", "tier"],
+        )
+        for tier, n in self.store.corrupt.items():
+            corrupt.add_metric([s.node_id, tier], n)
+        yield from (misses, moves, leases, corrupt)
+        p = self.publisher
+        if p is not None:
+            republished = CounterMetricFamily(
+                "halfmoon_store_index_republished",
+                "Times the node published its whole listing (start, or the index lost entries)",
+                labels=["node"],
+            )
+            republished.add_metric([s.node_id], p.republished)
+            dropped = CounterMetricFamily(
+                "halfmoon_store_index_dropped_events",
+                "Block changes not published (index down or queue full; the listing covers them)",
+                labels=["node"],
+            )
+            dropped.add_metric([s.node_id], p.dropped_events)
+            fresh = GaugeMetricFamily(
+                "halfmoon_store_index_up_to_date",
+                "1 when the index holds this node's entries as they are",
+                labels=["node"],
+            )
+            fresh.add_metric([s.node_id], float(p.up_to_date))
+            yield from (republished, dropped, fresh)
 
 
 class StoreMetrics:
@@ -55,7 +85,14 @@ class StoreMetrics:
 
     def __init__(self, store: BlockStore):
         self.registry = CollectorRegistry(auto_describe=True)
-        self.registry.register(_StoreCollector(store))
+        self._collector = _StoreCollector(store)
+        self.registry.register(self._collector)
+        self.index_errors = Counter(
+            "halfmoon_store_index_errors",
+            "Index calls that failed (Redis down or slow), by operation; serving goes on",
+            ["node", "op"],
+            registry=self.registry,
+        )
         self.transfer_bytes = Counter(
             "halfmoon_store_transfer_bytes",
             "Block bytes moved by the node",
@@ -70,6 +107,18 @@ class StoreMetrics:
         )
         self.node_id = store.node_id
         self._http = None
+
+    @property
+    def publisher(self) -> IndexPublisher | None:
+        return self._collector.publisher
+
+    @publisher.setter
+    def publisher(self, publisher: IndexPublisher | None) -> None:
+        self._collector.publisher = publisher
+
+    def index_error(self, op: str, exc: BaseException) -> None:
+        """One failed index call (the publisher logs the first of an outage)."""
+        self.index_errors.labels(self.node_id, op).inc()
 
     def record(self, op: str, path: str, nbytes: int, seconds: float = 0.0) -> None:
         self.transfer_bytes.labels(self.node_id, op, path).inc(nbytes)

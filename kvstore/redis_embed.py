@@ -44,44 +44,70 @@ def _free_port() -> int:
 
 
 class EmbeddedRedis:
-    """A real Redis for this process: `.url`, `.stop()`."""
+    """A real Redis for this process: `.url`, `.stop()`; `.kill()` and `.restart()` take the
+    server away and bring it back (empty) on the same port, as an outage does."""
 
     def __init__(self, timeout_s: float = 10.0):
         self.dir = tempfile.mkdtemp(prefix="halfmoon-redis-")
         self.proc: subprocess.Popen | None = None
-        binary = _redis_server_binary()
+        self.timeout_s = timeout_s
         for _ in range(5):  # a port picked free may be taken before the server binds it
             self.port = _free_port()
-            self.proc = subprocess.Popen(
-                [
-                    binary,
-                    "--port",
-                    str(self.port),
-                    "--bind",
-                    "127.0.0.1",
-                    "--dir",
-                    self.dir,
-                    "--save",
-                    "",
-                    "--appendonly",
-                    "no",
-                    "--daemonize",
-                    "no",
-                    "--logfile",
-                    os.path.join(self.dir, "redis.log"),
-                ],
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
-                preexec_fn=_die_with_parent,
-            )
-            if self._wait_ready(timeout_s):
+            if self._spawn():
                 break
-            self._kill()
         else:
             shutil.rmtree(self.dir, ignore_errors=True)
             raise RuntimeError("could not start the embedded redis-server")
         self.url = f"redis://127.0.0.1:{self.port}/0"
         atexit.register(self.stop)
+
+    def _spawn(self) -> bool:
+        """Start redis-server on self.port; whether it answers (else it is killed)."""
+        argv, preexec = [], _die_with_parent
+        setpriv = shutil.which("setpriv")
+        if setpriv:
+            # setpriv sets the parent-death signal and execs the server: no Python code runs in
+            # the forked child (a preexec_fn in a process full of gRPC threads can abort there)
+            argv, preexec = [setpriv, "--pdeathsig", "TERM", "--"], None
+        self.proc = subprocess.Popen(
+            [
+                *argv,
+                _redis_server_binary(),
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--dir",
+                self.dir,
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--daemonize",
+                "no",
+                "--logfile",
+                os.path.join(self.dir, "redis.log"),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            preexec_fn=preexec,
+        )
+        if self._wait_ready(self.timeout_s):
+            return True
+        self._kill()
+        return False
+
+    def kill(self) -> None:
+        """The server dies at once (SIGKILL), with everything it held; `restart` brings it back."""
+        if self.proc and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def restart(self) -> None:
+        """A new, empty server on the same port (after `kill`, or killing the running one)."""
+        self.kill()
+        if not self._spawn():
+            raise RuntimeError(f"could not restart the embedded redis-server on port {self.port}")
 
     def _wait_ready(self, timeout_s: float) -> bool:
         deadline = time.monotonic() + timeout_s

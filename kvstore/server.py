@@ -14,6 +14,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from kvstore.block_format import BlockCorrupt, parse_header
 from kvstore.config import StoreConfig
 from kvstore.index import Index
+from kvstore.index_publisher import IndexPublisher
 from kvstore.keys import KEY_BYTES
 from kvstore.metrics import StoreMetrics
 from kvstore.slab import ShmSlab, remove_stale
@@ -88,7 +89,7 @@ class _Servicer:
             ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, f"block refused: {e}")
         except KeyError as e:
             ctx.abort(grpc.StatusCode.NOT_FOUND, str(e).strip("'\""))
-        self.node.flush()
+        self.node.publish_soon()
         return pb.KVPutReply(stored=stored, held=self.store.count_held(list(keys)))
 
     # ------------------------------------------------------------------ RPCs
@@ -123,7 +124,7 @@ class _Servicer:
     def _get(self, req):
         t0 = time.perf_counter()
         lease_id, refs = self.store.acquire(list(req.keys), self.cfg.lease_s)
-        self.node.flush()
+        self.node.publish_soon()
         sent = 0
         try:
             views, headers = [], []
@@ -164,7 +165,7 @@ class _Servicer:
         finally:
             if lease_id:
                 self.store.release(lease_id)
-                self.node.flush()
+                self.node.publish_soon()
             self.node.metrics.record("get", "grpc", sent, time.perf_counter() - t0)
 
     def Put(self, request_iterator, ctx):
@@ -245,7 +246,7 @@ class _Servicer:
     def Lease(self, req, ctx):
         if req.mode == pb.KVLeaseRequest.READ:
             lease_id, refs = self.store.acquire(list(req.keys), self.cfg.lease_s)
-            self.node.flush()
+            self.node.publish_soon()
             self.node.metrics.record("get", "shm", sum(r.length for r in refs))
             if req.packed and all(r.data is None for r in refs):
                 return pb.KVLeaseReply(
@@ -271,9 +272,8 @@ class _Servicer:
         if req.mode == pb.KVLeaseRequest.WRITE:
             keys, sizes = list(req.keys), list(req.sizes)
             self._check_write(ctx, keys, sizes, req.model_fingerprint)
-            self.node.flush()
             lease_id, slots = self._reserve(ctx, keys, sizes, req.parent)
-            self.node.flush()
+            self.node.publish_soon()  # a reservation may have evicted blocks
             if req.packed:
                 return pb.KVLeaseReply(
                     lease_id=lease_id if slots else 0,
@@ -303,7 +303,7 @@ class _Servicer:
 
     def Release(self, req, ctx):
         released = self.store.release(req.lease_id, list(req.corrupt))
-        self.node.flush()
+        self.node.publish_soon()
         return pb.KVReleaseReply(released=released)
 
     def Commit(self, req, ctx):
@@ -351,6 +351,7 @@ class _Servicer:
 
     def Clear(self, req, ctx):
         dropped, deferred = self.store.clear()
+        # an administrative call, not the data path: the index hears of it before the reply
         self.node.flush()
         return pb.KVClearReply(dropped=dropped, deferred=deferred)
 
@@ -377,11 +378,11 @@ class StoreNode:
         self.slab: ShmSlab | None = None
         self.ssd: SsdTier | None = None
         self.index: Index | None = None
+        self.publisher: IndexPublisher | None = None  # keeps the index current (with redis_url)
         self.server: grpc.Server | None = None
         self.address = ""
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._flush_lock = threading.Lock()
         self.link_gbps = cfg.link_gbps
         try:
             if cfg.dram_bytes:
@@ -434,10 +435,24 @@ class StoreNode:
             raise RuntimeError(f"store node {cfg.node_id} could not bind {cfg.host}:{cfg.port}")
         self.address = f"{cfg.host}:{port}"
         if cfg.redis_url:
-            self.index = Index(cfg.redis_url)
-            self.index.purge_node(cfg.node_id)  # entries of an earlier run of this node are stale
-            self.index.register(self.info, self._ttl)
-            self.flush()  # republishes what the ssd tier kept across a restart
+            self.index = Index(cfg.redis_url, timeout_s=cfg.index_timeout_s)
+            self.publisher = IndexPublisher(
+                self.index,
+                self.info,
+                self.store.take_events,
+                self.store.listing,
+                heartbeat_s=cfg.heartbeat_s,
+                ttl_s=self._ttl,
+                sweep=True,
+                retry_s=min(1.0, cfg.heartbeat_s),
+                on_error=self.metrics.index_error,
+            )
+            self.metrics.publisher = self.publisher
+            self.publisher.start()
+            # Registered, with what the ssd tier kept across a restart, before serving; entries
+            # of an earlier run of this node are replaced. An index that does not answer now
+            # delays nothing: the publisher publishes the listing once it does.
+            self.publisher.sync(timeout_s=max(2.0, 3 * cfg.index_timeout_s))
         else:
             self.store.drain_events()
         self.server.start()
@@ -456,33 +471,27 @@ class StoreNode:
     def _ttl(self) -> float:
         return 3 * self.cfg.heartbeat_s
 
-    def flush(self) -> None:
-        """Push the store's block changes to the index (in order)."""
-        with self._flush_lock:
-            events = self.store.drain_events()
-            if self.index is not None and events:
-                try:
-                    self.index.publish(self.cfg.node_id, events)
-                except Exception as e:  # the index is advisory: serving goes on
-                    log.warning("index publish failed (%d events dropped): %s", len(events), e)
+    def publish_soon(self) -> None:
+        """The store's block changes go to the index from the publisher's thread (never waits:
+        the index is advisory, the data path does not depend on Redis)."""
+        if self.publisher is not None:
+            self.publisher.notify()
+        else:
+            self.store.drain_events()
+
+    def flush(self, timeout_s: float = 2.0) -> bool:
+        """Publish the changes queued so far and wait (at most timeout_s) until the index has
+        them; whether it does (False: no index, or it did not answer)."""
+        if self.publisher is None:
+            self.store.drain_events()
+            return False
+        return self.publisher.sync(timeout_s)
 
     def _housekeeping(self) -> None:
         tick = min(0.25, self.cfg.heartbeat_s / 2, self.cfg.lease_s / 4)
-        next_beat = time.monotonic() + self.cfg.heartbeat_s
         while not self._stop.wait(tick):
             if self.store.expire():
-                self.flush()
-            if self.index is not None and time.monotonic() >= next_beat:
-                next_beat = time.monotonic() + self.cfg.heartbeat_s
-                try:
-                    if not self.index.heartbeat(self.cfg.node_id, self._ttl):
-                        self.index.register(self.info, self._ttl)
-                        self.index.publish(
-                            self.cfg.node_id, [(k, t) for k, t in self.store.holds().items()]
-                        )
-                    self.index.sweep()
-                except Exception as e:
-                    log.warning("index heartbeat failed: %s", e)
+                self.publish_soon()
 
     def stop(self, grace: float = 1.0) -> None:
         if self._stop.is_set():
@@ -500,10 +509,13 @@ class StoreNode:
             self.store.persist()
         except Exception as e:  # lmdb full or gone: what is on ssd already stays
             log.warning("could not persist dram blocks: %s", e)
+        if self.publisher is not None:
+            self.publisher.stop()
+            self.publisher = None
         if self.index is not None:
             try:
                 self.index.unregister(self.cfg.node_id)
-            except Exception as e:
+            except Exception as e:  # noqa: BLE001 - its heartbeat lapses, others sweep it
                 log.warning("index unregister failed: %s", e)
             self.index.close()
             self.index = None

@@ -6,6 +6,7 @@ it."""
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 import time
 from collections import OrderedDict
@@ -15,8 +16,13 @@ from kvstore.block_format import BlockCorrupt, check_block
 from kvstore.slab import SlabAllocator, ShmSlab
 from kvstore.ssd import SsdTier
 
+log = logging.getLogger(__name__)
+
 DRAM, SSD = "dram", "ssd"
 _PENDING = "pending"
+# Index changes queued at most (a few MB); past that the queue is dropped and the whole listing
+# is published instead.
+MAX_EVENTS = 1 << 16
 
 
 class StoreFull(Exception):
@@ -73,7 +79,9 @@ class _Lease:
 
 
 class BlockStore:
-    """The tiers of one node. `events` collects (key, tier or None) changes for the global index."""
+    """The tiers of one node. `events` collects (key, tier or None) changes for the global index,
+    at most `max_events` of them: past that they are dropped and `take_events` says so (the index
+    publisher then sends the whole listing instead)."""
 
     def __init__(
         self,
@@ -82,6 +90,7 @@ class BlockStore:
         ssd: SsdTier | None,
         fingerprint: str = "",
         clock: Callable[[], float] = time.monotonic,
+        max_events: int = MAX_EVENTS,
     ):
         self.node_id, self.slab, self.ssd, self.fingerprint, self.clock = (
             node_id,
@@ -101,9 +110,12 @@ class BlockStore:
         self._leases: dict[int, _Lease] = {}
         self._lease_ids = itertools.count(1)
         self.events: list[tuple[bytes, str | None]] = []
+        self.max_events = max_events
+        self._events_lost = False  # changes were dropped since the last take_events/listing
         self._hits = {DRAM: 0, SSD: 0}
         self._evictions = {DRAM: 0, SSD: 0}
         self.misses = self.promotions = self.demotions = 0
+        self.corrupt = {DRAM: 0, SSD: 0}  # blocks found corrupt (and dropped), by tier
         if ssd:
             self._load_ssd()
 
@@ -135,9 +147,22 @@ class BlockStore:
             return {k: e.tier for k, e in self._entries.items() if e.tier != _PENDING}
 
     def drain_events(self) -> list[tuple[bytes, str | None]]:
+        return self.take_events()[0]
+
+    def take_events(self) -> tuple[list[tuple[bytes, str | None]], bool]:
+        """The changes since the last call, oldest first, and whether some were dropped (the
+        queue overflowed): then only a full `listing` brings the index back in line."""
         with self._lock:
-            ev, self.events = self.events, []
-            return ev
+            ev, lost = self.events, self._events_lost
+            self.events, self._events_lost = [], False
+            return ev, lost
+
+    def listing(self) -> dict[bytes, str]:
+        """Every held block's tier; the changes queued so far are dropped, since this
+        supersedes them (taken under the lock, so no change falls between the two)."""
+        with self._lock:
+            self.events, self._events_lost = [], False
+            return self.holds()
 
     def stats(self) -> StoreStats:
         with self._lock:
@@ -289,7 +314,7 @@ class BlockStore:
                 self._order[DRAM][e.key] = e
                 if e.parent is not None:
                     self._children[e.parent] = self._children.get(e.parent, 0) + 1
-                self.events.append((e.key, DRAM))
+                self._event(e.key, DRAM)
             return len(lease.entries)
 
     def put(
@@ -316,6 +341,10 @@ class BlockStore:
         lease is aborted (its reserved ranges freed). False if it was not held."""
         with self._lock:
             bad = set(corrupt)
+            for key in bad:
+                e = self._entries.get(key)
+                if e is not None and e.tier != _PENDING:
+                    self._corrupt_found(e, "a reader's checksum")
             lease = self._leases.pop(lease_id, None)
             if lease is None:
                 for (
@@ -380,6 +409,14 @@ class BlockStore:
 
     # ------------------------------------------------------------------ internals (lock held)
 
+    def _event(self, key: bytes, tier: str | None) -> None:
+        """Queue a change for the index; a full queue is dropped whole (the listing replaces it),
+        so a publisher that cannot keep up costs bounded memory."""
+        if len(self.events) >= self.max_events:
+            self.events = []
+            self._events_lost = True
+        self.events.append((key, tier))
+
     def _touch(self, e: _Entry) -> None:
         self._order[e.tier].move_to_end(e.key)
 
@@ -432,7 +469,7 @@ class BlockStore:
         e.tier, e.offset = SSD, -1
         self._order[SSD][e.key] = e
         self.demotions += 1
-        self.events.append((e.key, SSD))
+        self._event(e.key, SSD)
 
     def _promotable(self, size: int) -> bool:
         evictable = sum(
@@ -459,7 +496,7 @@ class BlockStore:
         self.dram_used += e.size
         self._order[DRAM][e.key] = e
         self.promotions += 1
-        self.events.append((e.key, DRAM))
+        self._event(e.key, DRAM)
         return True
 
     def _read_ssd(self, e: _Entry) -> bytes | None:
@@ -468,9 +505,21 @@ class BlockStore:
             return None
         try:
             check_block(data)
-        except BlockCorrupt:
+        except BlockCorrupt as exc:
+            self._corrupt_found(e, str(exc))
             return None
         return data
+
+    def _corrupt_found(self, e: _Entry, why: str) -> None:
+        """Count and log a block that failed its checks (it is dropped: a miss, recomputed)."""
+        self.corrupt[e.tier] += 1
+        log.warning(
+            "%s: block %s in %s is corrupt (%s): dropped",
+            self.node_id,
+            e.key.hex()[:12],
+            e.tier,
+            why,
+        )
 
     def _drop(self, e: _Entry) -> None:
         """Remove a block from this node entirely."""
@@ -488,7 +537,7 @@ class BlockStore:
                 self._children[e.parent] = n
             else:
                 self._children.pop(e.parent, None)
-        self.events.append((e.key, None))
+        self._event(e.key, None)
 
     def _load_ssd(self) -> None:
         """Find the blocks a previous run left on ssd (oldest first is unknown: scan order)."""
@@ -502,4 +551,4 @@ class BlockStore:
             self.ssd_used += size
             if parent is not None:
                 self._children[parent] = self._children.get(parent, 0) + 1
-            self.events.append((key, SSD))
+            self._event(key, SSD)

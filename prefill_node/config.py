@@ -41,6 +41,9 @@ class PrefillConfig:
     index_url: str = (
         ""  # Redis URL of the global index, to reach other hosts' store nodes; "" = none
     )
+    # Each store call of the KV connector (a lookup, a transfer) gives up after this many seconds:
+    # a stalled store node costs a recomputation, never a hung request
+    kv_timeout_s: float = 30.0
     device_cache: bool = True  # keep computed blocks resident in the pool as the top cache tier
     layerwise: bool = True  # publish each layer of new full blocks while later layers compute
     # CacheGen (kvstore/cachegen.py): encode each whole chunk of a prompt at these levels and
@@ -57,6 +60,9 @@ class PrefillConfig:
     # CPUs this worker's process runs on, e.g. "0-3" or "0,2" ("" = any): a prefill and a decode
     # worker on one host each keep to their own cores instead of thrashing each other's threads
     cpus: str = ""
+    # Prefill calls held at once (queued or computing; each holds a thread); the next is refused
+    # at once with RESOURCE_EXHAUSTED (as is one beyond max_queue), and health and Load keep
+    # threads of their own
     grpc_workers: int = 32
     # TLS and tokens (the cluster's `security` section); every worker method is internal
     security: SecurityConfig = field(default_factory=SecurityConfig)
@@ -65,6 +71,10 @@ class PrefillConfig:
         self.security = security_config(self.security, "PrefillConfig.security")
         if self.block_size <= 0 or self.num_blocks <= 0:
             raise ValueError("PrefillConfig: block_size and num_blocks must be positive")
+        if self.kv_timeout_s <= 0:
+            raise ValueError(
+                f"PrefillConfig: kv_timeout_s must be positive, got {self.kv_timeout_s}"
+            )
         if self.chunk_size <= 0 or self.chunk_size % self.block_size:
             raise ValueError(
                 f"PrefillConfig: chunk_size ({self.chunk_size}) must be a positive multiple of "

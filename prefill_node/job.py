@@ -37,7 +37,8 @@ class PrefillJob:
         self.counts = {"device": 0, "dram": 0, "ssd": 0, "remote": 0}  # reused blocks by tier
         self.transfer_ms = 0.0
         self.cachegen_levels: list[int] = []  # level of each CacheGen chunk fetched
-        self.fetched_bytes = 0  # bytes those chunks moved
+        self.fetched_bytes = 0  # bytes the fetch from fetch_from moved (blocks or chunks)
+        self.fetch_ms = 0.0  # time that fetch took
         self.pos = 0  # next position to compute
         self.logits: torch.Tensor | None = None  # the last computed position's logits
         self.prefill_ms = 0.0  # from the round's first forward to this job's last

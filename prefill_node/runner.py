@@ -53,7 +53,7 @@ class PrefillRunner:
             layout=wm.layout if full else None,
         )
         self._pool_lock = threading.Lock()
-        self.fetch_block_bytes = 0.0  # bytes per block the last CacheGen fetch moved
+        self.fetch_block_bytes = 0.0  # bytes per block a fetch moves (set below)
         # CacheGen codes K and V blocks [L, 2, T, H, D]: not KIVI-packed or MLA-latent pools
         self.cachegen = wm.layout.name == "full" and self.pool.kv.dim() == 6
         if (config.cachegen_levels or config.cachegen_fetch) and not self.cachegen:
@@ -74,7 +74,10 @@ class PrefillRunner:
             registry=registry,
             store_layout=self.store_layout,
             security=config.security,
+            timeout_s=config.kv_timeout_s,
         )
+        # a block at the store's codec, until a CacheGen fetch says what its chunks move
+        self.fetch_block_bytes = float(self.kv.wire_block_bytes)
 
     def close(self) -> None:
         self.kv.close()
@@ -142,6 +145,7 @@ class PrefillRunner:
         )
         job.table, job.pinned = loaded.table, loaded.pinned
         job.counts, job.transfer_ms = loaded.counts, loaded.transfer_ms
+        job.fetched_bytes, job.fetch_ms = loaded.fetched_bytes, loaded.fetch_ms
         if chunked:
             try:
                 self._fetch_chunks(job, min(cap, r.fetch_blocks), timing)
@@ -178,7 +182,7 @@ class PrefillRunner:
         got = self.kv.fetch_chunks(r.fetch_from, job.keys, job.table, want, self.allocate, plan)
         job.counts["remote"] += len(job.table) - before
         job.transfer_ms += got.ms
-        job.cachegen_levels, job.fetched_bytes = got.levels, got.bytes
+        job.cachegen_levels, job.fetched_bytes, job.fetch_ms = got.levels, got.bytes, got.ms
         if got.blocks:
             self.fetch_block_bytes = got.bytes / got.blocks
 
@@ -268,4 +272,5 @@ class PrefillRunner:
             transfer_ms=job.transfer_ms,
             cachegen_levels=job.cachegen_levels,
             fetched_bytes=job.fetched_bytes,
+            fetch_ms=job.fetch_ms,
         )

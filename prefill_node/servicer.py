@@ -21,6 +21,7 @@ class PrefillWorker(WorkerServer, pb_grpc.PrefillWorkerServicer):
     runner_class = PrefillRunner
     scheduler_class = PrefillScheduler
     store_use = "the KV cache travels to decode workers through the store"
+    data_methods = frozenset({"/halfmoon.PrefillWorker/Prefill"})  # waits queued and computing
 
     # ---- lifecycle ----
 
@@ -86,6 +87,13 @@ class PrefillWorker(WorkerServer, pb_grpc.PrefillWorkerServicer):
             kv_cache_dtype=cfg.kv_cache_dtype,
             capacity_tokens=pool.num_blocks * pool.block_size,
             fetch_block_bytes=self.runner.fetch_block_bytes,
+            # what its fetches measured of each link: the policy weighs fetch against recompute
+            links=[
+                pb.LinkSpeed(
+                    node=n, fixed_ms=s.fixed_ms, bytes_per_ms=s.bytes_per_ms, fetches=s.fetches
+                )
+                for n, s in self.runner.kv.links().items()
+            ],
             running_tokens=self.scheduler.running_tokens(),
         )
 

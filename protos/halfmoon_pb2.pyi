@@ -81,7 +81,7 @@ class GenerateRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., model: _Optional[str] = ..., cache_salt: _Optional[str] = ..., policy: _Optional[str] = ..., ttft_slo_ms: _Optional[float] = ..., tbt_slo_ms: _Optional[float] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens", "cached_device_tokens", "cached_dram_tokens", "cached_ssd_tokens", "cached_remote_tokens", "computed_prompt_tokens", "ttft_ms", "tbt_mean_ms", "tbt_p90_ms", "prefill_worker", "decode_worker", "queue_ms", "transfer_ms", "max_decode_batch", "predicted_ttft_ms", "policy", "predicted_tbt_ms", "prefill_ms")
+    __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens", "cached_device_tokens", "cached_dram_tokens", "cached_ssd_tokens", "cached_remote_tokens", "computed_prompt_tokens", "ttft_ms", "tbt_mean_ms", "tbt_p90_ms", "prefill_worker", "decode_worker", "queue_ms", "transfer_ms", "max_decode_batch", "predicted_ttft_ms", "policy", "predicted_tbt_ms", "prefill_ms", "worker_failures")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -102,6 +102,7 @@ class Usage(_message.Message):
     POLICY_FIELD_NUMBER: _ClassVar[int]
     PREDICTED_TBT_MS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_MS_FIELD_NUMBER: _ClassVar[int]
+    WORKER_FAILURES_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
@@ -122,7 +123,8 @@ class Usage(_message.Message):
     policy: str
     predicted_tbt_ms: float
     prefill_ms: float
-    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., cached_device_tokens: _Optional[int] = ..., cached_dram_tokens: _Optional[int] = ..., cached_ssd_tokens: _Optional[int] = ..., cached_remote_tokens: _Optional[int] = ..., computed_prompt_tokens: _Optional[int] = ..., ttft_ms: _Optional[float] = ..., tbt_mean_ms: _Optional[float] = ..., tbt_p90_ms: _Optional[float] = ..., prefill_worker: _Optional[str] = ..., decode_worker: _Optional[str] = ..., queue_ms: _Optional[float] = ..., transfer_ms: _Optional[float] = ..., max_decode_batch: _Optional[int] = ..., predicted_ttft_ms: _Optional[float] = ..., policy: _Optional[str] = ..., predicted_tbt_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ...) -> None: ...
+    worker_failures: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., cached_device_tokens: _Optional[int] = ..., cached_dram_tokens: _Optional[int] = ..., cached_ssd_tokens: _Optional[int] = ..., cached_remote_tokens: _Optional[int] = ..., computed_prompt_tokens: _Optional[int] = ..., ttft_ms: _Optional[float] = ..., tbt_mean_ms: _Optional[float] = ..., tbt_p90_ms: _Optional[float] = ..., prefill_worker: _Optional[str] = ..., decode_worker: _Optional[str] = ..., queue_ms: _Optional[float] = ..., transfer_ms: _Optional[float] = ..., max_decode_batch: _Optional[int] = ..., predicted_ttft_ms: _Optional[float] = ..., policy: _Optional[str] = ..., predicted_tbt_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., worker_failures: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "token_ids", "text", "token_times_ms", "finished", "finish_reason", "usage")
@@ -235,7 +237,7 @@ class StatusReply(_message.Message):
     def __init__(self, model: _Optional[str] = ..., block_size: _Optional[int] = ..., default_policy: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., stores: _Optional[_Iterable[_Union[StoreStatus, _Mapping]]] = ..., requests_total: _Optional[int] = ..., requests_rejected: _Optional[int] = ..., prompt_tokens_total: _Optional[int] = ..., cached_tokens_total: _Optional[int] = ..., vocab_size: _Optional[int] = ..., conductor_rss_bytes: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., kv_dtype: _Optional[str] = ..., conductor_memory: _Optional[_Union[MemoryReport, _Mapping]] = ...) -> None: ...
 
 class WorkerLoad(_message.Message):
-    __slots__ = ("worker_id", "queued_requests", "queued_tokens", "predicted_queue_ms", "running", "free_blocks", "total_blocks", "prefill_coef", "decode_coef", "total_context_tokens", "kind", "nodes", "block_bytes", "block_size", "model_fingerprint", "waiting", "max_batch_seen", "requests_done", "device", "device_node", "kv_cache_dtype", "capacity_tokens", "fetch_block_bytes", "running_tokens", "seq_positions", "seq_remaining", "seq_blocks", "waiting_positions", "waiting_remaining", "waiting_blocks", "max_batch", "memory")
+    __slots__ = ("worker_id", "queued_requests", "queued_tokens", "predicted_queue_ms", "running", "free_blocks", "total_blocks", "prefill_coef", "decode_coef", "total_context_tokens", "kind", "nodes", "block_bytes", "block_size", "model_fingerprint", "waiting", "max_batch_seen", "requests_done", "device", "device_node", "kv_cache_dtype", "capacity_tokens", "fetch_block_bytes", "running_tokens", "seq_positions", "seq_remaining", "seq_blocks", "waiting_positions", "waiting_remaining", "waiting_blocks", "max_batch", "memory", "links")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     QUEUED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     QUEUED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -268,6 +270,7 @@ class WorkerLoad(_message.Message):
     WAITING_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     MAX_BATCH_FIELD_NUMBER: _ClassVar[int]
     MEMORY_FIELD_NUMBER: _ClassVar[int]
+    LINKS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     queued_requests: int
     queued_tokens: int
@@ -300,7 +303,20 @@ class WorkerLoad(_message.Message):
     waiting_blocks: _containers.RepeatedScalarFieldContainer[int]
     max_batch: int
     memory: MemoryReport
-    def __init__(self, worker_id: _Optional[str] = ..., queued_requests: _Optional[int] = ..., queued_tokens: _Optional[int] = ..., predicted_queue_ms: _Optional[float] = ..., running: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., prefill_coef: _Optional[_Iterable[float]] = ..., decode_coef: _Optional[_Iterable[float]] = ..., total_context_tokens: _Optional[int] = ..., kind: _Optional[str] = ..., nodes: _Optional[_Iterable[str]] = ..., block_bytes: _Optional[int] = ..., block_size: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., waiting: _Optional[int] = ..., max_batch_seen: _Optional[int] = ..., requests_done: _Optional[int] = ..., device: _Optional[str] = ..., device_node: _Optional[str] = ..., kv_cache_dtype: _Optional[str] = ..., capacity_tokens: _Optional[int] = ..., fetch_block_bytes: _Optional[float] = ..., running_tokens: _Optional[int] = ..., seq_positions: _Optional[_Iterable[int]] = ..., seq_remaining: _Optional[_Iterable[int]] = ..., seq_blocks: _Optional[_Iterable[int]] = ..., waiting_positions: _Optional[_Iterable[int]] = ..., waiting_remaining: _Optional[_Iterable[int]] = ..., waiting_blocks: _Optional[_Iterable[int]] = ..., max_batch: _Optional[int] = ..., memory: _Optional[_Union[MemoryReport, _Mapping]] = ...) -> None: ...
+    links: _containers.RepeatedCompositeFieldContainer[LinkSpeed]
+    def __init__(self, worker_id: _Optional[str] = ..., queued_requests: _Optional[int] = ..., queued_tokens: _Optional[int] = ..., predicted_queue_ms: _Optional[float] = ..., running: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., prefill_coef: _Optional[_Iterable[float]] = ..., decode_coef: _Optional[_Iterable[float]] = ..., total_context_tokens: _Optional[int] = ..., kind: _Optional[str] = ..., nodes: _Optional[_Iterable[str]] = ..., block_bytes: _Optional[int] = ..., block_size: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., waiting: _Optional[int] = ..., max_batch_seen: _Optional[int] = ..., requests_done: _Optional[int] = ..., device: _Optional[str] = ..., device_node: _Optional[str] = ..., kv_cache_dtype: _Optional[str] = ..., capacity_tokens: _Optional[int] = ..., fetch_block_bytes: _Optional[float] = ..., running_tokens: _Optional[int] = ..., seq_positions: _Optional[_Iterable[int]] = ..., seq_remaining: _Optional[_Iterable[int]] = ..., seq_blocks: _Optional[_Iterable[int]] = ..., waiting_positions: _Optional[_Iterable[int]] = ..., waiting_remaining: _Optional[_Iterable[int]] = ..., waiting_blocks: _Optional[_Iterable[int]] = ..., max_batch: _Optional[int] = ..., memory: _Optional[_Union[MemoryReport, _Mapping]] = ..., links: _Optional[_Iterable[_Union[LinkSpeed, _Mapping]]] = ...) -> None: ...
+
+class LinkSpeed(_message.Message):
+    __slots__ = ("node", "fixed_ms", "bytes_per_ms", "fetches")
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    FIXED_MS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_PER_MS_FIELD_NUMBER: _ClassVar[int]
+    FETCHES_FIELD_NUMBER: _ClassVar[int]
+    node: str
+    fixed_ms: float
+    bytes_per_ms: float
+    fetches: int
+    def __init__(self, node: _Optional[str] = ..., fixed_ms: _Optional[float] = ..., bytes_per_ms: _Optional[float] = ..., fetches: _Optional[int] = ...) -> None: ...
 
 class LoadRequest(_message.Message):
     __slots__ = ("memory",)
@@ -347,7 +363,7 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., fetch_from: _Optional[str] = ..., fetch_blocks: _Optional[int] = ..., no_cache: _Optional[bool] = ..., deadline_ms: _Optional[float] = ...) -> None: ...
 
 class PrefillReply(_message.Message):
-    __slots__ = ("first_token", "handle", "cached_device_tokens", "cached_dram_tokens", "cached_ssd_tokens", "cached_remote_tokens", "computed_tokens", "queue_ms", "prefill_ms", "transfer_ms", "cachegen_levels", "fetched_bytes")
+    __slots__ = ("first_token", "handle", "cached_device_tokens", "cached_dram_tokens", "cached_ssd_tokens", "cached_remote_tokens", "computed_tokens", "queue_ms", "prefill_ms", "transfer_ms", "cachegen_levels", "fetched_bytes", "fetch_ms")
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     HANDLE_FIELD_NUMBER: _ClassVar[int]
     CACHED_DEVICE_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -360,6 +376,7 @@ class PrefillReply(_message.Message):
     TRANSFER_MS_FIELD_NUMBER: _ClassVar[int]
     CACHEGEN_LEVELS_FIELD_NUMBER: _ClassVar[int]
     FETCHED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    FETCH_MS_FIELD_NUMBER: _ClassVar[int]
     first_token: int
     handle: KVHandle
     cached_device_tokens: int
@@ -372,7 +389,8 @@ class PrefillReply(_message.Message):
     transfer_ms: float
     cachegen_levels: _containers.RepeatedScalarFieldContainer[int]
     fetched_bytes: int
-    def __init__(self, first_token: _Optional[int] = ..., handle: _Optional[_Union[KVHandle, _Mapping]] = ..., cached_device_tokens: _Optional[int] = ..., cached_dram_tokens: _Optional[int] = ..., cached_ssd_tokens: _Optional[int] = ..., cached_remote_tokens: _Optional[int] = ..., computed_tokens: _Optional[int] = ..., queue_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., transfer_ms: _Optional[float] = ..., cachegen_levels: _Optional[_Iterable[int]] = ..., fetched_bytes: _Optional[int] = ...) -> None: ...
+    fetch_ms: float
+    def __init__(self, first_token: _Optional[int] = ..., handle: _Optional[_Union[KVHandle, _Mapping]] = ..., cached_device_tokens: _Optional[int] = ..., cached_dram_tokens: _Optional[int] = ..., cached_ssd_tokens: _Optional[int] = ..., cached_remote_tokens: _Optional[int] = ..., computed_tokens: _Optional[int] = ..., queue_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., transfer_ms: _Optional[float] = ..., cachegen_levels: _Optional[_Iterable[int]] = ..., fetched_bytes: _Optional[int] = ..., fetch_ms: _Optional[float] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
     __slots__ = ("request_id", "prompt_ids", "first_token", "handle", "sampling", "cache_salt")
@@ -391,7 +409,7 @@ class DecodeRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., first_token: _Optional[int] = ..., handle: _Optional[_Union[KVHandle, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
-    __slots__ = ("token_ids", "token_times_ms", "finished", "finish_reason", "transfer_ms", "batch_sizes", "recomputed_tokens")
+    __slots__ = ("token_ids", "token_times_ms", "finished", "finish_reason", "transfer_ms", "batch_sizes", "recomputed_tokens", "admitted")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_TIMES_MS_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
@@ -399,6 +417,7 @@ class DecodeResponse(_message.Message):
     TRANSFER_MS_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZES_FIELD_NUMBER: _ClassVar[int]
     RECOMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ADMITTED_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     token_times_ms: _containers.RepeatedScalarFieldContainer[float]
     finished: bool
@@ -406,4 +425,5 @@ class DecodeResponse(_message.Message):
     transfer_ms: float
     batch_sizes: _containers.RepeatedScalarFieldContainer[int]
     recomputed_tokens: int
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., token_times_ms: _Optional[_Iterable[float]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., transfer_ms: _Optional[float] = ..., batch_sizes: _Optional[_Iterable[int]] = ..., recomputed_tokens: _Optional[int] = ...) -> None: ...
+    admitted: bool
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., token_times_ms: _Optional[_Iterable[float]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., transfer_ms: _Optional[float] = ..., batch_sizes: _Optional[_Iterable[int]] = ..., recomputed_tokens: _Optional[int] = ..., admitted: _Optional[bool] = ...) -> None: ...

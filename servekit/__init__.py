@@ -5,8 +5,17 @@ The neutral ground of the server packages: `conductor`, `prefill_node`, `decode_
 import it and never one another."""
 
 from servekit.blocks import blocks_needed, reusable_blocks
-from servekit.config import config_from_dict, config_from_yaml, field_names
+from servekit.config import (
+    ConfigError,
+    config_from_dict,
+    config_from_yaml,
+    field_names,
+    located,
+    read_yaml,
+)
+from servekit.call_limit import CONTROL_THREADS, CallLimit
 from servekit.grpc_server import GrpcServer
+from servekit.request_guard import DecodeGuard
 from servekit.kv_cache import (
     KIVI_WINDOW_DTYPES,
     KV_CACHE_DTYPES,
@@ -49,9 +58,12 @@ from servekit.timing import (
 )
 from servekit.worker_server import WorkerServer
 from servekit.worker_model import WorkerModel, load_worker_model
-from servekit.validation import prompt_ids_problem, sampling_problem
+from servekit.validation import prompt_ids_problem, sampling_problem, shown
 
 __all__ = [
+    "CONTROL_THREADS",
+    "CallLimit",
+    "DecodeGuard",
     "AuthInterceptor",
     "Caller",
     "CertPaths",
@@ -85,8 +97,11 @@ __all__ = [
     "check_device",
     "check_dtype_device",
     "check_kv_cache",
+    "ConfigError",
     "config_from_dict",
     "config_from_yaml",
+    "located",
+    "read_yaml",
     "decode_features",
     "field_names",
     "is_kivi",
@@ -100,5 +115,6 @@ __all__ = [
     "role_classes",
     "sampling_params",
     "sampling_problem",
+    "shown",
     "torch_dtype",
 ]

@@ -10,8 +10,9 @@ from typing import ClassVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry, Counter, start_http_server
 
+from servekit.call_limit import CONTROL_THREADS, CallLimit
 from servekit.security import SecurityConfig, add_port, server_interceptors
 
 
@@ -22,15 +23,20 @@ class GrpcServer(abc.ABC):
     # Methods ("/pkg.Service/Method") a client's API token may call; the rest are internal to the
     # cluster (cluster token). A server with any is client-facing: no client certificates asked.
     client_methods: ClassVar[frozenset[str]] = frozenset()
+    # Methods that hold a thread while they wait (streams, queued work): at most `data_calls` of
+    # them run at once, the next is refused with RESOURCE_EXHAUSTED (servekit.call_limit), and
+    # the pool has CONTROL_THREADS more, so health, Load and Status always find a thread.
+    data_methods: ClassVar[frozenset[str]] = frozenset()
 
-    def __init__(self, host: str, port: int, metrics_port: int = 0, max_workers: int = 32):
-        self._host, self._port, self._metrics_port, self._max_workers = (
-            host,
-            port,
-            metrics_port,
-            max_workers,
-        )
+    def __init__(self, host: str, port: int, metrics_port: int = 0, data_calls: int = 32):
+        self._host, self._port, self._metrics_port = host, port, metrics_port
         self.registry = CollectorRegistry()
+        busy = Counter(
+            "halfmoon_busy_refusals",
+            "Data calls refused at once (RESOURCE_EXHAUSTED): every slot was taken",
+            registry=self.registry,
+        )
+        self.call_limit = CallLimit(self.data_methods, data_calls, type(self).__name__, busy.inc)
         self._server: grpc.Server | None = None
         self._health: health.HealthServicer | None = None
         self._metrics_http = None
@@ -57,12 +63,13 @@ class GrpcServer(abc.ABC):
         """Open the port and serve; returns "HOST:PORT"."""
         security = self.security()
         server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=self._max_workers),
+            futures.ThreadPoolExecutor(max_workers=self.call_limit.limit + CONTROL_THREADS),
             options=[
                 ("grpc.max_send_message_length", 256 << 20),
                 ("grpc.max_receive_message_length", 256 << 20),
             ],
-            interceptors=server_interceptors(security, self.client_methods),
+            # access first: a refused caller takes no data-call slot
+            interceptors=[*server_interceptors(security, self.client_methods), self.call_limit],
         )
         names = self._add_services(server)
         self._health = health.HealthServicer()

@@ -18,6 +18,8 @@ from typing import Iterable, NamedTuple, Sequence
 
 import grpc
 
+from servekit.request_guard import DecodeGuard
+
 # Health checks stay open: load balancers and launchers probe them without credentials.
 _OPEN_PREFIX = "/grpc.health.v1.Health/"
 
@@ -278,10 +280,12 @@ class AuthInterceptor(grpc.ServerInterceptor):
 
 
 def server_interceptors(cfg: SecurityConfig, client_methods: Iterable[str] = ()) -> list:
-    """The interceptors a server takes: none when no token is configured (no cost per call)."""
+    """The interceptors a server takes: access (only when a token is configured), then the guard
+    that answers an undecodable request INVALID_ARGUMENT."""
+    guard = DecodeGuard()
     if not (cfg.cluster_token or cfg.api_tokens):
-        return []
-    return [AuthInterceptor(cfg, client_methods)]
+        return [guard]
+    return [AuthInterceptor(cfg, client_methods), guard]
 
 
 # ---- tenants ----

@@ -12,6 +12,16 @@ from protos import halfmoon_pb2 as pb
 # so that a request cannot make each step's check arbitrarily slow.
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 128
+# A request value quoted in an error message is cut to this many characters: a status message
+# travels in a header, and a client refuses headers beyond 16 KiB (the error would be lost).
+MAX_SHOWN_CHARS = 64
+
+
+def shown(value: str) -> str:
+    """`value` quoted for an error message, cut to MAX_SHOWN_CHARS (its length said)."""
+    if len(value) <= MAX_SHOWN_CHARS:
+        return repr(value)
+    return f"{value[:MAX_SHOWN_CHARS]!r}... ({len(value)} characters)"
 
 
 def prompt_ids_problem(field: str, ids: Sequence[int], vocab_size: int, context_window: int) -> str:

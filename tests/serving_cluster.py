@@ -18,7 +18,9 @@ class Cluster:
     """`with Cluster(lm) as c: c.generate(...)`: deploy.LocalCluster in this process, sharing `lm`;
     every server on 127.0.0.1, free ports, all stopped on exit. `hosts` store nodes stand for
     hosts; workers are spread over them in turn (prefill-i and decode-i on store-(i % hosts)).
-    `cluster` holds top-level cluster config keys (kv_cache_dtype...), shared by every server."""
+    `cluster` holds top-level cluster config keys (kv_cache_dtype...), shared by every server.
+    The servers named in `processes` run in processes of their own (killable; not in the
+    `stores`/`prefills`/`decodes` lists, which hold the in-process ones)."""
 
     def __init__(
         self,
@@ -31,6 +33,7 @@ class Cluster:
         store: dict | None = None,
         hosts: int = 1,
         cluster: dict | None = None,
+        processes: tuple[str, ...] = (),
     ):
         self.lm = lm
         self.channel = None
@@ -52,7 +55,7 @@ class Cluster:
             layout = kv_cache_layout(lm.config, cfg.conductor, torch_dtype(cfg.dtype))
             fingerprint = kv_fingerprint(lm.weights_id, layout)
             cfg.store = dataclasses.replace(cfg.store, model_fingerprint=fingerprint)
-        self.local = LocalCluster(cfg, lm=lm, hosts=hosts)
+        self.local = LocalCluster(cfg, lm=lm, hosts=hosts, processes=set(processes))
         try:
             self.address = self.local.start()
             self.redis = self.local.redis

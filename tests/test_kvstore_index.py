@@ -133,11 +133,14 @@ def test_store_nodes_publish_to_the_index(index, redis_server, tmp_path):
         with StoreClient(nodes[0].address) as c0, StoreClient(nodes[1].address) as c1:
             c0.put(keys[:2], x[:2], FP)
             c1.put(keys[:1], x[:1], FP)
+            for n in nodes:  # publication is asynchronous: wait for it
+                assert n.flush()
             assert index.longest_prefix(keys) == {
                 "s0": LookupResult(2, ["dram", "dram"]),
                 "s1": LookupResult(1, ["dram"]),
             }
             c0.put(keys[2:], x[2:], FP, parent=keys[1])  # demotes block 1 at s0
+            assert nodes[0].flush()
             assert index.longest_prefix(keys)["s0"] == LookupResult(3, ["dram", "ssd", "dram"])
         time.sleep(1.0)  # several heartbeats: the nodes stay live
         assert set(index.longest_prefix(keys)) == {"s0", "s1"}

@@ -1,11 +1,14 @@
 """A Ray cluster across hosts that the kernel keeps apart (deploy.netns: a network namespace, a
 hostname and a /dev/shm each), started as on real machines (`ray start` per host, then
 `halfmoon serve --config deploy/configs/multinode.yaml --ray-address HEAD` from the head):
-placement by resources, KV pulled across hosts over gRPC only, a prefix on one host fetched by a
-prefill worker on another exactly when the policy's threshold says so, a link that `tc` shapes,
-outputs equal to Engine's, and a decode host lost mid-stream. The cluster runs with TLS (mutual
-between nodes) and tokens, so every one of those cross-host calls is encrypted and authenticated.
-Needs root and `ip netns`."""
+placement by resources, KV pulled across hosts over gRPC only, a conversation's answer blocks
+reused by its next turn on another host, a prefix on one host fetched by a prefill worker on
+another exactly when the policy's threshold says so and only when the link as measured makes
+fetching faster than recomputing (a link `tc` shapes: a tbf rate; this kernel may lack netem, in
+which case no delay is added and that is logged), outputs equal to Engine's, and a decode host lost
+mid-stream. The cluster runs with TLS (mutual between nodes) and tokens, the OpenAI-compatible
+HTTP API in front of it included, so every one of those cross-host calls is encrypted and
+authenticated. Needs root and `ip netns`."""
 
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ import json
 import random
 import sys
 import time
+import urllib.error
 import urllib.request
 
 import grpc
@@ -26,7 +30,7 @@ if _PROBLEM:
 
 from client.api import Access  # noqa: E402
 from deploy.hosts import HostCluster, HostSpec, Secured  # noqa: E402
-from kvstore import Index, block_keys  # noqa: E402
+from kvstore import Index, StoreClient, block_keys  # noqa: E402
 from model import Engine, SamplingParams, load_model  # noqa: E402
 from protos import halfmoon_pb2 as pb  # noqa: E402
 from protos import halfmoon_pb2_grpc as pb_grpc  # noqa: E402
@@ -51,8 +55,7 @@ def _overrides(work: str) -> list[str]:
         "dtype=float32",
         "prefill_workers=1",
         "decode_workers=2",
-        "health_timeout_s=240",
-        "http_port=0",
+        "health_timeout_s=240",  # http_port stays multinode.yaml's: the HTTP API on the head
         "metrics_base_port=9100",  # ports are per host: no clash with this machine's
         "placement.worker_num_cpus=0",
         "placement.gpus_per_worker=0",
@@ -70,11 +73,21 @@ def _overrides(work: str) -> list[str]:
 class Multi:
     """The running cluster as the tests see it."""
 
-    def __init__(self, hc: HostCluster, address: str, targets: str, secured: Secured):
-        self.hc, self.address, self.secured = hc, address, secured
+    def __init__(self, hc: HostCluster, served, targets: str, secured: Secured):
+        self.hc, self.address, self.secured = hc, served.address, secured
+        self.http_url = served.http_url
+        self._prefill_channel, self._prefill_stub = None, None
         self.access = Access(token=secured.api_token, tls_ca=secured.tls_ca)
+        # what a node presents to another: its certificate and the cluster token
+        self.node = SecurityConfig(
+            tls_ca=secured.tls_ca,
+            tls_cert=secured.tls_cert,
+            tls_key=secured.tls_key,
+            mutual_tls=True,
+            cluster_token=secured.cluster_token,
+        )
         self.md = self.access.metadata()
-        self.channel = grpc.secure_channel(address, self.access.credentials())
+        self.channel = grpc.secure_channel(self.address, self.access.credentials())
         self.stub = pb_grpc.ConductorStub(self.channel)
         # the conductor salts a tenant's block keys: the index holds them under this salt
         self.salt = tenant_salt(SecurityConfig(tenant_secret=secured.tenant_secret), secured.tenant)
@@ -110,6 +123,52 @@ class Multi:
                 return float(line.split()[-1])
         return 0.0
 
+    def prefill(self, prompt: list[int], **fields) -> tuple[float, pb.PrefillReply]:
+        """One Prefill call straight to the prefill worker, as the conductor makes it (the
+        tenant's salt), to fetch exactly what a test says whatever the policy would choose: its
+        wall time (ms, over a channel already open) and its reply."""
+        if self._prefill_stub is None:
+            address = next(w.address for w in self.status().workers if w.kind == "prefill")
+            self._prefill_channel = open_channel(address, self.node)
+            self._prefill_stub = pb_grpc.PrefillWorkerStub(self._prefill_channel)
+            self._prefill_stub.Load(pb.LoadRequest(), timeout=30)  # TLS handshake done here
+        req = pb.PrefillRequest(
+            token_ids=prompt, sampling=pb.SamplingParams(max_tokens=1), cache_salt=self.salt
+        )
+        for name, value in fields.items():
+            setattr(req, name, value)
+        t0 = time.perf_counter()
+        reply = self._prefill_stub.Prefill(req, timeout=120)
+        return (time.perf_counter() - t0) * 1000.0, reply
+
+    def close(self) -> None:
+        self.channel.close()
+        if self._prefill_channel is not None:
+            self._prefill_channel.close()
+
+    def link(self, node_id: str, fetches: int = 0):
+        """The link from store node `node_id` as the prefill worker reports it, once it has
+        measured at least `fetches` fetches over it (None: never measured)."""
+        deadline = time.monotonic() + 10
+        while True:
+            load = next(w.load for w in self.status().workers if w.kind == "prefill")
+            link = next((x for x in load.links if x.node == node_id), None)
+            if link is not None and link.fetches >= fetches or fetches == 0:
+                return link
+            assert time.monotonic() < deadline, f"no link to {node_id} with {fetches} fetches"
+            time.sleep(0.05)
+
+    def clear_store(self, host: str) -> None:
+        """Drop every block of `host`'s store node (the index hears of it before this returns)."""
+        address = next(
+            s.address for s in self.status().stores if self.host_of(s.address).name == host
+        )
+        client = StoreClient(address, transport="grpc", security=self.node)
+        try:
+            client.clear()
+        finally:
+            client.close()
+
     def wait_held(self, node_id: str, tokens: list[int], n_blocks: int) -> None:
         """Until the index says `node_id` holds the leading `n_blocks` blocks of `tokens` (a
         decode worker publishes after it answers)."""
@@ -137,9 +196,9 @@ def multi(tmp_path_factory):
         targets = f"{work}/targets.json"
         secured = hc.secured()
         served = hc.serve(_overrides(work) + secured.overrides, extra_args=["--metrics", targets])
-        m = Multi(hc, served.address, targets, secured)
+        m = Multi(hc, served, targets, secured)
         yield m
-        m.channel.close()
+        m.close()
     finally:
         hc.stop()
 
@@ -155,6 +214,13 @@ def rand_ids(rng: random.Random, n: int) -> list[int]:
 
 def greedy(engine: Engine, prompt: list[int], n: int) -> list[int]:
     return engine.generate(prompt, SamplingParams(max_tokens=n, ignore_eos=True))
+
+
+def turn(multi: Multi, engine: Engine, prompt: list[int], **extra) -> pb.Usage:
+    """A 3-token turn through the conductor; fetched or computed, Engine's tokens."""
+    ids, last = multi.generate(token_ids=prompt, max_tokens=3, **extra)
+    assert ids == greedy(engine, prompt, 3)
+    return last.usage
 
 
 def test_servers_run_on_their_hosts_and_hosts_share_no_memory(multi):
@@ -193,75 +259,166 @@ def test_decode_pulls_kv_across_hosts_over_grpc_and_outputs_equal_engine(multi, 
     assert after["shm"] == before["shm"]  # never shared memory across hosts
 
 
-def _conversation(multi, engine, rng, answer_blocks: int):
-    """A first turn whose prompt is shorter than a block, so the decode worker publishes every
-    full block of prompt + answer on its own host: (those tokens, the host's store node)."""
-    first = rand_ids(rng, 10)
-    n_new = answer_blocks * BS + 1  # the last token's KV is not in the pool
-    ids, last = multi.generate(token_ids=first, max_tokens=n_new)
-    assert ids == greedy(engine, first, n_new)
-    held = (first + ids)[: (len(first) + n_new - 1) // BS * BS]
+def _published(multi: Multi, engine: Engine, prompt: list[int], n_new: int):
+    """A turn decoded on a decode host, which then publishes every full block of prompt +
+    answer on its own host's store: (those tokens, that store node), once the index holds them
+    all from block 0."""
+    ids, last = multi.generate(token_ids=prompt, max_tokens=n_new)
+    assert ids == greedy(engine, prompt, n_new)
+    held = (prompt + ids)[: (len(prompt) + n_new - 1) // BS * BS]
     decode = next(w for w in multi.status().workers if w.worker_id == last.usage.decode_worker)
     node = multi.store_of_host[multi.host_of(decode.address).name]
     multi.wait_held(node, held, len(held) // BS)
     return held, node
 
 
+def _on_a_decode_host_only(multi: Multi, engine: Engine, rng, n_blocks: int):
+    """`n_blocks` blocks that only a decode host's store holds: a long prompt computed on the
+    prefill host and decoded on a decode host (which publishes it all), then the prefill host's
+    store cleared."""
+    held, node = _published(multi, engine, rand_ids(rng, n_blocks * BS - 8), 9)
+    assert len(held) == n_blocks * BS
+    multi.clear_store("prefillhost")
+    return held, node
+
+
+def test_a_second_turn_on_another_host_hits_the_blocks_the_decode_host_published(multi, engine):
+    """The prompt is computed on the prefill host and answered on a decode host: the decode
+    host publishes the prompt's blocks with the answer's (the index counts a node's prefix from
+    block 0), so the next turn reuses both, its own host's prompt blocks and the answer's across
+    the link."""
+    rng = random.Random(6)
+    first = rand_ids(rng, 30 * BS + 5)
+    held, node = _published(multi, engine, first, 60 * BS)
+    assert len(held) == 90 * BS and node != multi.store_of_host["prefillhost"]
+    u = turn(multi, engine, held + rand_ids(rng, 6))
+    assert u.cached_dram_tokens == 30 * BS and u.cached_remote_tokens == 60 * BS
+    assert u.computed_prompt_tokens == 6
+
+
 def test_a_prefix_on_a_decode_host_is_fetched_exactly_when_the_threshold_says(multi, engine):
+    """Prefixes long enough that moving them beats computing them on an unshaped link: what
+    decides is Mooncake's kvcache_balancing_threshold (1.5)."""
     rng = random.Random(2)
+    # The prefill host holds none of it: a prefix of 48 blocks on a decode host is fetched.
+    held, _ = _on_a_decode_host_only(multi, engine, rng, 48)
+    u = turn(multi, engine, held + rand_ids(rng, 7))
+    assert u.cached_remote_tokens == 48 * BS and u.computed_prompt_tokens == 7
 
-    def turn(prompt, **extra):
-        ids, last = multi.generate(token_ids=prompt, max_tokens=3, **extra)
-        assert ids == greedy(engine, prompt, 3)  # fetched or computed, the same tokens
-        return last.usage
+    # It holds 32 of 48 blocks (load_balance computed them there): 48 <= 1.5 x 32, not beyond
+    # the threshold, nothing moves; the 32 are reused and the rest computed.
+    held, _ = _on_a_decode_host_only(multi, engine, rng, 48)
+    u = turn(multi, engine, held[: 32 * BS] + rand_ids(rng, 3), policy="load_balance")
+    assert u.cached_remote_tokens == 0 and u.computed_prompt_tokens == 32 * BS + 3
+    u = turn(multi, engine, held + rand_ids(rng, 5))
+    assert u.cached_remote_tokens == 0 and u.cached_dram_tokens == 32 * BS
+    assert u.computed_prompt_tokens == 16 * BS + 5
 
-    # The prefill host holds none of it: a prefix of 9 blocks on a decode host is fetched.
-    held, node = _conversation(multi, engine, rng, 9)
-    assert len(held) == 9 * BS
-    u = turn(held + rand_ids(rng, 7))
-    assert u.cached_remote_tokens == 9 * BS and u.computed_prompt_tokens == 7
-
-    # It holds 7 of 9 blocks (load_balance computed them there): 9 <= 1.5 x 7, below the
-    # threshold, nothing moves; the 7 are reused and the rest computed.
-    held, node = _conversation(multi, engine, rng, 9)
-    u = turn(held[: 7 * BS] + rand_ids(rng, 3), policy="load_balance")
-    assert u.cached_remote_tokens == 0 and u.computed_prompt_tokens == 7 * BS + 3
-    u = turn(held + rand_ids(rng, 5))
-    assert u.cached_remote_tokens == 0 and u.cached_dram_tokens == 7 * BS
-    assert u.computed_prompt_tokens == 2 * BS + 5
-
-    # It holds 4 of 9: 9 > 1.5 x 4, above it: the 5 it lacks cross the link.
-    held, node = _conversation(multi, engine, rng, 9)
-    turn(held[: 4 * BS] + rand_ids(rng, 3), policy="load_balance")
-    u = turn(held + rand_ids(rng, 2))
-    assert u.cached_dram_tokens == 4 * BS and u.cached_remote_tokens == 5 * BS
+    # It holds 16 of 48: 48 > 1.5 x 16, beyond it: the 32 it lacks cross the link.
+    held, _ = _on_a_decode_host_only(multi, engine, rng, 48)
+    turn(multi, engine, held[: 16 * BS] + rand_ids(rng, 3), policy="load_balance")
+    u = turn(multi, engine, held + rand_ids(rng, 2))
+    assert u.cached_dram_tokens == 16 * BS and u.cached_remote_tokens == 32 * BS
     assert u.computed_prompt_tokens == 2
 
 
-def test_a_shaped_link_is_a_real_one(multi, engine):
-    """A fetch across a 2 Mbit/s link takes at least the time its bytes need on it (the policy's
-    transfer estimate is the conductor's configured bandwidth, not the link's)."""
+def test_fetch_or_recompute_follows_the_measured_link(multi, engine):
+    """Both sides of the TTFT estimate on one link, as the prefill worker's own fetches measure
+    it. The prefill host holds the first blocks of a 120-block prefix that a decode host holds
+    whole. Unshaped, the 64 blocks it lacks cross the link faster than their 1,024 tokens
+    compute, and they are fetched; with the link shaped to 5 Mbit/s (tbf), the 104 it lacks are
+    recomputed. Each time the choice is the faster one: fetching and computing are both timed
+    at the worker from the same start, and the recomputed turn takes less than the link needs
+    for those bytes alone. A first fetch measures the link each time, and shows that the
+    shaping is real: it takes the wire time of its bytes."""
     rng = random.Random(3)
     hosts = multi.hc.hosts
-    rate = 0.002
-    wire_ms = 12 * 8192 * 8 / (rate * 1e9) * 1000  # 393 ms for 12 blocks of 8 KiB
-    transfer = {}
-    for shaped in (False, True):
-        held, node = _conversation(multi, engine, rng, 12)
-        src = hosts[next(h for h, n in multi.store_of_host.items() if n == node)]
-        if shaped:
-            applied = hosts.shape(src, rate_gbit=rate, delay_ms=1.0)
-            assert applied.rate_gbit == rate
-        prompt = held + rand_ids(rng, 4)
-        try:
-            ids, last = multi.generate(token_ids=prompt, max_tokens=2)
-        finally:
-            hosts.shape(src)  # unshaped again
-        assert last.usage.cached_remote_tokens == 12 * BS
-        assert ids == greedy(engine, prompt, 2)
-        transfer[shaped] = last.usage.transfer_ms
-    assert transfer[True] >= 0.8 * wire_ms, transfer
-    assert transfer[False] < 0.8 * wire_ms, transfer  # the link, not the machine, made it slow
+    rate = 0.005  # Gbit/s
+
+    def warm(held: list[int], node: str, n: int):
+        """The prefill host's store emptied, its worker fetches the prefix's first `n` blocks
+        from `node` (and holds them from then on): the reply, and the link it then reports."""
+        multi.clear_store("prefillhost")
+        before = multi.link(node)
+        _, r = multi.prefill(held[: n * BS] + [5], fetch_from=node, fetch_blocks=n)
+        assert r.cached_remote_tokens == n * BS and r.fetched_bytes > n * 8192
+        return r, multi.link(node, (before.fetches if before else 0) + 1)
+
+    # Unshaped: both ways timed from 56 blocks of its own, then the policy's choice.
+    held, node = _on_a_decode_host_only(multi, engine, rng, 120)
+    prompt = held + rand_ids(rng, 4)
+    warm(held, node, 56)
+    fetch_ms, r = multi.prefill(prompt, fetch_from=node, fetch_blocks=120)
+    assert r.cached_remote_tokens == 64 * BS and r.computed_tokens == 4
+    warm(held, node, 56)
+    compute_ms, r = multi.prefill(prompt)
+    assert r.cached_remote_tokens == 0 and r.computed_tokens == 64 * BS + 4
+    fast, link = warm(held, node, 56)
+    u = turn(multi, engine, prompt)
+    assert u.cached_dram_tokens == 56 * BS and u.cached_remote_tokens == 64 * BS
+    assert u.computed_prompt_tokens == 4
+    assert fetch_ms < compute_ms, (fetch_ms, compute_ms)
+
+    # The link out of the decode host holding the next prefix, shaped to 5 Mbit/s (its way in
+    # stays as it is: what the decode worker there pulls is not what is weighed here).
+    held, node = _on_a_decode_host_only(multi, engine, rng, 120)
+    src = hosts[next(h for h, n in multi.store_of_host.items() if n == node)]
+    applied = hosts.shape(src, rate_gbit=rate, delay_ms=1.0, direction="out")
+    assert applied.rate_gbit == rate  # delay_ms is 0 where this kernel has no netem
+    try:
+        slow, link = warm(held, node, 16)
+        u = turn(multi, engine, held + rand_ids(rng, 4))
+    finally:
+        hosts.shape(src)  # unshaped again
+    # The link is a real one: the 16 blocks took at least their wire time past tbf's burst,
+    # where unshaped it moved 56 in far less...
+    burst = 32 << 10
+    wire_ms = (slow.fetched_bytes - burst) * 8 / (rate * 1e9) * 1000
+    assert slow.fetch_ms >= 0.9 * wire_ms, (slow.fetch_ms, wire_ms)
+    assert fast.fetch_ms < 0.5 * wire_ms, (fast.fetch_ms, wire_ms)
+    assert link.bytes_per_ms < 2 * rate * 1e9 / 8 / 1000  # and the worker measured it so
+    # ...so the 104 blocks it lacks are computed instead, and that was the faster: the link
+    # alone needs longer for their bytes than the whole turn took.
+    assert u.cached_remote_tokens == 0 and u.cached_dram_tokens == 16 * BS
+    assert u.computed_prompt_tokens == 104 * BS + 4
+    bound_ms = (104 * slow.fetched_bytes / 16 - burst) * 8 / (rate * 1e9) * 1000
+    print(
+        f"unshaped: fetch {fetch_ms:.0f} ms, compute {compute_ms:.0f} ms (56 blocks fetched in "
+        f"{fast.fetch_ms:.1f} ms); at {rate:g} Gbit/s: 16 blocks in {slow.fetch_ms:.0f} ms "
+        f"(wire {wire_ms:.0f}), the recomputed turn {u.ttft_ms:.0f} ms against {bound_ms:.0f} "
+        "for the bytes alone",
+        file=sys.stderr,
+    )
+    assert u.ttft_ms < bound_ms, u
+
+
+def test_the_http_api_runs_on_the_secured_cluster(multi, engine):
+    """The OpenAI-compatible server beside the conductor dials it over TLS with the node
+    certificate and takes the cluster's API tokens, passing the caller's on (the conductor
+    derives the tenant)."""
+    assert multi.http_url.startswith(f"http://{multi.hc.head.ip}:")
+    prompt = rand_ids(random.Random(7), 2 * BS + 3)
+
+    def complete(token: str) -> dict:
+        req = urllib.request.Request(
+            f"{multi.http_url}/completions",
+            data=json.dumps({"prompt": prompt, "max_tokens": 4, "temperature": 0}).encode(),
+            headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return json.loads(r.read())
+
+    with pytest.raises(urllib.error.HTTPError) as err:
+        complete("not-a-token")
+    assert err.value.code == 401
+    with pytest.raises(urllib.error.HTTPError) as err:
+        complete(multi.secured.cluster_token)  # the cluster's own token is no API token
+    assert err.value.code == 401
+    body = complete(multi.secured.api_token)
+    want = engine.generate(prompt, SamplingParams(max_tokens=4))
+    assert body["choices"][0]["text"] == engine.lm.tokenizer.decode(want)
+    again = complete(multi.secured.api_token)  # the tenant's blocks, as over gRPC
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 2 * BS
 
 
 def test_every_cross_host_call_is_encrypted_and_authenticated(multi):

@@ -9,11 +9,13 @@ import pytest
 from conductor import (
     ClusterState,
     DecodeCandidate,
+    Link,
     PrefillCandidate,
     Rejected,
     RequestInfo,
     make_policy,
 )
+from kvstore.links import LinkModel
 from servekit import DecodeTimeModel, PrefillTimeModel
 
 BS = 16
@@ -85,6 +87,67 @@ def test_the_transfer_estimate_uses_the_bytes_a_cachegen_fetch_moved():
     s = state([prefill("a")], [decode("d")], {"a-node": 4, "x": 7})
     d = make_policy("mooncake", kvcache_balancing_threshold=1.5).choose(req(), s)
     assert d.predicted_ttft_ms == pytest.approx(48 + 3)
+
+
+def test_a_fetch_goes_over_the_link_as_measured_and_only_when_faster():
+    # a holds 4 blocks, node x holds 9: fetching moves 5 blocks of 1 MB, computing them instead
+    # costs 80 tokens at 1 ms (the last 16 are computed either way).
+    s = lambda *links: state(  # noqa: E731
+        [prefill("a")._replace(links=links)], [decode("d")], {"a-node": 4, "x": 9}
+    )
+    pol = make_policy("mooncake", kvcache_balancing_threshold=1.5)
+    # Not measured yet: the default speed (1 GB/s: 5 ms), said in the decision.
+    d = pol.choose(req(), s())
+    assert (d.fetch_from, d.fetch_blocks, d.reuse_blocks) == ("x", 9, 9)
+    assert d.predicted_ttft_ms == pytest.approx(5 + 16) and d.assumed_link == "x"
+    # A measured fast link: 2 ms of round trips + 5 MB at 0.5 MB/ms = 12 ms, still the faster.
+    fast = Link("x", 2.0, 500_000.0)
+    d = pol.choose(req(), s(fast))
+    assert (d.fetch_from, d.assumed_link) == ("x", "")
+    assert d.predicted_ttft_ms == pytest.approx(12 + 16)
+    # A slow one: 2 + 100 ms against 80 ms of compute: nothing moves, the 4 own blocks are
+    # reused and the rest computed.
+    slow = Link("x", 2.0, 50_000.0)
+    d = pol.choose(req(), s(slow))
+    assert (d.fetch_from, d.fetch_blocks, d.reuse_blocks) == ("", 0, 4)
+    assert d.predicted_ttft_ms == pytest.approx(160 - 64)
+    # A link measured from another node says nothing of x's.
+    assert pol.choose(req(), s(slow._replace(node="y"))).assumed_link == "x"
+    # Each side of the crossover (5 MB in 80 ms: 0.0625 MB/ms).
+    for rate, fetches in ((0.0632, True), (0.0618, False)):
+        d = pol.choose(req(), s(Link("x", 0.0, rate * 1e6)))
+        assert (d.fetch_from == "x") is fetches, rate
+    # Below the threshold no fetch is weighed, however fast the link.
+    d = make_policy("mooncake", kvcache_balancing_threshold=3.0).choose(req(), s(fast))
+    assert (d.fetch_from, d.assumed_link) == ("", "")
+
+
+def test_the_transfer_estimate_counts_the_bytes_a_block_moves_at_the_stores_codec():
+    # int8 blocks move 0.25 MB each where the pool's are 1 MB: on a 0.05 MB/ms link the 5 blocks
+    # take 25 ms, not 100, and fetching wins again.
+    a = prefill("a")._replace(links=(Link("x", 0.0, 50_000.0),), fetch_block_bytes=250_000.0)
+    d = make_policy("mooncake").choose(req(), state([a], [decode("d")], {"a-node": 4, "x": 9}))
+    assert (d.fetch_from, d.predicted_ttft_ms) == ("x", pytest.approx(25 + 16))
+
+
+def test_a_link_model_follows_the_link_it_measures():
+    # A fetch pays a lookup's round trip, then the transfer's own and the bytes; small warm-up
+    # fetches (mostly round trips) must not make larger ones look slow.
+    m = LinkModel()
+    m.add(lookup_ms=2.0, nbytes=40_000, transfer_ms=2.0 + 40_000 / 50_000)  # 50 MB/s flowing
+    speed = m.speed()
+    assert speed.fixed_ms == pytest.approx(4.0) and speed.bytes_per_ms == pytest.approx(50_000)
+    assert speed.fixed_ms + 1_000_000 / speed.bytes_per_ms == pytest.approx(24.0)
+    # The link becomes 100x slower: one fetch over it is enough to say so.
+    m.add(lookup_ms=2.0, nbytes=40_000, transfer_ms=2.0 + 40_000 / 500)
+    assert m.speed().bytes_per_ms < 1_000 and m.speed().fetches == 2
+    # and back: a few fetches
+    for _ in range(4):
+        m.add(lookup_ms=2.0, nbytes=40_000, transfer_ms=2.0 + 40_000 / 50_000)
+    assert m.speed().bytes_per_ms > 25_000
+    # nothing moved: nothing learnt
+    m.add(lookup_ms=2.0, nbytes=0, transfer_ms=5.0)
+    assert m.speed().fetches == 6
 
 
 def test_a_device_pool_is_never_a_fetch_source():

@@ -44,7 +44,10 @@ def wait_unhealthy(c: Cluster, worker_id: str) -> None:
 
 def test_remote_fetch_only_when_the_policy_decides(lm):
     rng = random.Random(11)
-    p, q, r = rand_ids(rng, 8 * BS), rand_ids(rng, 12 * BS), rand_ids(rng, 6 * BS)
+    # Prefixes long enough that fetching beats computing on this machine's loopback: the policy
+    # fetches only what the link (as the worker's fetches measure it) moves faster than it
+    # computes, and tiny-random computes a few blocks about as fast as they cross.
+    p, q, r = rand_ids(rng, 64 * BS), rand_ids(rng, 96 * BS), rand_ids(rng, 48 * BS)
     engine = Engine(lm)
     with Cluster(
         lm,
@@ -63,7 +66,7 @@ def test_remote_fetch_only_when_the_policy_decides(lm):
                 )
                 assert stub.Prefill(req, timeout=60).computed_tokens == len(prefix) + 5
         q_keys = block_keys(q, BS, c.prefills[0].fingerprint)
-        assert store_hits(c.stores[0]) == 0 and len(c.stores[0].store.lookup(q_keys)) == 12
+        assert store_hits(c.stores[0]) == 0 and len(c.stores[0].store.lookup(q_keys)) == 96
         c.prefills[0].stop()
         wait_unhealthy(c, "prefill-0")
         store0 = c.stores[0]
@@ -76,22 +79,23 @@ def test_remote_fetch_only_when_the_policy_decides(lm):
             return last.usage, store_hits(store0) - before
 
         # Host 1 holds nothing: any prefix on host 0 is worth fetching (own 0).
-        u, served = run(p[: 6 * BS] + rand_ids(rng, 7))
-        assert u.cached_remote_tokens == 6 * BS and served == 6
-        # Host 1 now holds 6 blocks of p, host 0 all 8: 8 <= 1.5 x 6, below the threshold: no
-        # transfer at all; the 6 local blocks are reused and the rest is computed.
+        u, served = run(p[: 48 * BS] + rand_ids(rng, 7))
+        assert u.cached_remote_tokens == 48 * BS and served == 48
+        # Host 1 now holds 48 blocks of p, host 0 all 64: 64 <= 1.5 x 48, below the threshold:
+        # no transfer at all; the 48 local blocks are reused and the rest is computed.
         u, served = run(p + rand_ids(rng, 9))
         assert u.cached_remote_tokens == 0 and served == 0
-        assert u.cached_dram_tokens == 6 * BS and u.computed_prompt_tokens == 2 * BS + 9
-        # q: 4 blocks on host 1, 12 on host 0: 12 > 1.5 x 4, above it: the other 8 are fetched.
-        run(q[: 4 * BS] + rand_ids(rng, 3))
+        assert u.cached_dram_tokens == 48 * BS and u.computed_prompt_tokens == 16 * BS + 9
+        # q: 32 blocks on host 1 (fetched or computed there), 96 on host 0: 96 > 1.5 x 32, above
+        # it: the other 64 are fetched.
+        run(q[: 32 * BS] + rand_ids(rng, 3))
         u, served = run(q + rand_ids(rng, 2))
-        assert u.cached_dram_tokens == 4 * BS and u.cached_remote_tokens == 8 * BS
-        assert served == 8
+        assert u.cached_dram_tokens == 32 * BS and u.cached_remote_tokens == 64 * BS
+        assert served == 64
         # load_balance never fetches remotely, however long the prefix held elsewhere.
         u, served = run(r + rand_ids(rng, 4), policy="load_balance")
         assert u.cached_remote_tokens == 0 and served == 0
-        assert u.computed_prompt_tokens == 6 * BS + 4
+        assert u.computed_prompt_tokens == 48 * BS + 4
 
 
 def _greedy(n: int):
