@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import abc
 import bisect
+import heapq
 import math
 import random
 from dataclasses import dataclass
@@ -64,15 +65,33 @@ class DecodeCandidate(NamedTuple):
     # as (prompt tokens, tokens to generate, blocks needed); they take the pool's room first.
     waiting: tuple[tuple[int, int, int], ...] = ()
     max_batch: int = 0  # sequences one step carries at most (0 = no bound)
+    # what pulling one prompt block into its pool took lately (0 = unknown: taken as instant)
+    pull_ms_per_block: float = 0.0
 
 
 class DecodeEstimate(NamedTuple):
-    """What a decode worker gives a new sequence: its TBT (Mooncake's: the mean of the slowest
-    10% of its gaps, the first gap holding the admission wait) and the parts of it."""
+    """What a decode worker gives a new sequence: when it joins the batch and the TBT it then sees
+    (Mooncake's: the mean of the slowest 10% of its gaps). The conductor holds the prefill's first
+    token until the decode worker admits the sequence (its KV pulled, the batch joined), so every
+    wait before that is TTFT (`ttft_ms`) and the first gap is an ordinary step."""
 
     tbt_ms: float
     step_ms: float  # the first step after it joins
-    admission_wait_ms: float  # waiting for pool blocks (or a batch slot) after its first token
+    admission_wait_ms: float  # from now until the pool holds its answer (and the batch a slot)
+    # A sequence is admitted at a step boundary: a first token arriving while a step runs waits
+    # out the rest of it (half a step on average)...
+    align_ms: float = 0.0
+    # ...then its KV pull runs alongside the next step, and it joins at the boundary after the
+    # pull (with no batch running: the pull only).
+    joining_ms: float = 0.0
+    pull_ms: float = 0.0  # its KV pull
+    drained_ms: float = math.inf  # when the sequences it knows of have all ended
+
+    def ttft_ms(self, prefill_ttft_ms: float) -> float:
+        """The TTFT of a sequence whose prefill answers `prefill_ttft_ms` from now."""
+        if prefill_ttft_ms >= self.drained_ms:  # the worker is idle by then: admitted at once
+            return prefill_ttft_ms + self.pull_ms
+        return max(prefill_ttft_ms + self.align_ms, self.admission_wait_ms) + self.joining_ms
 
 
 class ClusterState(NamedTuple):
@@ -104,12 +123,15 @@ class Decision(NamedTuple):
     fetch_blocks: int
     reuse_blocks: int  # prefix blocks the policy expects to be reused
     predicted_ttft_ms: float  # the policy's estimate (0 when it does not estimate)
-    predicted_tbt_ms: float  # the chosen decode worker's predicted step time
+    predicted_tbt_ms: float  # the chosen decode worker's predicted TBT
     # The compute part of the TTFT estimate (the work this request adds to the worker's queue).
     predicted_prefill_ms: float = 0.0
     # A store node the chosen worker was weighed fetching from over a link none of its fetches
     # has measured yet (the estimate took the policy's default speed); "" = none.
     assumed_link: str = ""
+    # The part of the TTFT estimate after the prefill's answer: the decode admission wait, the KV
+    # pull and the step boundary it joins at (what a correction of the prefill leaves out).
+    predicted_admission_ms: float = 0.0
 
 
 class Rejected(Exception):
@@ -154,30 +176,41 @@ def tbt_of_times(times_ms: Sequence[float]) -> float:
 def decode_estimate(
     d: DecodeCandidate, request: RequestInfo, block_size: int, window_tokens: int = 0
 ) -> DecodeEstimate:
-    """The TBT a new sequence would see on `d`: it waits after its first token until the pool
-    holds its whole answer (and the batch has a slot), behind the sequences admitted before it;
-    then each step costs the fitted model at the batch and context of that moment, running
-    sequences growing a token a step and leaving when their answers end."""
+    """What a new sequence would see on `d`: it waits until the pool holds its whole answer (and
+    the batch has a slot), behind the sequences admitted before it; then each step costs the
+    fitted model at the batch and context of that moment, running sequences growing a token a
+    step and leaving when their answers end."""
     need = blocks_needed(request.num_tokens, request.max_tokens, block_size, window_tokens)
-    ahead = need + sum(w[2] for w in d.waiting)
+    pull_ms = d.pull_ms_per_block * -(-request.num_tokens // block_size)
     if not d.seqs and d.running > len(d.waiting):
         # Totals only: the batch and context as they are now, the wait unknown.
         batch = d.running + 1
         context = d.context_tokens + request.num_tokens + sum(w[0] for w in d.waiting)
         step = predict(d.coef, decode_features(batch, context))
-        return DecodeEstimate(step, step, 0.0)
-    seqs = sorted(d.seqs, key=lambda q: q[1])  # soonest to end first
-    slots = d.max_batch - len(seqs) - len(d.waiting) - 1 if d.max_batch > 0 else 0
-    free, wait_steps = d.free_blocks, 0
-    for _, remaining, held in seqs:
-        if free >= ahead and slots >= 0:
-            break
-        wait_steps, free, slots = remaining, free + held, slots + 1
-    # Each running sequence and each admitted one, by when it ends; `t` steps from now the ones
-    # still going hold (position + t) tokens each.
-    joined = sorted([(r, pos) for pos, r, _ in seqs] + [(m, p) for p, m, _ in d.waiting])
+        return DecodeEstimate(step, step, 0.0, step / 2, max(step, pull_ms + step / 2), pull_ms)
+    # Admission in order, each when the pool holds its answer and the batch has a slot: blocks
+    # free up as sequences end, the running ones first and then those admitted ahead of it.
+    ending = [(r, held) for _, r, held in d.seqs]
+    heapq.heapify(ending)
+    slots = d.max_batch - len(d.seqs) if d.max_batch > 0 else math.inf
+    free, t = d.free_blocks, 0
+    # Each sequence by when it ends and its position offset: `t` steps from now one still going
+    # holds (offset + t) tokens (one admitted later is counted as if in the batch from now).
+    joined = [(r, pos) for pos, r, _ in d.seqs]
+    for pos, gen, blocks in d.waiting:
+        while (free < blocks or slots < 1) and ending:
+            end, held = heapq.heappop(ending)
+            t, free, slots = max(t, end), free + held, slots + 1
+        free, slots = free - blocks, slots - 1
+        heapq.heappush(ending, (t + gen, blocks))
+        joined.append((t + gen, pos - t))
+    while (free < need or slots < 1) and ending:
+        end, held = heapq.heappop(ending)
+        t, free, slots = max(t, end), free + held, slots + 1
+    wait_steps = t
+    joined.sort()
     ends = [r for r, _ in joined]
-    after = [0] * (len(joined) + 1)  # after[i]: positions of joined[i:]
+    after = [0] * (len(joined) + 1)  # after[i]: position offsets of joined[i:]
     for i in range(len(joined) - 1, -1, -1):
         after[i] = after[i + 1] + joined[i][1]
 
@@ -193,19 +226,31 @@ def decode_estimate(
     gaps = max(1, request.max_tokens - 1)
     points = _spread(gaps)
     steps = [step_at(wait_steps + i, request.num_tokens + i) for i in points]
-    # A sequence joins at a step boundary: with a batch running it first waits out the step in
-    # flight (up to one whole step; counted whole).
-    joining_ms = step_at(wait_steps, 0) if joined else 0.0
-    # Mooncake's TBT: the mean of the slowest 10% of the gaps; the first gap holds the waits.
-    pool = [(wait_ms + joining_ms + steps[0], 1.0)] + [(v, (gaps - 1) / len(points)) for v in steps]
+    # Mooncake's TBT: the mean of the slowest 10% of the gaps, each point standing for its share.
     k = max(1, math.ceil(gaps * WORST_GAP_SHARE))
     total, taken = 0.0, 0.0
-    for v, n in sorted(pool, reverse=True):
-        take = min(n, k - taken)
+    for v in sorted(steps, reverse=True):
+        take = min(gaps / len(points), k - taken)
         if take <= 0:
             break
         total, taken = total + v * take, taken + take
-    return DecodeEstimate(total / taken, steps[0], wait_ms + joining_ms)
+    if bisect.bisect_right(ends, wait_steps) == len(joined):
+        # No batch running when it may join: admitted as soon as its KV is in.
+        return DecodeEstimate(total / taken, steps[0], wait_ms, 0.0, pull_ms, pull_ms)
+    # It is admitted at a step boundary, pulls its KV alongside the next step and joins at the
+    # boundary after the pull; unless its prefill answers after the batch has run dry.
+    inflight = step_at(wait_steps, 0)
+    span = _spread(ends[-1])
+    drained = sum(step_at(t, 0) for t in span) * ends[-1] / len(span)
+    return DecodeEstimate(
+        total / taken,
+        steps[0],
+        wait_ms,
+        inflight / 2,
+        max(inflight, pull_ms + inflight / 2),
+        pull_ms,
+        drained,
+    )
 
 
 def _spread(n: int) -> list[int]:
@@ -218,29 +263,38 @@ def _spread(n: int) -> list[int]:
 
 
 def _least_loaded_decode(
-    request: RequestInfo, state: ClusterState, slo: bool
-) -> tuple[DecodeCandidate, float]:
+    request: RequestInfo, state: ClusterState, slo: bool, prefill_ttft_ms: float
+) -> tuple[DecodeCandidate, DecodeEstimate]:
     """Lowest load first (sequences with room now before those that would wait); `slo` filters
-    by TBT."""
-    best, best_key, best_tbt = None, None, 0.0
+    by TBT and by the TTFT the sequence sees there (its prefill answers `prefill_ttft_ms` from
+    now, then it waits for admission)."""
+    need = blocks_needed(
+        request.num_tokens, request.max_tokens, state.block_size, state.window_tokens
+    )
+    best, best_key, slow_ttft = None, None, 0.0
     for d in _decode_fits(request, state):
         est = decode_estimate(d, request, state.block_size, state.window_tokens)
-        tbt = est.tbt_ms
-        if slo and request.tbt_slo_ms > 0 and tbt > request.tbt_slo_ms:
+        if slo and request.tbt_slo_ms > 0 and est.tbt_ms > request.tbt_slo_ms:
             continue
-        need = blocks_needed(
-            request.num_tokens, request.max_tokens, state.block_size, state.window_tokens
-        )
+        ttft = est.ttft_ms(prefill_ttft_ms)
+        if slo and request.ttft_slo_ms > 0 and ttft > request.ttft_slo_ms:
+            slow_ttft = ttft if not slow_ttft else min(slow_ttft, ttft)
+            continue
         short = est.admission_wait_ms > 0 or d.free_blocks < need
-        key = (short, d.running, tbt, d.worker_id)
+        key = (short, d.running, est.tbt_ms, d.worker_id)
         if best_key is None or key < best_key:
-            best, best_key, best_tbt = d, key, tbt
+            best, best_key, best_est = d, key, est
     if best is None:
+        if slow_ttft:
+            raise Rejected(
+                f"predicted TTFT {slow_ttft:.0f} ms (the decode admission wait included) exceeds "
+                f"the {request.ttft_slo_ms:g} ms SLO on every decode worker within the TBT SLO"
+            )
         raise Rejected(
             f"predicted time between tokens exceeds the {request.tbt_slo_ms:g} ms SLO "
             "on every decode worker"
         )
-    return best, best_tbt
+    return best, best_est
 
 
 def _cold_prefill_ms(w: PrefillCandidate, request: RequestInfo) -> float:
@@ -320,7 +374,8 @@ class MooncakePolicy(Policy):
                 f"predicted TTFT {ttft:.0f} ms exceeds the {request.ttft_slo_ms:g} ms SLO "
                 "on every prefill worker"
             )
-        d, tbt = _least_loaded_decode(request, state, slo=self.reject)
+        d, est = _least_loaded_decode(request, state, self.reject, ttft)
+        total = est.ttft_ms(ttft)
         return Decision(
             w.worker_id,
             d.worker_id,
@@ -328,10 +383,11 @@ class MooncakePolicy(Policy):
             fetch_from,
             fetch_blocks,
             reuse,
-            ttft,
-            tbt,
+            total,
+            est.tbt_ms,
             compute_ms,
             assumed,
+            total - ttft,
         )
 
 
@@ -344,8 +400,10 @@ class LoadBalancePolicy(Policy):
 
     def choose(self, request: RequestInfo, state: ClusterState) -> Decision:
         w = min(_prefill_workers(state), key=lambda c: (c.queue_ms, c.worker_id))
-        d, tbt = _least_loaded_decode(request, state, slo=False)
         compute_ms = _cold_prefill_ms(w, request)
+        prefill_ttft = w.queue_ms + compute_ms
+        d, est = _least_loaded_decode(request, state, False, prefill_ttft)
+        total = est.ttft_ms(prefill_ttft)
         # Blind to where the cache lives: its own tiers only, nothing fetched remotely.
         return Decision(
             w.worker_id,
@@ -354,9 +412,10 @@ class LoadBalancePolicy(Policy):
             fetch_from="",
             fetch_blocks=0,
             reuse_blocks=0,
-            predicted_ttft_ms=w.queue_ms + compute_ms,
-            predicted_tbt_ms=tbt,
+            predicted_ttft_ms=total,
+            predicted_tbt_ms=est.tbt_ms,
             predicted_prefill_ms=compute_ms,
+            predicted_admission_ms=total - prefill_ttft,
         )
 
 
@@ -382,7 +441,8 @@ class RandomPolicy(Policy):
         w = self._rng.choice(sorted(_prefill_workers(state)))
         d = self._rng.choice(sorted(_decode_fits(request, state)))
         compute_ms = _cold_prefill_ms(w, request)
-        tbt = decode_estimate(d, request, state.block_size, state.window_tokens).tbt_ms
+        est = decode_estimate(d, request, state.block_size, state.window_tokens)
+        total = est.ttft_ms(w.queue_ms + compute_ms)
         # Its own tiers only, nothing fetched remotely.
         return Decision(
             w.worker_id,
@@ -391,9 +451,10 @@ class RandomPolicy(Policy):
             fetch_from="",
             fetch_blocks=0,
             reuse_blocks=0,
-            predicted_ttft_ms=w.queue_ms + compute_ms,
-            predicted_tbt_ms=tbt,
+            predicted_ttft_ms=total,
+            predicted_tbt_ms=est.tbt_ms,
             predicted_prefill_ms=compute_ms,
+            predicted_admission_ms=total - w.queue_ms - compute_ms,
         )
 
 

@@ -76,9 +76,23 @@ class _Correction:
     BOUNDS = (0.2, 5.0)  # one odd request cannot swing it further
     MIN_SAMPLES = 4  # applied once this many requests agree (a cold start's first is no evidence)
 
+    MODEL_CHANGE = 0.25  # a refit moving the model's prediction this much starts it afresh
+
     def __init__(self) -> None:
         self._mean = 1.0  # EWMA of measured / raw predicted
         self.samples = 0
+        self._reference_ms = 0.0  # the worker's model at a reference point, when last observed
+
+    def follow_model(self, reference_ms: float) -> None:
+        """The worker reported its model's prediction at a fixed reference point. Ratios learned
+        against an earlier model (its start-up prior, say) say nothing of a refit one: when the
+        prediction moved by more than MODEL_CHANGE, forget them."""
+        if reference_ms <= 0:
+            return
+        old = self._reference_ms
+        self._reference_ms = reference_ms
+        if old > 0 and abs(reference_ms - old) > self.MODEL_CHANGE * old:
+            self._mean, self.samples = 1.0, 0
 
     @property
     def ratio(self) -> float:
@@ -94,6 +108,17 @@ class _Correction:
         a = max(self.ALPHA, 1.0 / (self.samples + 1))  # a plain mean until it has history
         self._mean = (1 - a) * self._mean + a * sample
         self.samples += 1
+
+
+def _model_reference_ms(kind: str, load: pb.WorkerLoad) -> float:
+    """A worker's fitted model at one fixed point (prefill: 512 new tokens on no context; decode:
+    a step of 8 sequences over 8,192 tokens), to notice when a refit changes it."""
+    coef = tuple(load.prefill_coef if kind == "prefill" else load.decode_coef)
+    if len(coef) < 3:
+        return 0.0
+    if kind == "prefill":
+        return coef[0] + coef[1] * 512
+    return coef[0] + coef[1] * 8 + coef[2] * 8192
 
 
 class _Worker:
@@ -120,11 +145,22 @@ class _Worker:
         self.inflight: dict[str, tuple] = {}
         self.report_at = 0.0  # perf_counter when the last answered Load was asked for
         self.correction = _Correction()
+        # decode: what pulling one prompt block took lately (smoothed; 0 = none measured yet)
+        self.pull_ms_per_block = 0.0
         self.warned_fingerprint = ""  # the foreign fingerprint already logged for this worker
 
     @property
     def worker_id(self) -> str:
         return self.load.worker_id if self.load is not None else self.address
+
+    def observe_pull(self, ms: float, blocks: int) -> None:
+        """A decode worker's KV pull of `blocks` prompt blocks took `ms`: it delays admission,
+        so the next TTFT estimates hold it."""
+        if blocks <= 0 or ms <= 0:
+            return
+        sample = ms / blocks
+        a = _Correction.ALPHA if self.pull_ms_per_block > 0 else 1.0
+        self.pull_ms_per_block = (1 - a) * self.pull_ms_per_block + a * sample
 
 
 class _Retry(Exception):
@@ -149,6 +185,8 @@ class Routed(NamedTuple):
     predicted_tbt_ms: float = 0.0  # the policy's TBT estimate
     prefill_ratio: float = 1.0  # the corrections the estimates were made with
     decode_ratio: float = 1.0
+    # the part of predicted_ttft_ms after the prefill's answer (decode admission, KV pull)
+    predicted_admission_ms: float = 0.0
 
 
 class Conductor(GrpcServer, pb_grpc.ConductorServicer):
@@ -300,6 +338,7 @@ class Conductor(GrpcServer, pb_grpc.ConductorServicer):
                 continue
             with self._lock:
                 w.load, w.healthy = load, True
+                w.correction.follow_model(_model_reference_ms(w.kind, load))
                 # Work routed before the report was asked for is in it (queued at the worker).
                 w.report_at = asked
 
@@ -423,8 +462,12 @@ class Conductor(GrpcServer, pb_grpc.ConductorServicer):
             try:
                 reply = fut.result()
                 with self._lock:
+                    # the prefill's own estimate: the first token is held for the decode
+                    # admission after this, which the prefill worker's correction leaves out
                     routed.prefill.correction.observe(
-                        s.elapsed_ms(), routed.predicted_ttft_ms, routed.prefill_ratio
+                        s.elapsed_ms(),
+                        routed.predicted_ttft_ms - routed.predicted_admission_ms,
+                        routed.prefill_ratio,
                     )
                 return reply
             except grpc.FutureCancelledError:
@@ -485,6 +528,10 @@ class Conductor(GrpcServer, pb_grpc.ConductorServicer):
                 if msg.finished:
                     s.reason = msg.finish_reason
                     s.decode_transfer_ms += msg.transfer_ms
+                    with self._lock:
+                        worker.observe_pull(
+                            msg.transfer_ms, -(-len(prompt) // self.config.block_size)
+                        )
                     if len(s.times) > 1:
                         with self._lock:
                             worker.correction.observe(
@@ -712,6 +759,7 @@ class Conductor(GrpcServer, pb_grpc.ConductorServicer):
                             tuple(zip(ld.seq_positions, ld.seq_remaining, ld.seq_blocks)),
                             waiting + tuple(unseen),
                             ld.max_batch,
+                            w.pull_ms_per_block,
                         )
                     )
         return ClusterState(
@@ -770,6 +818,7 @@ class Conductor(GrpcServer, pb_grpc.ConductorServicer):
             d.predicted_tbt_ms,
             by_id[d.prefill].correction.ratio,
             by_id[d.decode].correction.ratio,
+            d.predicted_admission_ms,
         )
 
     # ---- Status ----

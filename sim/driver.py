@@ -123,7 +123,7 @@ class _Sim:
         decode = [
             DecodeCandidate(
                 iid,
-                len(d.running) + len(d.joining) + len(d.waiting),
+                len(d.running) + len(d.joining) + len(d.waiting) + len(d.routed),
                 d.free,
                 p.kv_blocks,
                 d.context_tokens(),
@@ -154,11 +154,15 @@ class _Sim:
         if self.spec.colocated and d.decode != d.prefill:
             self.redirected += 1  # one instance does both: it decodes where it prefilled
         job.decode_id = d.prefill if self.spec.colocated else d.decode
+        if not self.spec.colocated:
+            self.decode[d.decode].routed.append(job)
         self.prefill[d.prefill].submit(job)
 
     def _first(self, job: Job) -> None:
         if job.remaining <= 0:
             job.done_at = self.loop.now
+            if not self.spec.colocated:  # its answer was one token: the decode side never sees it
+                self.decode[job.decision.decode].routed.remove(job)
             inst = self.decode.get(job.prefill_id)
             if isinstance(inst, ColocatedInstance):
                 inst.free += job.need

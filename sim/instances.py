@@ -20,7 +20,7 @@ class Job:
     __slots__ = (
         "req", "decision", "arrived", "first_at", "last_at", "gaps", "pos", "remaining",
         "need", "cached", "computed", "prefill_id", "decode_id", "predicted_ms", "done_at",
-        "prompt_blocks", "compute_ms",
+        "prompt_blocks", "compute_ms", "held",
     )  # fmt: skip
 
     def __init__(self, req, decision, arrived: float, block_size: int):
@@ -36,6 +36,8 @@ class Job:
         self.predicted_ms = 0.0  # the compute this job adds to its prefill queue
         self.prompt_blocks = len(req.keys)
         self.compute_ms = 0.0  # its prefill round's first forward to its answer
+        # its first token waits for the decode side to admit it (as the live conductor holds it)
+        self.held = False
 
 
 def load_prefix(
@@ -173,13 +175,17 @@ class PrefillInstance:
 
 class DecodeInstance:
     """Admission in arrival order while the pool holds a sequence's whole answer and the batch
-    has a slot; then the KV moves in and the sequence joins the running batch."""
+    has a slot; then the KV moves in and the sequence joins the running batch. As on the live
+    worker, admission happens between steps, and the first token goes out when the sequence
+    joins the batch: the admission wait and the KV move are TTFT, the first gap is a step."""
 
     def __init__(self, loop: EventLoop, iid: str, profile: Profile, on_done: Callable[[Job], None]):
         self.loop, self.id, self.profile, self.on_done = loop, iid, profile, on_done
         self.free = profile.kv_blocks
         self.waiting: deque[Job] = deque()
         self.joining: list[Job] = []  # admitted, KV on its way
+        # routed here, still in prefill: the live conductor counts these as waiting too
+        self.routed: list[Job] = []
         self.running: list[Job] = []
         self.stepping = False
         self.steps = 0
@@ -187,8 +193,12 @@ class DecodeInstance:
 
     def arrive(self, job: Job, kv_ms: float) -> None:
         job.decode_id = self.id
+        job.held = True
+        if job in self.routed:
+            self.routed.remove(job)
         self.waiting.append((job, kv_ms))
-        self._admit()
+        if not self.stepping:  # otherwise at the end of the step in flight
+            self._admit()
 
     def _admit(self) -> None:
         p = self.profile
@@ -211,6 +221,10 @@ class DecodeInstance:
     def _step(self) -> None:
         # Sequences that join during the step wait for the next one: the step is the first n.
         n = len(self.running)
+        for j in self.running:
+            if j.held:  # admitted: its first token goes out now, its first gap is this step
+                j.held = False
+                j.first_at = j.last_at = self.loop.now
         c0, c1, c2 = self.profile.decode_coef
         self.stepping = True
         self.steps += 1
@@ -233,7 +247,7 @@ class DecodeInstance:
         self.context += n
         if ended:
             self.running = [j for j in self.running if j.remaining > 0]
-            self._admit()
+        self._admit()  # between steps: room freed, or sequences that arrived during the step
         self.stepping = False
         if self.running:
             self._step()
@@ -243,7 +257,8 @@ class DecodeInstance:
         return tuple((j.pos, j.remaining, j.need) for j in self.running + self.joining)
 
     def waiting_seqs(self) -> tuple[tuple[int, int, int], ...]:
-        return tuple((j.req.input_tokens, j.remaining, j.need) for j, _ in self.waiting)
+        ahead = [j for j, _ in self.waiting] + self.routed
+        return tuple((j.req.input_tokens, j.remaining, j.need) for j in ahead)
 
     def context_tokens(self) -> int:
         return self.context + sum(j.pos for j in self.joining)

@@ -194,7 +194,10 @@ def test_rejections():
     s = state([prefill("a", queue_ms=900.0)], [decode("d", running=50)], {})
     with pytest.raises(Rejected, match="TTFT"):
         pol.choose(req(ttft=1000.0), s)  # 900 + 160 > 1000
-    assert pol.choose(req(ttft=1100.0), s).prefill == "a"
+    # 50 running, 61 ms steps: it joins after half the step in flight and the next one
+    with pytest.raises(Rejected, match="admission wait"):
+        pol.choose(req(ttft=1100.0), s)  # 1060 + 30.5 + 61 > 1100
+    assert pol.choose(req(ttft=1200.0), s).predicted_ttft_ms == pytest.approx(1151.5)
     with pytest.raises(Rejected, match="between tokens"):
         pol.choose(req(tbt=50.0), s)  # 10 + 51 > 50
     with pytest.raises(Rejected, match="KV pool"):
@@ -266,25 +269,43 @@ def test_timing_model_does_not_extrapolate_from_a_few_noisy_points():
     assert d.coef[1] == pytest.approx(2.0, rel=0.05)
 
 
-def test_tbt_estimate_holds_the_admission_wait():
+def test_admission_wait_is_in_ttft_and_tbt_is_the_step_of_the_batch_it_joins():
     from conductor.policy import decode_estimate
 
-    # No free block: the request (32 + 16 tokens = 3 blocks) waits until the sequence ending in
-    # 10 steps frees its 5; the other runs 50 more. Each step costs 10 + 1*batch ms.
+    # The conductor holds the first token until the decode worker admits the sequence, so the
+    # wait for pool room is TTFT. No free block: the request (32 + 16 tokens = 3 blocks) waits
+    # until the sequence ending in 10 steps frees its 5; the other runs 50 more. Each step costs
+    # 10 + 1*batch ms.
     d = DecodeCandidate(
         "d", 2, 0, 10, 200, (10.0, 1.0, 0.0), True, seqs=((100, 10, 5), (100, 50, 5))
     )
     r = req(tokens=32, max_tokens=16)
     est = decode_estimate(d, r, BS)
-    # 10 steps of two (12 ms), then the step in flight when it joins (the one left: 11 ms)
-    assert est.admission_wait_ms == pytest.approx(10 * 12.0 + 11.0)
+    assert est.admission_wait_ms == pytest.approx(10 * 12.0)  # 10 steps of two
     assert est.step_ms == pytest.approx(12.0)  # it joins the one left: a batch of two
-    # 15 gaps: Mooncake's TBT is the mean of the slowest 2, the first holding the wait
-    assert est.tbt_ms == pytest.approx((131.0 + 12.0 + 12.0) / 2)
-    # room now: only the step in flight (two running, 12 ms), then a batch of three
+    # every gap of its answer is a step of that batch of two: no gap holds the wait
+    assert est.tbt_ms == pytest.approx(12.0)
+    # a prefill answering before the pool has room waits for it, then for the step it joins at
+    # (the one left running: 11 ms); one answering later waits half a step in flight on average
+    assert est.ttft_ms(50.0) == pytest.approx(120.0 + 11.0)
+    assert est.ttft_ms(200.0) == pytest.approx(200.0 + 5.5 + 11.0)
+    # room now: the step in flight (two running, 12 ms) half on average, the pull alongside the
+    # next one, then a batch of three (13 ms) until the first sequence ends
     roomy = d._replace(free_blocks=10)
     est = decode_estimate(roomy, r, BS)
-    assert est.admission_wait_ms == pytest.approx(12.0) and est.step_ms == pytest.approx(13.0)
+    assert est.admission_wait_ms == 0.0 and est.step_ms == pytest.approx(13.0)
+    assert est.tbt_ms == pytest.approx(13.0)
+    assert est.ttft_ms(100.0) == pytest.approx(100.0 + 6.0 + 12.0)
+    # a pull longer than a step (2 prompt blocks at 9 ms) ends off a boundary: half a step more
+    est = decode_estimate(roomy._replace(pull_ms_per_block=9.0), r, BS)
+    assert est.ttft_ms(100.0) == pytest.approx(100.0 + 6.0 + 18.0 + 6.0)
+    # a prefill answering after both running sequences have ended (10 steps of 12 ms, 40 of
+    # 11): the worker is idle by then and admits it at once
+    assert est.ttft_ms(1000.0) == pytest.approx(1000.0 + 18.0)
+    # an idle worker admits at once: the pull only
+    idle = DecodeCandidate("i", 0, 10, 10, 0, (10.0, 1.0, 0.0), True, pull_ms_per_block=9.0)
+    est = decode_estimate(idle, r, BS)
+    assert est.ttft_ms(100.0) == pytest.approx(118.0) and est.tbt_ms == pytest.approx(11.0)
 
 
 def test_tbt_estimate_follows_the_context_the_batch_grows_to():
@@ -304,7 +325,12 @@ def test_mooncake_steers_around_a_decode_worker_that_would_make_it_wait():
     s = state([prefill("p")], [busy, idle], {})
     d = make_policy("mooncake").choose(req(tokens=32, max_tokens=16, tbt=100.0), s)
     assert d.decode == "b"
-    with pytest.raises(Rejected, match="time between tokens"):
-        make_policy("mooncake").choose(
-            req(tokens=32, max_tokens=16, tbt=100.0), state([prefill("p")], [busy], {})
-        )
+    # On the busy one it waits 400 steps (11 ms) for pool room after a 32 ms prefill: that is
+    # its TTFT, and its steps alone in the batch are 11 ms, well within the TBT SLO.
+    alone = state([prefill("p")], [busy], {})
+    d = make_policy("mooncake").choose(req(tokens=32, max_tokens=16, tbt=100.0), alone)
+    assert d.predicted_ttft_ms == pytest.approx(4400.0)
+    assert d.predicted_admission_ms == pytest.approx(4400.0 - 32.0)
+    assert d.predicted_tbt_ms == pytest.approx(11.0)
+    with pytest.raises(Rejected, match="TTFT .* admission wait"):
+        make_policy("mooncake").choose(req(tokens=32, max_tokens=16, ttft=1000.0), alone)

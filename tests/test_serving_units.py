@@ -164,3 +164,17 @@ def test_request_stream_resumes_without_repeating_a_token(tok):
     assert s.prompt() == [10, 11, 12, 40, 41, 42]
     assert s.tokens_left() == 2 and s.decode_sampling().max_tokens == 2
     assert sp.max_tokens == 5  # the client's parameters stay as sent
+
+
+def test_a_refit_worker_model_drops_the_ratios_learned_against_the_old_one():
+    from conductor.server import _Correction
+
+    c = _Correction()
+    c.follow_model(10.0)
+    for _ in range(_Correction.MIN_SAMPLES):
+        c.observe(measured_ms=2.0, predicted_ms=10.0, applied=1.0)  # the prior overstated 5x
+    assert c.ratio == pytest.approx(0.2)
+    c.follow_model(11.0)  # a small drift keeps what was learned
+    assert c.ratio == pytest.approx(0.2)
+    c.follow_model(2.5)  # refit: the model now says what was measured
+    assert c.ratio == 1.0 and c.samples == 0
