@@ -23,7 +23,10 @@ class StoreConfig:
     metrics_port: int = 0  # Prometheus exporter on this port; 0 = off
     max_message_bytes: int = 64 << 20  # gRPC message size limit, both ways
     chunk_bytes: int = 1 << 20  # gRPC Get/Put payload per message (1 MiB measured best here)
-    grpc_workers: int = 16  # gRPC server threads
+    # Get and Put calls at once (each holds a server thread while it streams); the next is
+    # refused with RESOURCE_EXHAUSTED, and a few more threads keep Lookup, Lease, Stats and
+    # health answering under a burst
+    grpc_workers: int = 16
     shm_dir: str = "/dev/shm"  # where the dram slab's file lives
     # Pace each gRPC Get stream to this many Gbit/s (a token bucket per stream; 0 = unlimited): a
     # thin cross-host link on one machine, for tests and benchmarks. StoreNode.set_link_gbps

@@ -93,6 +93,12 @@ class StoreMetrics:
             ["node", "op"],
             registry=self.registry,
         )
+        self.busy_refusals = Counter(
+            "halfmoon_store_busy_refusals",
+            "Get/Put calls refused at once (RESOURCE_EXHAUSTED): every data-call slot was taken",
+            ["node"],
+            registry=self.registry,
+        )
         self.transfer_bytes = Counter(
             "halfmoon_store_transfer_bytes",
             "Block bytes moved by the node",

@@ -24,6 +24,7 @@ from kvstore.types import NodeInfo
 from kvstore.wire import BadChunk, Part, RawPutData, add_servicer, get_chunk
 from protos import kvstore_pb2 as pb
 from servekit.memory import memory_usage
+from servekit.call_limit import CONTROL_THREADS, CallLimit
 from servekit.security import add_port, server_interceptors
 
 log = logging.getLogger(__name__)
@@ -421,11 +422,20 @@ class StoreNode:
     def start(self) -> str:
         cfg = self.cfg
         self._started = time.time()
+        self.call_limit = CallLimit(
+            (f"/{SERVICE}/Get", f"/{SERVICE}/Put"),
+            cfg.grpc_workers,
+            f"store node {cfg.node_id}",
+            self.metrics.busy_refusals.labels(cfg.node_id).inc,
+        )
         self.server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=cfg.grpc_workers, thread_name_prefix="kvstore"),
+            futures.ThreadPoolExecutor(
+                max_workers=cfg.grpc_workers + CONTROL_THREADS, thread_name_prefix="kvstore"
+            ),
             options=grpc_options(cfg.max_message_bytes),
-            # every store method is internal: the cluster token when one is configured
-            interceptors=server_interceptors(cfg.security),
+            # every store method is internal: the cluster token when one is configured; access
+            # first, so a refused caller takes no data-call slot
+            interceptors=[*server_interceptors(cfg.security), self.call_limit],
         )
         add_servicer(_Servicer(self), self.server)
         self.health = health.HealthServicer()

@@ -66,8 +66,22 @@ class CallLimit(grpc.ServerInterceptor):
         handler = continuation(handler_call_details)
         if handler is None or handler_call_details.method not in self._methods:
             return handler
-        if handler.request_streaming:
-            raise TypeError(f"{handler_call_details.method}: client streams are not limited")
+        if handler.request_streaming and handler.response_streaming:
+            raise TypeError(f"{handler_call_details.method}: bidirectional streams are not limited")
+        if handler.request_streaming:  # a client stream (a store's Put) holds its thread too
+            upload = handler.stream_unary
+
+            def take_stream(request_iterator, context):
+                if not self._take():
+                    self._refuse(context)
+                try:
+                    return upload(request_iterator, context)
+                finally:
+                    self._give()
+
+            return grpc.stream_unary_rpc_method_handler(
+                take_stream, handler.request_deserializer, handler.response_serializer
+            )
         if handler.response_streaming:
             behaviour = handler.unary_stream
 

@@ -633,3 +633,49 @@ def test_link_gbps_paces_gets_and_changes_mid_transfer():
             assert timed_get(c) > 3 * wire_s
     finally:
         node.stop()
+
+
+def test_a_burst_of_slow_gets_is_refused_early_and_control_calls_still_answer():
+    # Each Get holds a server thread while it streams: two slots here, paced to a thin link so
+    # they stay busy. The third Get is refused at once, and Stats and health answer meanwhile.
+    cfg = StoreConfig(
+        node_id="busy", dram_bytes=16 << 20, model_fingerprint=FP, link_gbps=0.004,
+        chunk_bytes=1 << 16, grpc_workers=2,
+    )  # fmt: skip
+    node = StoreNode(cfg)
+    node.start()
+    try:
+        record = torch.randint(0, 255, (1, 1, 1 << 20), dtype=torch.uint8)
+        key = block_keys(list(range(4)), 4, FP)[0]
+        with StoreClient(node.address, transport="grpc") as c:
+            assert c.put([key], record, FP) == 1
+        channel = grpc.insecure_channel(node.address)
+        stub = pb_grpc.KVStoreStub(channel)
+        request = pb.KVGetRequest(keys=[key])
+        slow = [stub.Get(request) for _ in range(2)]  # ~2 s each at 4 Mbit/s
+        readers = [threading.Thread(target=lambda s=s: list(s)) for s in slow]
+        for t in readers:
+            t.start()
+        deadline = time.time() + 10
+        while node.call_limit.in_flight < 2 and time.time() < deadline:
+            time.sleep(0.01)
+        assert node.call_limit.in_flight == 2
+        t0 = time.perf_counter()
+        with pytest.raises(grpc.RpcError) as refused:
+            list(stub.Get(request, timeout=5))
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "busy" in refused.value.details() and time.perf_counter() - t0 < 1.0
+        t0 = time.perf_counter()
+        stub.Stats(pb.KVStatsRequest(), timeout=2)
+        health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest())
+        assert health.status == health_pb2.HealthCheckResponse.SERVING
+        assert time.perf_counter() - t0 < 1.0
+        node.set_link_gbps(0)  # let the slow ones finish: their slots come back
+        for t in readers:
+            t.join(timeout=30)
+        assert node.call_limit.in_flight == 0
+        assert node.metrics.busy_refusals.labels("busy")._value.get() == 1
+        assert list(stub.Get(request, timeout=5))  # served again
+        channel.close()
+    finally:
+        node.stop()
