@@ -402,6 +402,11 @@ static int hm_kivi_blocks(hm_state *st, const hm_kivi_pool *p, const int32_t *ta
   const int d = st->d, packed = d * p->bits / 8, gk = p->gk, vg = p->vg;
   const float *krow[HM_MAX_BS], *vrow[HM_MAX_BS];
   float *sc = st->scratch, *zr = st->scratch + d;
+  const int64_t kscale_bytes = (int64_t)((block_size + gk - 1) / gk) * kv_heads * d * 2;
+  const int64_t vscale_bytes = (int64_t)block_size * kv_heads * vg * 2;
+  const int64_t code_bytes = (int64_t)block_size * kv_heads * packed;
+  const int64_t field_bytes[6] = {kscale_bytes, kscale_bytes, vscale_bytes,
+                                  vscale_bytes, code_bytes,   code_bytes};
   for (int j = 0; j * block_size < len; j++) {
     const int64_t blk = table[j];
     if (blk < 0 || blk >= p->num_blocks) return 1;
@@ -413,8 +418,9 @@ static int hm_kivi_blocks(hm_state *st, const hm_kivi_pool *p, const int32_t *ta
     const uint8_t *kc = (const uint8_t *)p->ptr[4] + blk * p->blk_bytes[4];
     const uint8_t *vc = (const uint8_t *)p->ptr[5] + blk * p->blk_bytes[5];
     if ((j + 1) * block_size < len && table[j + 1] >= 0 && table[j + 1] < p->num_blocks)
-      for (int f = 0; f < 6; f++) /* a field's block is blk_bytes long: C-contiguous within */
-        hm_prefetch((const char *)p->ptr[f] + table[j + 1] * p->blk_bytes[f], p->blk_bytes[f]);
+      for (int f = 0; f < 6; f++) /* this layer's part of the field, C-contiguous in a block (the
+                                     block stride may span every layer of a packed record) */
+        hm_prefetch((const char *)p->ptr[f] + table[j + 1] * p->blk_bytes[f], field_bytes[f]);
     for (int h = 0; h < kv_heads; h++) {
       for (int t = 0; t < n; t++) {
         float *kr = st->kbuf + (size_t)t * d, *vr = st->vbuf + (size_t)t * d;
