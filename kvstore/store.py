@@ -203,29 +203,55 @@ class BlockStore:
     # ------------------------------------------------------------------ reads
 
     def acquire(self, keys: list[bytes], ttl: float) -> tuple[int, list[BlockRef]]:
-        """Lease the leading held keys for reading (promoting ssd hits); (lease id, their refs)."""
+        """Lease the leading held keys for reading (promoting ssd hits); (lease id, their refs).
+        Ssd blocks are read and checked outside the store's lock: the lease pins them meanwhile
+        (nothing demotes, evicts or drops a leased block), so no other call waits on the disk or
+        on a checksum."""
         with self._lock:
             lease = _Lease(next(self._lease_ids), False, self.clock() + ttl)
-            refs: list[BlockRef] = []
             for key in keys:
                 e = self._entries.get(key)
                 if e is None or e.tier == _PENDING or e.doomed:
                     break
                 e.leases += 1
                 lease.entries.append(e)
+            on_ssd = [e for e in lease.entries if e.tier == SSD]
+        read = {id(e): self._read_ssd(e) for e in on_ssd}
+        with self._lock:
+            refs: list[BlockRef] = []
+            for i, e in enumerate(lease.entries):
+                if self._entries.get(e.key) is not e:  # dropped to make room for an earlier one
+                    for rest in lease.entries[i:]:
+                        rest.leases -= 1
+                    del lease.entries[i:]
+                    break
                 found, data = e.tier, None
-                if e.tier == SSD:
-                    data = self._read_ssd(e)
+                if e.tier == SSD:  # (one another reader promoted meanwhile is in dram now)
+                    # read outside the lock above, unless an earlier promotion demoted it
+                    data, why = read[id(e)] if id(e) in read else self._read_ssd(e)
                     if data is None:  # gone or corrupt: a miss from here on
-                        lease.entries.pop()
-                        e.leases -= 1
-                        self._drop(e)
+                        if why:
+                            self._corrupt_found(e, why)
+                        for rest in lease.entries[i:]:
+                            rest.leases -= 1
+                        del lease.entries[i:]
+                        e.doomed = True  # dropped now, or when another reader lets it go
+                        if not e.leases and self._entries.get(e.key) is e:
+                            self._drop(e)
                         break
-                    if self._promote(e, data):
+                    # As in a walk that leases one block at a time: the call's later blocks may
+                    # make room for this one (a prefix's head stays in dram before its tail).
+                    later = lease.entries[i + 1 :]
+                    for x in later:
+                        x.leases -= 1
+                    promoted = self._promote(e, data)
+                    for x in later:
+                        x.leases += 1
+                    if promoted:
                         data = None
                 self._hits[found] += 1
                 self._touch(e)
-                refs.append(BlockRef(key, found, e.offset if data is None else -1, e.size, data))
+                refs.append(BlockRef(e.key, found, e.offset if data is None else -1, e.size, data))
             self.misses += len(keys) - len(refs)
             if lease.entries:
                 self._leases[lease.id] = lease
@@ -472,10 +498,15 @@ class BlockStore:
         self._event(e.key, SSD)
 
     def _promotable(self, size: int) -> bool:
-        evictable = sum(
-            SlabAllocator.rounded(x.size) for x in self._order[DRAM].values() if not x.leases
-        )
-        return SlabAllocator.rounded(size) <= self.alloc.size - self.alloc.used + evictable
+        """Whether dram can take `size` bytes, evicting unleased blocks if it must (counted only
+        as far as needed: an ssd hit does not walk every dram entry)."""
+        need = SlabAllocator.rounded(size) - (self.alloc.size - self.alloc.used)
+        for x in self._order[DRAM].values():
+            if need <= 0:
+                break
+            if not x.leases:
+                need -= SlabAllocator.rounded(x.size)
+        return need <= 0
 
     def _promote(self, e: _Entry, data: bytes) -> bool:
         """Move a leased ssd block into dram; False (it stays on ssd) when dram cannot take it."""
@@ -499,16 +530,18 @@ class BlockStore:
         self._event(e.key, DRAM)
         return True
 
-    def _read_ssd(self, e: _Entry) -> bytes | None:
+    def _read_ssd(self, e: _Entry) -> tuple[bytes | None, str]:
+        """(its checked bytes, "") or (None, why it is corrupt; "" when it is simply gone)."""
         data = self.ssd.get(e.key)
-        if data is None or len(data) != e.size:
-            return None
+        if data is None:
+            return None, ""
+        if len(data) != e.size:
+            return None, f"{len(data)} bytes on ssd, {e.size} recorded"
         try:
             check_block(data)
         except BlockCorrupt as exc:
-            self._corrupt_found(e, str(exc))
-            return None
-        return data
+            return None, str(exc)
+        return data, ""
 
     def _corrupt_found(self, e: _Entry, why: str) -> None:
         """Count and log a block that failed its checks (it is dropped: a miss, recomputed)."""

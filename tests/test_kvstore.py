@@ -679,3 +679,40 @@ def test_a_burst_of_slow_gets_is_refused_early_and_control_calls_still_answer():
         channel.close()
     finally:
         node.stop()
+
+
+def test_an_ssd_read_does_not_hold_up_other_calls(make_node):
+    # The store reads and checks ssd blocks outside its lock (the lease pins them): while one
+    # reader waits on the disk, lookups and dram reads by others go on.
+    node = make_node(dram_blocks=2, ssd_blocks=6)
+    keys, x = chain(6), blocks(6, seed=4)
+    with StoreClient(node.address, transport="grpc") as c:
+        for i in range(6):
+            c.put(keys[i : i + 1], x[i : i + 1], FP, parent=keys[i - 1] if i else None)
+        assert c.lookup(keys).tiers == ["dram"] + ["ssd"] * 4 + ["dram"]
+    ssd, real_get = node.store.ssd, node.store.ssd.get
+    entered, go = threading.Event(), threading.Event()
+
+    def slow_get(key):  # the real LMDB read, after a disk that takes its time
+        entered.set()
+        go.wait(10)
+        return real_get(key)
+
+    ssd.get = slow_get
+    out = torch.empty(2, *SHAPE)
+    got = []
+    with StoreClient(node.address, transport="grpc") as slow, StoreClient(node.address) as fast:
+        reader = threading.Thread(target=lambda: got.append(slow.get_into(keys[:2], out)))
+        reader.start()
+        try:
+            assert entered.wait(10)
+            t0 = time.perf_counter()
+            assert fast.lookup(keys).tiers[0] == "dram"
+            first = torch.empty(1, *SHAPE)
+            assert fast.get_into(keys[:1], first) == 1 and torch.equal(first, x[:1])
+            assert time.perf_counter() - t0 < 1.0  # not behind the stalled ssd read
+        finally:
+            go.set()
+            reader.join(10)
+    ssd.get = real_get
+    assert got == [2] and torch.equal(out, x[:2])  # the dram block and the ssd one, both right
