@@ -104,6 +104,7 @@ class RequestStream:
             transfer_ms=r.transfer_ms + self.decode_transfer_ms,
             max_decode_batch=self.max_batch,
             predicted_ttft_ms=routed.predicted_ttft_ms,
+            predicted_admission_ms=routed.predicted_admission_ms,
             predicted_tbt_ms=routed.predicted_tbt_ms,
             prefill_ms=r.prefill_ms,
             policy=routed.decision_policy,
