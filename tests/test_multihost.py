@@ -459,6 +459,18 @@ def test_every_cross_host_call_is_encrypted_and_authenticated(multi):
     assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
 
 
+def _busy_decode(multi, within_s: float = 10.0):
+    """The decode worker the conductor sees running a sequence. Its view of loads is refreshed
+    every load_poll_s, so right after the first tokens it may not show yet: ask until it does."""
+    deadline = time.monotonic() + within_s
+    while True:
+        busy = [w for w in multi.status().workers if w.kind == "decode" and w.load.running]
+        if busy or time.monotonic() > deadline:
+            assert busy, "no decode worker reported a running sequence"
+            return busy[0]
+        time.sleep(0.02)
+
+
 def test_a_decode_host_lost_mid_stream_is_survived(multi, engine):
     """Runs last: it takes a host away for good."""
     rng = random.Random(4)
@@ -473,7 +485,7 @@ def test_a_decode_host_lost_mid_stream_is_survived(multi, engine):
     for msg in call:
         got.extend(msg.token_ids)
         if len(got) >= 10 and lost is None:
-            busy = next(w for w in multi.status().workers if w.kind == "decode" and w.load.running)
+            busy = _busy_decode(multi)
             lost = busy.worker_id
             # the host's Ray node, its store node and its decode worker go at once
             assert multi.hc.hosts.kill(multi.host_of(busy.address)) > 0
