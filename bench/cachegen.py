@@ -28,7 +28,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.machine import cpu_flags, median_s  # noqa: E402
+from bench.machine import finish, median_s  # noqa: E402
 
 DEFAULT_TEXT = ROOT / "bench" / "data" / "pride_and_prejudice.txt"
 
@@ -229,17 +229,8 @@ def main(argv=None) -> int:
         result["cachegen_ttft_vs_best_baseline_0_1gbps"] = round(r["cachegen_ttft_ms"] / best, 3)
     if not args.skip_codec:
         result.update(run_codec_bench(args.text))
-    result["cpu_flags"] = cpu_flags()
-    result["load_average_start"] = round(load0, 2)
-    result["load_average"] = round(os.getloadavg()[0], 2)
-    if args.plot:
-        try:
-            plot(rows, result, ROOT / args.plot)
-            say(f"plot: {args.plot}")
-        except Exception as exc:  # noqa: BLE001 - the figures matter more than the picture
-            say(f"plot failed: {exc}")
-    print(json.dumps(result), flush=True)
-    return 0
+    draw = (lambda: plot(rows, result, ROOT / args.plot)) if args.plot else None
+    return finish(result, load0, draw, args.plot)
 
 
 def run_codec_bench(text: str) -> dict:

@@ -406,7 +406,7 @@ def main(argv=None) -> int:
 
     import torch
 
-    from bench.machine import cpu_flags
+    from bench.machine import cpu_flags, finish
     from model import load_model
 
     flags = cpu_flags()
@@ -466,14 +466,7 @@ def main(argv=None) -> int:
     else:
         result["vllm"] = why
         say(f"vllm: {why}")
-    result["load_average"] = round(os.getloadavg()[0], 2)
-    try:
-        plot(result, ROOT / args.plot)
-        say(f"plot: {args.plot}")
-    except Exception as exc:  # noqa: BLE001 - the figures matter more than the picture
-        say(f"plot failed: {exc}")
-    print(json.dumps(result), flush=True)
-    return 0
+    return finish(result, load_start, lambda: plot(result, ROOT / args.plot), args.plot)
 
 
 if __name__ == "__main__":

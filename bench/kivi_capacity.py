@@ -28,7 +28,6 @@ The last line printed is one JSON object.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import socket
@@ -43,7 +42,7 @@ from types import SimpleNamespace
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.machine import cpu_flags  # noqa: E402
+from bench.machine import cpu_flags, finish  # noqa: E402
 
 SETTINGS = ("fp", "kivi4", "kivi2")  # fp: full precision, kv_cache_dtype --fp-kv-cache-dtype
 PREFIX = {"fp": "fp", "kivi4": "kivi4", "kivi2": "kivi2"}
@@ -587,17 +586,9 @@ def main(argv=None) -> int:
         say(result["note"])
 
     result["cpu_flags"] = flags
-    result["load_average_start"] = round(load_start, 2)
-    result["load_average"] = round(os.getloadavg()[0], 2)
     result["wall_s"] = round(time.perf_counter() - t_start, 1)
-    if args.plot:
-        try:
-            plot(result, names, ROOT / args.plot)
-            say(f"plot: {args.plot}")
-        except Exception as exc:  # noqa: BLE001 - the figures matter more than the picture
-            say(f"plot failed: {exc}")
-    print(json.dumps(result), flush=True)
-    return 0
+    draw = (lambda: plot(result, names, ROOT / args.plot)) if args.plot else None
+    return finish(result, load_start, draw, args.plot)
 
 
 if __name__ == "__main__":

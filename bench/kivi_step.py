@@ -16,7 +16,6 @@ the attention arithmetic is the same as served KV's. The last line printed is on
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -26,7 +25,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.machine import cpu_flags  # noqa: E402
+from bench.machine import finish  # noqa: E402
 
 
 def say(*a) -> None:
@@ -144,16 +143,12 @@ def main(argv=None) -> int:
                 row[f"kivi{bits}_{best}"] / row[f"fp16_{best}"], 3
             )
     result["fused_kernels"] = native.available
-    result["cpu_flags"] = cpu_flags()
-    result["load_average_start"] = round(load0, 2)
-    result["load_average"] = round(os.getloadavg()[0], 2)
     for b in batches:
         say(
             f"batch {b}: kivi4 step / fp16 step {result[f'b{b}_kivi4_step_vs_fp16']:.3f}, "
             f"kivi2 {result[f'b{b}_kivi2_step_vs_fp16']:.3f} (below 1: KIVI is faster)"
         )
-    print(json.dumps(result), flush=True)
-    return 0
+    return finish(result, load0)
 
 
 if __name__ == "__main__":

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import json
+import os
 import statistics
 import time
 from pathlib import Path
+from typing import Callable
 
 
 def cpu_flags() -> dict[str, bool]:
@@ -33,3 +36,21 @@ def median_s(fn, repeats: int, warmup: bool = True) -> float:
         fn()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+def finish(result: dict, load_start: float, draw: Callable[[], None] | None = None, png="") -> int:
+    """The tail every benchmark ends with: the machine (its CPU flags, the load when the run began
+    and now) into `result`, the PNG drawn by `draw` (a failure to draw is said, not raised: the
+    figures matter more than the picture), then `result` as the last line, one JSON object.
+    Returns 0, the exit status of a run that got this far."""
+    result.setdefault("cpu_flags", cpu_flags())
+    result["load_average_start"] = round(load_start, 2)
+    result["load_average"] = round(os.getloadavg()[0], 2)
+    if draw is not None:
+        try:
+            draw()
+            print(f"plot: {png}", flush=True)
+        except Exception as exc:  # noqa: BLE001 - see above
+            print(f"plot failed: {exc}", flush=True)
+    print(json.dumps(result), flush=True)
+    return 0

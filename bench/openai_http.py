@@ -33,7 +33,7 @@ HERE = Path(__file__).resolve().parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE]
 sys.path.insert(0, str(ROOT))
 
-from bench.machine import cpu_flags  # noqa: E402
+from bench.machine import finish  # noqa: E402
 
 
 def say(*a) -> None:
@@ -324,21 +324,12 @@ def main(argv=None) -> int:
         "http_stream_tok_s_vs_grpc": round(ratio, 4),
         "http_stream_tok_s_vs_grpc_of_medians": round(http_tok_s / grpc_tok_s, 4),
         "cpu_count": os.cpu_count(),
-        "cpu_flags": cpu_flags(),
-        "load_average_start": round(load_start, 2),
-        "load_average": round(os.getloadavg()[0], 2),
     }
     say(
         f"HTTP over gRPC: TTFT p50 {result['http_ttft_overhead_ms']:+.2f} ms (aim <= 5), "
         f"streaming tok/s ratio {result['http_stream_tok_s_vs_grpc']:.3f} (aim >= 0.95)"
     )
-    try:
-        plot(result, runs, ROOT / args.plot)
-        say(f"plot: {args.plot}")
-    except Exception as exc:  # noqa: BLE001 - the figures matter more than the picture
-        say(f"plot failed: {exc}")
-    print(json.dumps(result), flush=True)
-    return 0
+    return finish(result, load_start, lambda: plot(result, runs, ROOT / args.plot), args.plot)
 
 
 if __name__ == "__main__":

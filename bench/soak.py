@@ -8,9 +8,10 @@ with a message); a worker lost under a request that still completes counts as re
 Through the run: health checks of every server and Load of every worker, several a second (their
 latency, and its p99 during the burst), and each server process's resident memory against its
 budget: what it is configured to hold (weights, KV pool, DRAM slab) plus RUNTIME_BYTES for the
-interpreter, torch, gRPC and their threads. Progress every --progress-s seconds; a PNG of RSS over
-time; the last line is one JSON object (lost_streams, wrong_outputs, max_rss_vs_budget,
-p99_health_ms_under_overload, counts, CPU flags and load).
+interpreter, torch, gRPC and their threads. The store's slab counts in the store's RSS only: the
+workers map it too (shared memory) and leave it out of theirs. Progress every --progress-s
+seconds; a PNG of RSS over time; the last line is one JSON object (lost_streams, wrong_outputs,
+max_rss_vs_budget, p99_health_ms_under_overload, counts, CPU flags and load).
 
     .venv/bin/python bench/soak.py [--minutes 30] [--trace client/data/...jsonl]
         [--model smollm2-135m] [--kill-every-s 120]
@@ -20,9 +21,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import math
-import multiprocessing as mp
 import os
 import signal
 import sys
@@ -39,47 +38,13 @@ sys.path.insert(0, str(ROOT))
 RUNTIME_BYTES = 768 << 20
 CONDUCTOR_SLOTS = 32  # Generate streams at once: the burst is ten times this
 DOWN_S = 3.0  # how long a killed worker (or the index) stays away before it is restarted
+RESTART_TIMEOUT_S = 300.0  # a killed worker loads its model again: long on a loaded machine
 REQUEST_TIMEOUT_S = 300.0  # a client deadline: reaching it means a stream hung (lost)
+VERIFY_BATCH = 16  # prompts Engine generates at once when answers are checked
 
 
 def say(*a) -> None:
     print(*a, flush=True)
-
-
-# ---- servers in processes of their own, restartable on their port ----
-
-
-def _serve(role: str, cfg, conn) -> None:
-    """Child process: one server from its config; its address goes back; it serves until told."""
-    from servekit import role_classes
-
-    server = role_classes(role)[1](cfg)
-    conn.send(server.start())
-    conn.recv()
-    server.stop()
-
-
-class Restarted:
-    """A worker started again (after a SIGKILL) with its config and port, in a new process."""
-
-    def __init__(self, role: str, cfg, timeout_s: float = 300.0):
-        ctx = mp.get_context("spawn")
-        self._conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_serve, args=(role, cfg, child), daemon=True)
-        self.proc.start()
-        if not self._conn.poll(timeout_s):
-            self.stop()
-            raise TimeoutError(f"{cfg.worker_id} did not start again in {timeout_s:.0f} s")
-        self.address = self._conn.recv()
-
-    def stop(self) -> None:
-        try:
-            self._conn.send("stop")
-        except OSError:
-            pass
-        self.proc.join(timeout=30)
-        if self.proc.is_alive():
-            self.proc.kill()
 
 
 class Soak:
@@ -94,7 +59,7 @@ class Soak:
         self.probes: list[tuple[float, float, bool]] = []  # (s, latency ms, answered)
         self.rss: dict[str, list[tuple[float, int]]] = {}  # server -> (s, bytes)
         self.pids: dict[str, int] = {}
-        self.restarted: list[Restarted] = []
+        self.restarted: list = []  # deploy.ServerProcess: workers started again
         self.burst_window = (0.0, 0.0)
         self.quit = threading.Event()
 
@@ -176,7 +141,7 @@ class Soak:
     # ---- faults ----
 
     def kill_and_restart(self, name: str) -> None:
-        from deploy import Wiring
+        from deploy import ServerProcess, Wiring
 
         info = self.servers[name]
         os.kill(self.pids[name], signal.SIGKILL)
@@ -187,7 +152,7 @@ class Soak:
         store = next(s for s in cluster.servers if s.role == "store")
         cfg = Wiring(cluster.cfg, cluster.redis_url).worker(info.role, name, store, "127.0.0.1")
         cfg = dataclasses.replace(cfg, port=int(info.address.rsplit(":", 1)[1]))
-        server = Restarted(info.role, cfg)
+        server = ServerProcess(info.role, cfg, RESTART_TIMEOUT_S)
         self.restarted.append(server)
         self.pids[name] = server.proc.pid
         self.note(f"restarted {name} at {server.address} (pid {server.proc.pid})")
@@ -315,14 +280,24 @@ class Soak:
             ch.close()
 
     def sample_memory(self) -> None:
+        """Each server's resident bytes every second. A worker's leave out the store's slab it
+        maps (the store's RSS holds those pages; counted in every mapper, one slab would count
+        five times)."""
         import psutil
+
+        from servekit import resident_without_shared_memory
 
         while not self.quit.wait(1.0):
             for name, pid in list(self.pids.items()):
                 try:
                     proc = psutil.Process(pid)
                     gone = proc.status() == psutil.STATUS_ZOMBIE
-                    rss = math.nan if gone else proc.memory_info().rss
+                    if gone:
+                        rss = math.nan
+                    elif self.servers[name].role == "store":
+                        rss = proc.memory_info().rss
+                    else:
+                        rss = resident_without_shared_memory(pid)
                 except psutil.Error:
                     rss = math.nan  # killed, not restarted yet: a gap in its line
                 with self.lock:
@@ -396,18 +371,24 @@ class Soak:
         engine = Engine(self.lm, block_size=16)
         by_index = {p.index: p for p in self.prompts}
         done = [o for o in self.outcomes if o["status"] == "ok"]
-        step = max(1, len(done) // self.args.verify_max) if self.args.verify_max else 1
-        checked, wrong, cache = 0, 0, {}
-        for o in done[::step]:
-            key = (o["prompt"], o["max_tokens"])
-            if key not in cache:
-                params = SamplingParams(max_tokens=o["max_tokens"], ignore_eos=True)
-                cache[key] = engine.generate(by_index[o["prompt"]].token_ids, params)
-            checked += 1
-            if o["tokens"] != cache[key]:
+        # every step-th answer: at most verify_max of them, spread over the run
+        step = -(-len(done) // self.args.verify_max) if self.args.verify_max else 1
+        chosen = done[::step]
+        keys = sorted({(o["prompt"], o["max_tokens"]) for o in chosen})
+        want: dict[tuple[int, int], list[int]] = {}
+        t0 = time.perf_counter()
+        for i in range(0, len(keys), VERIFY_BATCH):  # a batch at a time, progress between
+            part = keys[i : i + VERIFY_BATCH]
+            params = [SamplingParams(max_tokens=n, ignore_eos=True) for _, n in part]
+            outs = engine.generate_batch([by_index[p].token_ids for p, _ in part], params)
+            want.update(zip(part, outs))
+            say(f"  {len(want)}/{len(keys)} prompts generated ({time.perf_counter() - t0:.0f} s)")
+        wrong = 0
+        for o in chosen:
+            if o["tokens"] != want[(o["prompt"], o["max_tokens"])]:
                 wrong += 1
                 say(f"wrong output: prompt {o['prompt']} ({len(o['tokens'])} tokens)")
-        return checked, wrong
+        return len(chosen), wrong
 
 
 def plot_rss(soak: Soak, path: Path) -> None:
@@ -427,7 +408,7 @@ def plot_rss(soak: Soak, path: Path) -> None:
     if soak.burst_window[1] > soak.burst_window[0]:
         ax.axvspan(*soak.burst_window, color="tab:orange", alpha=0.2, label="burst (10x)")
     ax.set_xlabel("s (red dashes: a worker killed; blue dots: the index stopped)")
-    ax.set_ylabel("resident memory (MiB)")
+    ax.set_ylabel("resident MiB (workers: less the store's slab)")
     ax.set_title(f"halfmoon soak: RSS of each server over {soak.args.minutes:g} min")
     ax.legend(fontsize=8, ncol=3)
     fig.tight_layout()
@@ -457,12 +438,12 @@ def main(argv=None) -> int:
     ap.add_argument("--max-input", type=int, default=256)
     ap.add_argument("--max-output", type=int, default=32)
     ap.add_argument("--max-in-flight", type=int, default=256, help="client threads")
-    ap.add_argument("--verify-max", type=int, default=400, help="answers checked (0 = all)")
+    ap.add_argument("--verify-max", type=int, default=200, help="answers checked (0 = all)")
     ap.add_argument("--progress-s", type=float, default=10.0)
     ap.add_argument("--plot", default="runs/bench/soak.png")
     args = ap.parse_args(argv)
 
-    from bench.machine import cpu_flags
+    from bench.machine import cpu_flags, finish
     from client.synth import Scaling, make_prompts
     from client.traces import load_trace
     from model import load_model
@@ -510,19 +491,11 @@ def main(argv=None) -> int:
         "kills": sum(w.startswith("killed") for _, w in soak.events),
         "index_restarts": sum(w.startswith("index (Redis) restarted") for _, w in soak.events),
         "cpu_flags": flags,
-        "load_average_start": round(load_start, 2),
-        "load_average": round(os.getloadavg()[0], 2),
     }
     for o in outcomes:
         if o["status"] in ("failed", "lost"):
             say(f"{o['status']}: {o['kind']} prompt {o['prompt']}: {o.get('error', '')[:160]}")
-    try:
-        plot_rss(soak, ROOT / args.plot)
-        say(f"plot: {args.plot}")
-    except Exception as exc:  # noqa: BLE001 - the figures matter more than the picture
-        say(f"plot failed: {exc}")
-    print(json.dumps(result), flush=True)
-    return 0
+    return finish(result, load_start, lambda: plot_rss(soak, ROOT / args.plot), args.plot)
 
 
 if __name__ == "__main__":

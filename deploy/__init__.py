@@ -12,7 +12,7 @@ from deploy.config import (
     parse_overrides,
 )
 from deploy.launcher import Cluster
-from deploy.local import LocalCluster
+from deploy.local import LocalCluster, ServerProcess
 from deploy.placement import NodeView, Placement, node_views, place_workers
 from deploy.wiring import ServerInfo, Wiring
 
@@ -27,6 +27,7 @@ __all__ = [
     "parse_overrides",
     "Cluster",
     "LocalCluster",
+    "ServerProcess",
     "ServerInfo",
     "Wiring",
     "ServerActor",

@@ -33,8 +33,10 @@ def _serve(role: str, cfg, conn) -> None:
     server.stop()
 
 
-class _Child:
-    """A server in a process of its own (spawned, so no state is inherited)."""
+class ServerProcess:
+    """A server in a process of its own (spawned, so no state is inherited): its `address` once
+    started, `proc` the process (to kill, as a fault test or a soak does), `stop()` to end it.
+    Started again with the same config (and port), it stands in for a server that was lost."""
 
     def __init__(self, role: str, cfg, start_timeout_s: float):
         ctx = mp.get_context("spawn")
@@ -140,7 +142,7 @@ class LocalCluster:
     def _run(self, role: str, name: str, config) -> ServerInfo:
         own_process = self._own_process(name)
         if own_process:
-            server = _Child(role, config, self.cfg.health_timeout_s)
+            server = ServerProcess(role, config, self.cfg.health_timeout_s)
             address, pid = server.address, server.proc.pid
         else:
             server_cls = _server_class(role)

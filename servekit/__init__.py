@@ -24,7 +24,13 @@ from servekit.kv_cache import (
     kv_cache_layout,
 )
 from servekit.cpus import parse_cpu_list, pin_process
-from servekit.memory import MemoryUsage, memory_usage, release_freed_heap, tensor_bytes
+from servekit.memory import (
+    MemoryUsage,
+    memory_usage,
+    release_freed_heap,
+    resident_without_shared_memory,
+    tensor_bytes,
+)
 from servekit.roles import ROLES, Role, role_classes
 from servekit.security import (
     AuthInterceptor,
@@ -80,6 +86,7 @@ __all__ = [
     "parse_cpu_list",
     "pin_process",
     "memory_usage",
+    "resident_without_shared_memory",
     "release_freed_heap",
     "tensor_bytes",
     "DTYPE_NAMES",

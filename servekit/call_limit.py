@@ -12,6 +12,7 @@ the refusals themselves."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from typing import Callable, Iterable
 
@@ -41,26 +42,29 @@ class CallLimit(grpc.ServerInterceptor):
         self.in_flight = 0
         self.refused = 0
 
-    def _take(self) -> bool:
+    @contextlib.contextmanager
+    def _slot(self, context: grpc.ServicerContext):
+        """Holds one slot for the body of the call, or refuses the call (aborts) when none is
+        free; the slot goes back however the body ends."""
         with self._lock:
-            if self.in_flight >= self.limit:
+            taken = self.in_flight < self.limit
+            if taken:
+                self.in_flight += 1
+            else:
                 self.refused += 1
-                return False
-            self.in_flight += 1
-            return True
-
-    def _give(self) -> None:
-        with self._lock:
-            self.in_flight -= 1
-
-    def _refuse(self, context: grpc.ServicerContext) -> None:
-        if self._on_refuse is not None:
-            self._on_refuse()
-        context.abort(
-            grpc.StatusCode.RESOURCE_EXHAUSTED,
-            f"{self._server} busy: {self.limit} calls in flight (its limit); retry later or "
-            "elsewhere",
-        )
+        if not taken:
+            if self._on_refuse is not None:
+                self._on_refuse()
+            context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{self._server} busy: {self.limit} calls in flight (its limit); retry later or "
+                "elsewhere",
+            )
+        try:
+            yield
+        finally:
+            with self._lock:
+                self.in_flight -= 1
 
     def intercept_service(self, continuation, handler_call_details):
         handler = continuation(handler_call_details)
@@ -72,12 +76,8 @@ class CallLimit(grpc.ServerInterceptor):
             upload = handler.stream_unary
 
             def take_stream(request_iterator, context):
-                if not self._take():
-                    self._refuse(context)
-                try:
+                with self._slot(context):
                     return upload(request_iterator, context)
-                finally:
-                    self._give()
 
             return grpc.stream_unary_rpc_method_handler(
                 take_stream, handler.request_deserializer, handler.response_serializer
@@ -86,14 +86,10 @@ class CallLimit(grpc.ServerInterceptor):
             behaviour = handler.unary_stream
 
             def stream(request, context):
-                if not self._take():
-                    self._refuse(context)
-                try:
-                    # The slot goes back when the stream ends, fails, or is dropped by grpc
-                    # after a cancel (the generator is closed then).
+                # The slot goes back when the stream ends, fails, or is dropped by grpc after a
+                # cancel (the generator is closed then).
+                with self._slot(context):
                     yield from behaviour(request, context)
-                finally:
-                    self._give()
 
             return grpc.unary_stream_rpc_method_handler(
                 stream, handler.request_deserializer, handler.response_serializer
@@ -101,12 +97,8 @@ class CallLimit(grpc.ServerInterceptor):
         behaviour = handler.unary_unary
 
         def unary(request, context):
-            if not self._take():
-                self._refuse(context)
-            try:
+            with self._slot(context):
                 return behaviour(request, context)
-            finally:
-                self._give()
 
         return grpc.unary_unary_rpc_method_handler(
             unary, handler.request_deserializer, handler.response_serializer

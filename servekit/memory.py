@@ -28,6 +28,19 @@ def memory_usage(pid: int | None = None) -> MemoryUsage:
     return MemoryUsage(m.rss, m.uss, getattr(m, "pss", m.uss))
 
 
+def resident_without_shared_memory(pid: int) -> int:
+    """`pid`'s resident bytes less its shared-memory mappings' (RssShmem): a worker maps the
+    store's slab to move blocks and touches all of it in time, but the store holds those pages
+    (they count once, in the store's RSS). Raises psutil.NoSuchProcess for a process gone."""
+    try:
+        with open(f"/proc/{pid}/status", encoding="ascii") as f:
+            fields = (line.split(":", 1) for line in f)
+            kb = {k: int(v.split()[0]) for k, v in fields if k.startswith("Rss")}
+    except FileNotFoundError:
+        raise psutil.NoSuchProcess(pid) from None
+    return (kb.get("RssAnon", 0) + kb.get("RssFile", 0)) * 1024
+
+
 def release_freed_heap() -> bool:
     """Return the heap that loading freed to the system. glibc keeps freed memory in its arenas;
     a model load (a file read, dequantized, converted and copied) leaves ~0.4 GB of it behind
