@@ -11,7 +11,9 @@ import signal
 import socket
 import subprocess
 import tempfile
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import redis
 
@@ -35,6 +37,22 @@ def _die_with_parent() -> None:
     # PR_SET_PDEATHSIG: the server gets SIGTERM when its starter dies, even by SIGKILL.
     if _PRCTL is not None:
         _PRCTL(1, signal.SIGTERM)
+
+
+_spawner_lock = threading.Lock()
+_spawner_pool: ThreadPoolExecutor | None = None
+
+
+def _spawner() -> ThreadPoolExecutor:
+    """The one thread that starts every redis-server. The parent-death signal fires when the
+    *thread* that forked the server ends (prctl(2)), not the process: a server restarted from a
+    short-lived thread (a fault injector's) died with that thread, taking the index away for the
+    rest of the run. This thread lives until the interpreter exits."""
+    global _spawner_pool
+    with _spawner_lock:
+        if _spawner_pool is None:
+            _spawner_pool = ThreadPoolExecutor(1, thread_name_prefix="halfmoon-redis-spawner")
+        return _spawner_pool
 
 
 def _free_port() -> int:
@@ -69,7 +87,8 @@ class EmbeddedRedis:
             # setpriv sets the parent-death signal and execs the server: no Python code runs in
             # the forked child (a preexec_fn in a process full of gRPC threads can abort there)
             argv, preexec = [setpriv, "--pdeathsig", "TERM", "--"], None
-        self.proc = subprocess.Popen(
+        self.proc = _spawner().submit(
+            subprocess.Popen,
             [
                 *argv,
                 _redis_server_binary(),
@@ -91,7 +110,7 @@ class EmbeddedRedis:
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
             preexec_fn=preexec,
-        )
+        ).result()
         if self._wait_ready(self.timeout_s):
             return True
         self._kill()

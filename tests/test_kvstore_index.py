@@ -3,6 +3,7 @@ one call, node liveness by heartbeat TTL, and store nodes publishing what they h
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -53,6 +54,22 @@ def test_embedded_redis_is_real_and_stops():
     server.stop()
     with pytest.raises(redis.exceptions.ConnectionError):
         redis.Redis.from_url(server.url, socket_connect_timeout=1).ping()
+
+
+def test_embedded_redis_restarted_from_a_thread_outlives_it():
+    """The server's parent-death signal follows the thread that forked it: a restart from a
+    thread that then ends (a fault injector's) must not take the server down with it."""
+    server = EmbeddedRedis()
+    try:
+        t = threading.Thread(target=server.restart)
+        t.start()
+        t.join()
+        time.sleep(0.5)  # the signal, were it sent, lands at once
+        r = redis.Redis.from_url(server.url, socket_connect_timeout=2)
+        assert r.ping() and server.proc.poll() is None
+        r.close()
+    finally:
+        server.stop()
 
 
 def test_longest_prefix_for_every_node(index):
