@@ -35,7 +35,6 @@ Prints progress, a table, and ends with one JSON line.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -59,7 +58,7 @@ from bench.kv_quality import (  # noqa: E402
     run_sequence,
     say,
 )
-from bench.machine import cpu_flags  # noqa: E402
+from bench.machine import cpu_flags, finish  # noqa: E402
 from kvstore.cachegen import (  # noqa: E402
     DEFAULT_LEVEL,
     GROUP_SIZE,
@@ -326,16 +325,12 @@ def main(argv=None) -> int:
                 "new_tokens": args.greedy_tokens,
             },
             "text": os.path.relpath(args.text, ROOT),
-            "cpu_flags": cpu_flags(),
             "torch_threads": torch.get_num_threads(),
             "codec_torch_threads": args.codec_threads,
-            "load_average_start": round(load_start, 2),
-            "load_average": round(os.getloadavg()[0], 2),
             "wall_s": round(time.perf_counter() - t_start, 1),
         }
     )
-    print(json.dumps(result), flush=True)
-    return 0
+    return finish(result, load_start)
 
 
 if __name__ == "__main__":

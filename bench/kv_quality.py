@@ -56,7 +56,6 @@ with one JSON line.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
@@ -69,7 +68,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.machine import cpu_flags  # noqa: E402
+from bench.machine import cpu_flags, finish  # noqa: E402
 
 import kernels  # noqa: E402
 from model import KVPool, LlamaModel, ModelConfig  # noqa: E402
@@ -483,21 +482,12 @@ def main(argv=None) -> int:
             "ref_chunk": args.ref_chunk,
             "bytes_block_tokens": STORE_BLOCK,
             "text": os.path.relpath(args.text, ROOT),
-            "cpu_flags": cpu_flags(),
             "torch_threads": torch.get_num_threads(),
-            "load_average_start": round(load_start, 2),
-            "load_average": round(os.getloadavg()[0], 2),
             "wall_s": round(time.perf_counter() - t_start, 1),
         }
     )
-    if args.plot:
-        try:
-            plot(result, kivi, ratio, config, ROOT / args.plot)
-            say(f"plot: {args.plot}")
-        except Exception as exc:  # noqa: BLE001 - the figures matter more than the picture
-            say(f"plot failed: {exc}")
-    print(json.dumps(result), flush=True)
-    return 0
+    draw = (lambda: plot(result, kivi, ratio, config, ROOT / args.plot)) if args.plot else None
+    return finish(result, load_start, draw, args.plot)
 
 
 def plot(result: dict, kivi: dict, ratio: dict, config: ModelConfig, path: Path) -> None:

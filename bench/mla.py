@@ -21,7 +21,6 @@ The last line printed is one JSON object.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from pathlib import Path
@@ -29,7 +28,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.machine import cpu_flags, median_s  # noqa: E402
+from bench.machine import finish, median_s  # noqa: E402
 
 # The published configs' attention fields (config.json of deepseek-ai/DeepSeek-V2, -V2-Lite)
 CONFIGS = {
@@ -170,11 +169,7 @@ def main(argv=None) -> int:
     if 4096 in by:
         result["mla_absorbed_vs_naive_4k"] = by[4096]["absorbed_speedup"]
         result["mla_decode_vs_copy_bw"] = by[4096]["vs_copy_bw"]
-    result["cpu_flags"] = cpu_flags()
-    result["load_average_start"] = round(load0, 2)
-    result["load_average"] = round(os.getloadavg()[0], 2)
-    print(json.dumps(result), flush=True)
-    return 0
+    return finish(result, load0)
 
 
 if __name__ == "__main__":
