@@ -20,8 +20,8 @@ The last line is one JSON object.
 from __future__ import annotations
 
 import argparse
-import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -29,6 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.machine import finish  # noqa: E402
 from client.traces import SHIPPED_TRACE, load_trace  # noqa: E402
 from sim import (  # noqa: E402
     ClusterSpec,
@@ -144,6 +145,7 @@ def main(argv=None) -> int:
     ap.add_argument("--output", type=Path, default=ROOT / "runs" / "bench")
     args = ap.parse_args(argv)
     args.output.mkdir(parents=True, exist_ok=True)
+    load_start = os.getloadavg()[0]
     reqs = load_trace(args.trace)
     result = {"trace_requests": len(reqs)}
     result.update(scale_run(reqs))
@@ -151,8 +153,7 @@ def main(argv=None) -> int:
         rates = [float(x) for x in args.rates.split(",")]
         result.update(paper_experiment(reqs, rates, args.target, args.output))
     result.update(validation(args.real_run, args.trace))
-    print(json.dumps(result), flush=True)
-    return 0
+    return finish(result, load_start)
 
 
 if __name__ == "__main__":

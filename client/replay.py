@@ -87,6 +87,7 @@ async def _one(client: AsyncClient, p: Prompt, s: ReplaySettings, t0: float) -> 
         predicted_tbt_ms=u.predicted_tbt_ms if u else 0.0,
         queue_ms=u.queue_ms if u else 0.0,
         prefill_ms=u.prefill_ms if u else 0.0,
+        answered_ms=u.prefill_answered_ms if u else 0.0,
     )
 
 

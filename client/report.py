@@ -38,6 +38,9 @@ class ReplayRecord(NamedTuple):
     predicted_tbt_ms: float = 0.0  # the routing policy's TBT estimate (0 = none)
     queue_ms: float = 0.0  # time it waited in the prefill worker's queue
     prefill_ms: float = 0.0  # its prefill round's first forward to its own last forward
+    # sent -> the prefill's answer at the conductor (0 = not reported): TTFT less the wait for
+    # the decode worker to admit it
+    answered_ms: float = 0.0
 
 
 class Percentiles(NamedTuple):

@@ -461,6 +461,8 @@ class Conductor(GrpcServer, pb_grpc.ConductorServicer):
             context.add_callback(fut.cancel)
             try:
                 reply = fut.result()
+                if s.first is None:
+                    s.answered_ms = s.elapsed_ms()
                 with self._lock:
                     # the prefill's own estimate: the first token is held for the decode
                     # admission after this, which the prefill worker's correction leaves out

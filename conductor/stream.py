@@ -31,6 +31,7 @@ class RequestStream:
     routed: Routed | None = None  # the pair serving it now
     reason: str = ""  # finish reason; "" while it goes on
     ttft_ms: float = 0.0  # time to the first token, at the conductor
+    answered_ms: float = 0.0  # time to the first prefill's answer, at the conductor
     decode_transfer_ms: float = 0.0  # KV pull time the decode workers reported
     max_batch: int = 0  # the largest decode batch its tokens came from
     failures: int = 0  # workers lost under it so far
@@ -107,6 +108,7 @@ class RequestStream:
             predicted_admission_ms=routed.predicted_admission_ms,
             predicted_tbt_ms=routed.predicted_tbt_ms,
             prefill_ms=r.prefill_ms,
+            prefill_answered_ms=self.answered_ms,
             policy=routed.decision_policy,
             worker_failures=self.failures,
         )

@@ -173,7 +173,7 @@ class _Sim:
             # transfer): the decode side waits only for what the compute time did not cover.
             blocks = -(-job.req.input_tokens // self.p.block_size)
             moved = transfer_ms(blocks, self.p.block_bytes, self.p.network_gbps)
-            kv = max(0.0, moved - job.compute_ms)
+            kv = max(0.0, moved - job.compute_ms) + self.p.decode_join_ms
 
         self.decode[job.decode_id].arrive(job, kv)
 

@@ -21,6 +21,13 @@ log = logging.getLogger(__name__)
 MAX_GAP_ROWS = 4000  # decode gaps a fit takes (evenly spread over the run)
 
 
+def answered_ms(r: ReplayRecord) -> float:
+    """Sent to the prefill's answer. The first token is held after that until the decode worker
+    admits the sequence, a wait the simulator's decode side models itself; records written
+    before Usage carried the answer time fall back to TTFT (which then includes that wait)."""
+    return r.answered_ms if r.answered_ms > 0 else r.ttft_ms
+
+
 class Fit(NamedTuple):
     prefill_coef: tuple[float, float, float]
     decode_coef: tuple[float, float, float]
@@ -45,7 +52,7 @@ def fit_prefill(
             continue
         start = r.sent_s * 1000.0 + r.queue_ms
         by_worker.setdefault(r.prefill_worker, []).append(
-            (start, r.sent_s * 1000.0 + r.ttft_ms, r.computed_tokens, r.prompt_tokens)
+            (start, r.sent_s * 1000.0 + answered_ms(r), r.computed_tokens, r.prompt_tokens)
         )
     model = PrefillTimeModel(prior=prior, window=1 << 20, min_samples=4)
     rounds = 0
@@ -114,18 +121,34 @@ def fit_decode(records: list[ReplayRecord], prior) -> tuple[tuple[float, ...], i
 
 
 def request_overhead(records: list[ReplayRecord]) -> float:
-    """The time a request's answer takes beyond its forwards: TTFT less the queue wait and the
-    prefill round. Requests answered by one forward report the same round time; the first of
-    them answered waited for no other's answer, so each such group's least is one answer's
-    overhead; the median over groups (0 if unknown)."""
+    """The time a request's answer takes beyond its forwards: the time to the prefill's answer
+    less the queue wait and the prefill round. Requests answered by one forward report the same
+    round time; the first of them answered waited for no other's answer, so each such group's
+    least is one answer's overhead; the median over groups (0 if unknown)."""
     groups: dict[tuple[str, float], float] = {}
     for r in records:
         if r.status != "ok" or r.prefill_ms <= 0 or math.isnan(r.ttft_ms):
             continue
         key = (r.prefill_worker, round(r.prefill_ms, 3))
-        extra = r.ttft_ms - r.queue_ms - r.prefill_ms
+        extra = answered_ms(r) - r.queue_ms - r.prefill_ms
         groups[key] = min(groups.get(key, extra), extra)
     xs = sorted(groups.values())
+    return max(0.0, xs[len(xs) // 2]) if xs else 0.0
+
+
+def decode_join(records: list[ReplayRecord]) -> float:
+    """The time a sequence takes to join its decode batch beyond what the simulator's decode side
+    already charges. The live first token is held from the prefill's answer until the decode
+    worker admits the sequence: it is taken in at a step boundary, its blocks pulled while the
+    batch steps on, and it joins at the first boundary after that, so a hold is half a step on
+    average, then a step, then whatever the pull and the calls take beyond it. Per request: its
+    hold less 1.5 times its first gap (a step of the batch it joined); the median (0 if
+    unknown: records from before Usage carried the answer time)."""
+    xs = sorted(
+        r.ttft_ms - r.answered_ms - 1.5 * r.gaps_ms[0]
+        for r in records
+        if r.status == "ok" and r.answered_ms > 0 and r.gaps_ms and not math.isnan(r.ttft_ms)
+    )
     return max(0.0, xs[len(xs) // 2]) if xs else 0.0
 
 
@@ -181,6 +204,7 @@ def fit_profile(run_dir: str | Path, base: Profile, name: str = "") -> tuple[Pro
     else:
         p_coef, p_rows = fit_prefill(records, p_prior, base.chunk_size)
     overhead = request_overhead(records)
+    join = decode_join(records)
     d_coef, d_rows = fit_decode(records, d_prior)
     if worker_coef is None and p_rows < 4:
         log.warning("only %d prefill rounds: the prefill model leans on the base profile", p_rows)
@@ -209,6 +233,7 @@ def fit_profile(run_dir: str | Path, base: Profile, name: str = "") -> tuple[Pro
             "name": name or base.name,
             "prefill_coef": tuple(round(c, 9) for c in p_coef),
             "request_overhead_ms": round(overhead, 3),
+            "decode_join_ms": round(join, 3),
             "decode_coef": tuple(round(c, 9) for c in d_coef),
             "sources": (
                 f"fitted by `halfmoon fit-profile` from {run_dir}: prefill "
@@ -217,9 +242,11 @@ def fit_profile(run_dir: str | Path, base: Profile, name: str = "") -> tuple[Pro
                     if worker_coef is not None
                     else f"from {p_rows} rounds rebuilt from the records"
                 )
-                + ", the per-request overhead the median of TTFT less queue wait and prefill "
-                f"round, decode from {d_rows} token gaps against the batch and context rebuilt "
-                "from the records; pool and store sizes from the workers' load reports",
+                + ", the per-request overhead the median of the time to the prefill's answer "
+                "less queue wait and prefill round, the decode join the median first-token hold "
+                f"beyond 1.5 steps, decode from {d_rows} token gaps against the "
+                "batch and context rebuilt from the records; pool and store sizes from the "
+                "workers' load reports",
                 *base.sources,
             ),
         }

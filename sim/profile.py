@@ -35,6 +35,10 @@ class Profile:
     # Per request, on the prefill instance's thread after its last forward: writing its blocks
     # out and answering (requests finishing in one forward are answered in turn).
     request_overhead_ms: float = 0.0
+    # Per request, on the decode instance before it can join the batch, beyond the KV move that
+    # network_gbps accounts for: the decode call and pulling its blocks in (fitted from a real
+    # run's first-token holds; 0 in a roofline profile, where the move is the bandwidth's).
+    decode_join_ms: float = 0.0
     network_gbps: float = 25.0  # between nodes: remote prefix fetches, prefill -> decode KV
     dram_gbps: float = 25.0  # host DRAM -> device (a DRAM hit is loaded at this rate)
     ssd_gbps: float = 3.0  # SSD -> host (an SSD hit is read at this rate, then loaded)

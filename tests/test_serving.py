@@ -82,6 +82,9 @@ def test_cluster_equals_local_engine(cluster, engine, lm):
             and last.usage.prefill_worker == "prefill-0"
             and last.usage.decode_worker == "decode-0"
         )
+        # the first token goes out after the prefill's answer, once the decode worker admits it
+        u = last.usage
+        assert 0 < u.queue_ms + u.prefill_ms <= u.prefill_answered_ms <= u.ttft_ms
 
 
 @pytest.mark.parametrize("device_cache", [True, False])

@@ -200,3 +200,27 @@ def test_records_report_ttft_as_prefill_queue_plus_compute():
     # the policy predicted exactly that (its model is the simulator's)
     assert b.predicted_ttft_ms == pytest.approx(320.0)
     assert not math.isnan(a.e2e_ms)
+
+
+def test_answer_overhead_leaves_out_the_decode_admission_wait():
+    from client.report import ReplayRecord
+    from sim.fit import decode_join, request_overhead
+
+    def rec(i, prefill_ms, answered_ms, ttft_ms):
+        return ReplayRecord(
+            index=i, policy="", arrival_s=i, sent_s=i, status="ok", error="", prompt_tokens=64,
+            output_tokens=4, ttft_ms=ttft_ms, gaps_ms=[5.0] * 3, e2e_ms=ttft_ms + 15,
+            cached_tokens={}, computed_tokens=64, prefill_worker="p", decode_worker="d",
+            queue_ms=10.0, prefill_ms=prefill_ms, answered_ms=answered_ms,
+        )  # fmt: skip
+
+    # answers 2 ms after each round; the first tokens then waited 200-400 ms for decode room
+    held = [rec(i, 50.0 + i, 62.0 + i, 262.0 + 100 * i) for i in range(3)]
+    assert request_overhead(held) == pytest.approx(2.0)
+    # records from before Usage carried the answer time: TTFT stands in for it
+    old = [r._replace(answered_ms=0.0) for r in held]
+    assert request_overhead(old) == pytest.approx(301.0)  # the hold taken for overhead
+    # the hold itself: 1.5 steps (5 ms each here) are the simulator's, the median rest is the
+    # decode side's join time
+    assert decode_join(held) == pytest.approx(299.0 - 7.5)  # holds 200, 299, 398 ms
+    assert decode_join(old) == 0.0

@@ -22,9 +22,12 @@ from model import load_model
 from sim import fit_profile, load_profile
 from sim.validate import compare_run
 
-# simulated TTFT p90 within [real / 3, real * 3]: a clean run measured 2.07 once, since a slice
-# of a millisecond model is dominated by jitter (see above); the SmolLM2 figures are in the README
-TTFT_P90_FACTOR = 3.0
+# Simulated TTFT within [real / F, real * F]: F = 3 for the median (clean runs measured 0.5-1.8),
+# 5 for p90, which is the slowest one or two of the few requests `mooncake` admits here and
+# stretched to 0.2 of the real one when other jobs held the 2-core machine (a slice of a
+# millisecond model is dominated by jitter, see above); the SmolLM2 figures are in the README.
+TTFT_P50_FACTOR = 3.0
+TTFT_P90_FACTOR = 5.0
 ATTAINMENT_TOLERANCE_PTS = 25.0
 
 
@@ -68,10 +71,13 @@ def test_simulated_slice_matches_the_real_one(replayed):
     assert {c.policy for c in rows} == {"mooncake", "load_balance"}
     for c in rows:
         summary = (
-            f"{c.policy}: TTFT p90 real {c.real.ttft_ms.p90:.0f} sim {c.sim.ttft_ms.p90:.0f} ms, "
+            f"{c.policy}: TTFT p50 real {c.real.ttft_ms.p50:.0f} sim {c.sim.ttft_ms.p50:.0f} ms, "
+            f"p90 real {c.real.ttft_ms.p90:.0f} sim {c.sim.ttft_ms.p90:.0f} ms, "
             f"attainment real {c.real.slo_attainment:.2f} sim {c.sim.slo_attainment:.2f}"
         )
         assert c.real.requests == c.sim.requests == 40, summary
+        ratio = c.sim.ttft_ms.p50 / c.real.ttft_ms.p50
+        assert 1 / TTFT_P50_FACTOR <= ratio <= TTFT_P50_FACTOR, summary
         ratio = c.sim.ttft_ms.p90 / c.real.ttft_ms.p90
         assert 1 / TTFT_P90_FACTOR <= ratio <= TTFT_P90_FACTOR, summary
         assert abs(c.attainment_error_pts) <= ATTAINMENT_TOLERANCE_PTS, summary
