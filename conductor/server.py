@@ -425,7 +425,9 @@ class Conductor(GrpcServer, pb_grpc.ConductorServicer):
         resumed request finds none left)."""
         keys = block_keys(prompt, self.config.block_size, self.fingerprint, s.salt)
         try:
-            routed = self._route(request, prompt, keys, s.policy, s.tokens_left(), s.rid)
+            routed = self._route(
+                request, prompt, keys, s.policy, s.tokens_left(), s.rid, resumed=bool(s.out)
+            )
         except Rejected as exc:
             if s.out:
                 context.abort(
@@ -782,12 +784,16 @@ class Conductor(GrpcServer, pb_grpc.ConductorServicer):
         policy_name: str,
         max_tokens: int,
         rid: str = "",
+        resumed: bool = False,
     ) -> Routed:
+        # A request resumed after its decode worker was lost has had its first token: its TTFT
+        # is history, and refusing it now would break a stream the client is reading. It goes
+        # to the best pair left, judged by no SLO (none left is still an error).
         info = RequestInfo(
             len(ids),
             max_tokens,
-            r.ttft_slo_ms or self.config.ttft_slo_ms,
-            r.tbt_slo_ms or self.config.tbt_slo_ms,
+            0.0 if resumed else r.ttft_slo_ms or self.config.ttft_slo_ms,
+            0.0 if resumed else r.tbt_slo_ms or self.config.tbt_slo_ms,
         )
         # Choosing and booking the work on the pair is one step: a burst of requests each sees
         # the ones routed before it.

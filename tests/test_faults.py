@@ -6,6 +6,7 @@ counted."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 import signal
@@ -154,8 +155,16 @@ def test_killed_workers_are_routed_around(lm, engine):
                 break  # this one is on decode-0
         assert local.load().running == len(streams) - 1
         victim_stream, victim_prompt = streams[-1]
+        # SLOs no pair can meet from now on: a new request is refused early, but a stream that
+        # has had its first token is resumed all the same (its TTFT is history)
+        slos = c.conductor.config
+        c.conductor.config = dataclasses.replace(slos, ttft_slo_ms=0.001, tbt_slo_ms=0.001)
+        with pytest.raises(grpc.RpcError) as err:
+            c.generate(token_ids=rand_ids(rng, BS), max_tokens=2)
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         os.kill(server(c, "decode-0").pid, signal.SIGKILL)
         victim_stream.read_all()
+        c.conductor.config = slos
         assert victim_stream.ids == greedy(engine, victim_prompt, n)  # none repeated or missing
         final = victim_stream.final
         assert final.finish_reason == "length" and final.usage.decode_worker == "decode-1"
