@@ -221,8 +221,7 @@ class BlockStore:
             refs: list[BlockRef] = []
             for i, e in enumerate(lease.entries):
                 if self._entries.get(e.key) is not e:  # dropped to make room for an earlier one
-                    for rest in lease.entries[i:]:
-                        rest.leases -= 1
+                    self._unpin(lease.entries[i:])
                     del lease.entries[i:]
                     break
                 found, data = e.tier, None
@@ -232,12 +231,9 @@ class BlockStore:
                     if data is None:  # gone or corrupt: a miss from here on
                         if why:
                             self._corrupt_found(e, why)
-                        for rest in lease.entries[i:]:
-                            rest.leases -= 1
-                        del lease.entries[i:]
                         e.doomed = True  # dropped now, or when another reader lets it go
-                        if not e.leases and self._entries.get(e.key) is e:
-                            self._drop(e)
+                        self._unpin(lease.entries[i:])
+                        del lease.entries[i:]
                         break
                     # As in a walk that leases one block at a time: the call's later blocks may
                     # make room for this one (a prefix's head stays in dram before its tail).
@@ -382,16 +378,23 @@ class BlockStore:
                         if not e.leases:
                             self._drop(e)
                 return False
-            for e in lease.entries:
-                if lease.write:
+            if lease.write:
+                for e in lease.entries:
                     self.alloc.free(e.offset, e.size)
                     del self._entries[e.key]
-                    continue
+                return True
+            for e in lease.entries:
                 e.doomed |= e.key in bad
-                e.leases -= 1
-                if e.leases == 0 and e.doomed and self._entries.get(e.key) is e:
-                    self._drop(e)
+            self._unpin(lease.entries)
             return True
+
+    def _unpin(self, entries: list[_Entry]) -> None:
+        """A read lease lets go of `entries`; one doomed meanwhile (corrupt, cleared) and now
+        held by no lease is dropped."""
+        for e in entries:
+            e.leases -= 1
+            if e.leases == 0 and e.doomed and self._entries.get(e.key) is e:
+                self._drop(e)
 
     def clear(self) -> tuple[int, int]:
         """Drop every block of every tier; a leased one goes when its last lease ends. (dropped,

@@ -73,14 +73,10 @@ class CallLimit(grpc.ServerInterceptor):
         if handler.request_streaming and handler.response_streaming:
             raise TypeError(f"{handler_call_details.method}: bidirectional streams are not limited")
         if handler.request_streaming:  # a client stream (a store's Put) holds its thread too
-            upload = handler.stream_unary
-
-            def take_stream(request_iterator, context):
-                with self._slot(context):
-                    return upload(request_iterator, context)
-
             return grpc.stream_unary_rpc_method_handler(
-                take_stream, handler.request_deserializer, handler.response_serializer
+                self._held(handler.stream_unary),
+                handler.request_deserializer,
+                handler.response_serializer,
             )
         if handler.response_streaming:
             behaviour = handler.unary_stream
@@ -94,12 +90,17 @@ class CallLimit(grpc.ServerInterceptor):
             return grpc.unary_stream_rpc_method_handler(
                 stream, handler.request_deserializer, handler.response_serializer
             )
-        behaviour = handler.unary_unary
-
-        def unary(request, context):
-            with self._slot(context):
-                return behaviour(request, context)
-
         return grpc.unary_unary_rpc_method_handler(
-            unary, handler.request_deserializer, handler.response_serializer
+            self._held(handler.unary_unary),
+            handler.request_deserializer,
+            handler.response_serializer,
         )
+
+    def _held(self, behaviour):
+        """`behaviour` (a call that returns one reply) run holding a slot."""
+
+        def call(request_or_iterator, context):
+            with self._slot(context):
+                return behaviour(request_or_iterator, context)
+
+        return call

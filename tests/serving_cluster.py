@@ -14,6 +14,16 @@ from protos import halfmoon_pb2_grpc as pb_grpc
 from servekit import kv_cache_layout, torch_dtype
 
 
+def wait_for(check, timeout_s: float, what: str) -> float:
+    """Poll `check` until true; the seconds it took (AssertionError naming `what` if never)."""
+    t0 = time.monotonic()
+    while not check():
+        if time.monotonic() - t0 > timeout_s:
+            raise AssertionError(f"not within {timeout_s} s: {what}")
+        time.sleep(0.02)
+    return time.monotonic() - t0
+
+
 class Cluster:
     """`with Cluster(lm) as c: c.generate(...)`: deploy.LocalCluster in this process, sharing `lm`;
     every server on 127.0.0.1, free ports, all stopped on exit. `hosts` store nodes stand for

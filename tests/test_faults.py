@@ -20,7 +20,7 @@ from kvstore import Index, block_keys, parse_header
 from model import Engine, SamplingParams, load_model
 from protos import halfmoon_pb2 as pb
 from protos import halfmoon_pb2_grpc as pb_grpc
-from serving_cluster import Cluster, request
+from serving_cluster import Cluster, request, wait_for
 
 BS = 16
 
@@ -51,16 +51,6 @@ def metric(registry, name: str, **labels) -> float:
         for sample in family.samples
         if sample.name == name and labels.items() <= sample.labels.items()
     )
-
-
-def wait_for(check, timeout_s: float, what: str) -> float:
-    """Poll `check` until true; the seconds it took (AssertionError naming `what` if never)."""
-    t0 = time.monotonic()
-    while not check():
-        if time.monotonic() - t0 > timeout_s:
-            raise AssertionError(f"not within {timeout_s} s: {what}")
-        time.sleep(0.02)
-    return time.monotonic() - t0
 
 
 def server(c: Cluster, name: str):

@@ -37,7 +37,7 @@ from protos import halfmoon_pb2_grpc as pb_grpc  # noqa: E402
 from protos import kvstore_pb2 as kv_pb  # noqa: E402
 from protos import kvstore_pb2_grpc as kv_grpc  # noqa: E402
 from servekit import SecurityConfig, open_channel, tenant_salt  # noqa: E402
-from serving_cluster import request  # noqa: E402
+from serving_cluster import request, wait_for  # noqa: E402
 
 BS = 16
 # multinode.yaml's layout, with a second decode host so that losing one is survivable
@@ -459,16 +459,9 @@ def test_every_cross_host_call_is_encrypted_and_authenticated(multi):
     assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
 
 
-def _busy_decode(multi, within_s: float = 10.0):
-    """The decode worker the conductor sees running a sequence. Its view of loads is refreshed
-    every load_poll_s, so right after the first tokens it may not show yet: ask until it does."""
-    deadline = time.monotonic() + within_s
-    while True:
-        busy = [w for w in multi.status().workers if w.kind == "decode" and w.load.running]
-        if busy or time.monotonic() > deadline:
-            assert busy, "no decode worker reported a running sequence"
-            return busy[0]
-        time.sleep(0.02)
+def _decoding(multi) -> list:
+    """The decode workers the conductor sees running a sequence."""
+    return [w for w in multi.status().workers if w.kind == "decode" and w.load.running]
 
 
 def test_a_decode_host_lost_mid_stream_is_survived(multi, engine):
@@ -485,7 +478,10 @@ def test_a_decode_host_lost_mid_stream_is_survived(multi, engine):
     for msg in call:
         got.extend(msg.token_ids)
         if len(got) >= 10 and lost is None:
-            busy = _busy_decode(multi)
+            # the conductor refreshes loads every load_poll_s: right after the first tokens the
+            # busy worker may not show yet
+            wait_for(lambda: _decoding(multi), 10.0, "a decode worker running the stream")
+            busy = _decoding(multi)[0]
             lost = busy.worker_id
             # the host's Ray node, its store node and its decode worker go at once
             assert multi.hc.hosts.kill(multi.host_of(busy.address)) > 0
