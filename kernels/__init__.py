@@ -23,6 +23,7 @@ from kernels.kivi import (
     kivi_packed_nbytes,
     kivi_to_bytes,
 )
+from kernels.linear import linear, prepack, prepack_supported, tensor_nbytes, unpack
 from kernels.layout import KV_LAYOUTS, FullKVLayout, KiviKVLayout, KVLayout, MlaKVLayout
 from kernels.native import NativeStatus, native_status
 from kernels.paged_attention_ref import paged_decode_attention_ref
@@ -49,6 +50,7 @@ __all__ = [
     "kivi_packed_nbytes",
     "kivi_quantize",
     "kivi_to_bytes",
+    "linear",
     "merge_attention",
     "native_status",
     "paged_decode_attention",
@@ -56,5 +58,9 @@ __all__ = [
     "paged_decode_attention_kivi_window",
     "paged_decode_attention_ref",
     "paged_mla_decode_attention",
+    "prepack",
+    "prepack_supported",
     "scatter_blocks",
+    "tensor_nbytes",
+    "unpack",
 ]

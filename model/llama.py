@@ -69,6 +69,10 @@ class _SeqPlan(NamedTuple):
     )  # [T, end] causal mask over the pool's prefix + new KV; None = causal SDPA on fresh K/V
 
 
+# A layer's projection weights, the ones prepack_weights packs.
+_PACKED_PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+
+
 class LlamaLayer(nn.Module):
     """One decoder layer; Q, K, V and gate, up are fused into one matmul each."""
 
@@ -98,6 +102,9 @@ class LlamaModel(nn.Module):
             else nn.Parameter(torch.empty(config.vocab_size, config.hidden_size))
         )
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
+        # the tied LM head's packed copy (prepack_weights): the embedding itself stays plain,
+        # since token lookups index its rows
+        self.register_buffer("packed_head", None, persistent=False)
         self.scale = config.head_dim**-0.5
 
     @property
@@ -107,6 +114,34 @@ class LlamaModel(nn.Module):
     @property
     def device(self) -> torch.device:
         return self.embed_tokens.device
+
+    # ---- weights in oneDNN's packed layout (kernels/linear.py) ----
+
+    def prepack_weights(self) -> bool:
+        """Swap every projection and the LM head for a packed copy, which is faster for the few
+        rows of a decode step and no slower for prefill chunks (kernels/linear.py); the values
+        are unchanged and `hf_state_dict` unpacks them. A tied head gets its own packed copy
+        (one more head's bytes). False, and nothing changed, where the device and dtype have no
+        packed path."""
+        if not kernels.prepack_supported(self.dtype, self.device):
+            return False
+        with torch.no_grad():
+            for layer in self.layers:
+                for name in _PACKED_PROJECTIONS:
+                    weight = getattr(layer, name)
+                    if not weight.is_mkldnn:
+                        setattr(layer, name, nn.Parameter(kernels.prepack(weight), False))
+            if self.lm_head is not None and not self.lm_head.is_mkldnn:
+                self.lm_head = nn.Parameter(kernels.prepack(self.lm_head), False)
+            elif self.lm_head is None and self.packed_head is None:
+                self.packed_head = kernels.prepack(self.embed_tokens)
+        return True
+
+    def _head(self) -> torch.Tensor:
+        """The LM head's weight, packed where prepack_weights made it so."""
+        if self.lm_head is not None:
+            return self.lm_head
+        return self.embed_tokens if self.packed_head is None else self.packed_head
 
     # ---- weights in HF naming (LlamaForCausalLM), for loaders and exporters ----
 
@@ -171,22 +206,22 @@ class LlamaModel(nn.Module):
         c = self.config
         sd = {"model.embed_tokens.weight": self.embed_tokens, "model.norm.weight": self.norm}
         if self.lm_head is not None:
-            sd["lm_head.weight"] = self.lm_head
+            sd["lm_head.weight"] = kernels.unpack(self.lm_head)
         for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}."
-            q, k, v = layer.qkv_proj.split([c.q_size, c.kv_size, c.kv_size])
-            gate, up = layer.gate_up_proj.split([c.intermediate_size] * 2)
+            q, k, v = kernels.unpack(layer.qkv_proj).split([c.q_size, c.kv_size, c.kv_size])
+            gate, up = kernels.unpack(layer.gate_up_proj).split([c.intermediate_size] * 2)
             sd.update(
                 {
                     p + "input_layernorm.weight": layer.input_norm,
                     p + "self_attn.q_proj.weight": q,
                     p + "self_attn.k_proj.weight": k,
                     p + "self_attn.v_proj.weight": v,
-                    p + "self_attn.o_proj.weight": layer.o_proj,
+                    p + "self_attn.o_proj.weight": kernels.unpack(layer.o_proj),
                     p + "post_attention_layernorm.weight": layer.post_norm,
                     p + "mlp.gate_proj.weight": gate,
                     p + "mlp.up_proj.weight": up,
-                    p + "mlp.down_proj.weight": layer.down_proj,
+                    p + "mlp.down_proj.weight": kernels.unpack(layer.down_proj),
                 }
             )
         return {k: v.detach().float().contiguous().clone() for k, v in sd.items()}
@@ -208,7 +243,7 @@ class LlamaModel(nn.Module):
     def _qkv(self, layer: LlamaLayer, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]):
         c = self.config
         h = _rms_norm(x, layer.input_norm, c.rms_norm_eps)
-        qkv = F.linear(h, layer.qkv_proj)
+        qkv = kernels.linear(h, layer.qkv_proj)
         n = x.shape[0]
         qk = self._rope(
             qkv[:, : c.q_size + c.kv_size].view(n, c.num_heads + c.num_kv_heads, c.head_dim), *rope
@@ -219,12 +254,12 @@ class LlamaModel(nn.Module):
 
     def _mlp(self, layer: LlamaLayer, x: torch.Tensor) -> torch.Tensor:
         h = _rms_norm(x, layer.post_norm, self.config.rms_norm_eps)
-        gate, up = F.linear(h, layer.gate_up_proj).chunk(2, dim=-1)
-        return x + F.linear(F.silu(gate) * up, layer.down_proj)
+        gate, up = kernels.linear(h, layer.gate_up_proj).chunk(2, dim=-1)
+        return x + kernels.linear(F.silu(gate) * up, layer.down_proj)
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         x = _rms_norm(x, self.norm, self.config.rms_norm_eps)
-        return F.linear(x, self.embed_tokens if self.lm_head is None else self.lm_head).float()
+        return kernels.linear(x, self._head()).float()
 
     def _check_tokens(self, token_ids: torch.Tensor) -> None:
         if token_ids.numel() and (
@@ -327,7 +362,7 @@ class LlamaModel(nn.Module):
             v_cache[plan.slot_block, plan.slot_off] = v.to(pool.dtype)
             if on_layer_done is not None:
                 on_layer_done(li)
-            x = x + F.linear(self._attend(plan, q, k, v, k_cache, v_cache), layer.o_proj)
+            x = x + kernels.linear(self._attend(plan, q, k, v, k_cache, v_cache), layer.o_proj)
             x = self._mlp(layer, x)
         if last_only:
             x = x[-1:]
@@ -368,7 +403,7 @@ class LlamaModel(nn.Module):
                     for p, s, e in zip(plans, bounds[:-1], bounds[1:])
                 ]
             )
-            x = x + F.linear(attn, layer.o_proj)
+            x = x + kernels.linear(attn, layer.o_proj)
             x = self._mlp(layer, x)
         logits = self._logits(x[torch.tensor(bounds[1:]) - 1])
         return list(logits.split(1))
@@ -402,7 +437,7 @@ class LlamaModel(nn.Module):
             attn = kernels.paged_decode_attention(
                 q, k_cache, v_cache, block_tables, seq_lens, self.scale
             )
-            x = x + F.linear(attn.reshape(b, c.q_size).to(x.dtype), layer.o_proj)
+            x = x + kernels.linear(attn.reshape(b, c.q_size).to(x.dtype), layer.o_proj)
             x = self._mlp(layer, x)
         return self._logits(x)
 
@@ -451,6 +486,6 @@ class LlamaModel(nn.Module):
                 window_lens,
                 self.scale,
             )
-            x = x + F.linear(attn.reshape(b, c.q_size).to(x.dtype), layer.o_proj)
+            x = x + kernels.linear(attn.reshape(b, c.q_size).to(x.dtype), layer.o_proj)
             x = self._mlp(layer, x)
         return self._logits(x)

@@ -20,6 +20,9 @@ class PrefillConfig:
     model: str = "smollm2-135m"  # a load_model name or path
     dtype: str = "float32"  # float32 | bfloat16 | float16 (weights and KV pool)
     device: str = "auto"  # auto | cpu | cuda | cuda:N (auto: CUDA when present)
+    # CPU: hold the linear weights in oneDNN's packed layout (kernels/linear.py; same values,
+    # faster small-batch matmuls); dtypes without a fast packed path stay plain
+    prepack_weights: bool = True
     host: str = "127.0.0.1"  # address the gRPC server binds and advertises
     port: int = 0  # 0 = a free port
     metrics_port: int = 0  # Prometheus exporter on this port; 0 = off

@@ -10,6 +10,8 @@ from typing import NamedTuple
 
 import psutil
 
+from kernels import tensor_nbytes
+
 log = logging.getLogger(__name__)
 
 
@@ -58,9 +60,13 @@ def release_freed_heap() -> bool:
 
 
 def tensor_bytes(*tensors) -> int:
-    """Bytes the tensors' storage holds (each storage once)."""
+    """Bytes the tensors' storage holds (each storage once; a packed weight, which has no
+    storage to ask, by its values' bytes)."""
     seen, total = set(), 0
     for t in tensors:
+        if t.is_mkldnn:
+            total += tensor_nbytes(t)
+            continue
         storage = t.untyped_storage()
         if storage.data_ptr() not in seen:
             seen.add(storage.data_ptr())

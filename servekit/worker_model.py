@@ -27,6 +27,6 @@ def load_worker_model(config, lm: LoadedModel | None = None) -> WorkerModel:
     device = resolve_device(config.device)
     dtype = torch_dtype(config.dtype)
     if lm is None:
-        lm = load_model(config.model, dtype=dtype, device=str(device))
+        lm = load_model(config.model, dtype, str(device), prepack=config.prepack_weights)
     layout = kv_cache_layout(lm.config, config, dtype)
     return WorkerModel(device, dtype, lm, layout, kv_fingerprint(lm.weights_id, layout))

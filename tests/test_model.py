@@ -55,8 +55,9 @@ def test_registry_and_config(lm):
     again = load_model("tiny-random")
     assert again.fingerprint == lm.fingerprint  # deterministic seeded weights
     assert again.weights_id == lm.weights_id and len(lm.weights_id) == 32
-    for (n1, p1), (n2, p2) in zip(lm.model.named_parameters(), again.model.named_parameters()):
-        assert n1 == n2 and torch.equal(p1, p2)
+    ours, theirs = lm.model.hf_state_dict(), again.model.hf_state_dict()  # packed or not
+    assert list(ours) == list(theirs)
+    assert all(torch.equal(ours[name], theirs[name]) for name in ours)
     assert len(lm.fingerprint) == 32 and int(lm.fingerprint, 16) >= 0
 
 

@@ -1,0 +1,94 @@
+"""Weights prepacked for oneDNN (kernels/linear.py): the same products as dense `F.linear` at every
+row count a decode step or prefill chunk uses, the same greedy tokens from the whole model, and
+nothing lost for what reads the weights back (export, memory accounting)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import kernels
+from model import KVPool, load_model
+from servekit.memory import tensor_bytes
+
+pytestmark = pytest.mark.skipif(
+    not kernels.prepack_supported(torch.float32, "cpu"), reason="torch built without oneDNN"
+)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 16, 300])
+def test_packed_linear_equals_dense(rows):
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(96, 40, generator=g)
+    x = torch.randn(rows, 40, generator=g)
+    packed = kernels.prepack(w)
+    assert packed.is_mkldnn and packed.shape == w.shape
+    # fp32 products summed in another order: within a few ulps of a 40-term dot product
+    assert (kernels.linear(x, packed) - F.linear(x, w)).abs().max().item() <= 1e-4
+    assert torch.equal(kernels.unpack(packed), w)  # the values come back exactly
+    # an input that is a view with strides of its own is read right, too
+    xt = torch.randn(40, rows, generator=g).t()
+    assert (kernels.linear(xt, packed) - F.linear(xt, w)).abs().max().item() <= 1e-4
+    assert kernels.linear(x, w).equal(F.linear(x, w))  # a plain weight goes to F.linear
+
+
+def test_only_dtypes_with_a_fast_packed_path_are_packed():
+    assert kernels.prepack_supported(torch.float32, "cpu")
+    assert not kernels.prepack_supported(torch.float16, "cpu")
+    assert not kernels.prepack_supported(torch.float32, "meta")
+    assert kernels.prepack_supported(torch.bfloat16, "cpu") == (
+        torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    )
+    lm = load_model("tiny-random", dtype=torch.float16)  # no packed path: left as loaded
+    assert not lm.model.prepack_weights()
+    assert not any(p.is_mkldnn for p in lm.model.parameters())
+
+
+def test_packed_model_gives_the_dense_models_logits_and_tokens():
+    dense = load_model("tiny-random", prepack=False)
+    packed = load_model("tiny-random")  # prepack is the default
+    assert not any(p.is_mkldnn for p in dense.model.parameters())
+    assert packed.model.layers[0].gate_up_proj.is_mkldnn
+    assert packed.model._head().is_mkldnn  # the LM head too, tied or not
+    assert not packed.model.embed_tokens.is_mkldnn  # lookups index its rows
+    assert packed.fingerprint == dense.fingerprint  # the same weights, so the same KV
+
+    # exported weights are the plain, identical values
+    a, b = dense.model.hf_state_dict(), packed.model.hf_state_dict()
+    assert list(a) == list(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+    # prefill of a prompt, then greedy decode of a batch of 3: same logits within fp32 rounding,
+    # same tokens
+    c = dense.config
+    prompts = [torch.randint(3, c.vocab_size, (n,), generator=torch.Generator().manual_seed(n))
+               for n in (37, 5, 20)]  # fmt: skip
+    runs = []
+    for lm in (dense, packed):
+        pool = KVPool(c, 64, 16)
+        tables = [pool.allocate(4) for _ in prompts]
+        first = [lm.model.prefill(p, pool, t, last_only=True)[0] for p, t in zip(prompts, tables)]
+        tokens = [torch.stack([f.argmax() for f in first])]
+        logits = [torch.stack(first)]
+        positions = torch.tensor([len(p) for p in prompts])
+        table_t = torch.tensor(tables, dtype=torch.int32)
+        for _ in range(8):
+            step = lm.model.decode(tokens[-1], pool, table_t, positions)
+            logits.append(step)
+            tokens.append(step.argmax(-1))
+            positions = positions + 1
+        runs.append((torch.stack(logits), torch.stack(tokens)))
+    assert (runs[0][0] - runs[1][0]).abs().max().item() <= 1e-4
+    assert torch.equal(runs[0][1], runs[1][1])
+
+
+@pytest.mark.parametrize("name", ["tiny-random", "smollm2-135m"])
+def test_memory_accounting_counts_packed_weights(name):
+    dense = load_model(name, prepack=False)
+    packed = load_model(name)
+    plain = tensor_bytes(*dense.model.parameters())
+    # a tied head's packed copy is one more head's bytes
+    head = dense.model.embed_tokens.numel() * 4 if dense.config.tie_word_embeddings else 0
+    assert tensor_bytes(*packed.model.parameters(), *packed.model.buffers()) == (
+        plain + head + tensor_bytes(*dense.model.buffers())
+    )
