@@ -23,8 +23,15 @@ from kernels.kivi import (
     kivi_packed_nbytes,
     kivi_to_bytes,
 )
-from kernels.linear import linear, prepack, prepack_supported, tensor_nbytes, unpack
 from kernels.layout import KV_LAYOUTS, FullKVLayout, KiviKVLayout, KVLayout, MlaKVLayout
+from kernels.linear import (
+    is_packed,
+    linear,
+    prepack,
+    prepack_supported,
+    tensor_nbytes,
+    unpack,
+)
 from kernels.native import NativeStatus, native_status
 from kernels.paged_attention_ref import paged_decode_attention_ref
 from kernels.paged_attention_torch import merge_attention
@@ -42,6 +49,7 @@ __all__ = [
     "NativeStatus",
     "available_backends",
     "gather_blocks",
+    "is_packed",
     "kivi_dequantize",
     "kivi_field_shapes",
     "kivi_from_bytes",

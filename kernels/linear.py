@@ -1,15 +1,27 @@
-"""Linear layers whose weights are prepacked for oneDNN's CPU matmul.
+"""Linear layers whose weights are packed once, at load, for the CPU's fastest matmul.
 
-Why: torch's dense `F.linear` on CPU goes to MKL's sgemm, which on this kind of AVX2 CPU runs far
-below the memory bandwidth at the few rows of a decode step. Measured on SmolLM2-135M's shapes, 2
-threads, fp32 (`bench/model_speed.py` has the whole-model figures): the LM head (49,152 x 576)
-at 16 rows takes 41 ms dense and 15 ms packed, gate/up (3,072 x 576) 1.7 ms and 1.1 ms, and at
-4 rows the layers' projections are 2.5-3x faster packed. oneDNN's kernels read a weight that was
-reordered once, at load, into the blocked layout they stream best.
+Why: a decode step multiplies its few rows (the batch) by every weight once. torch's dense
+`F.linear` goes to MKL's sgemm, which on this kind of AVX2 CPU runs far below both the memory
+and the arithmetic bounds at 1-32 rows. Two packed forms, each chosen per weight:
 
-A packed weight is an opaque tensor (`is_mkldnn`): it has a shape and dtype but no strides or
-storage, so what needs the plain values (exporting the weights, comparing them) goes through
-`unpack`, which gives them back exactly.
+- panels (fp32, N a multiple of 16; csrc/linear.c through kernels/native.py): [N/16, K, 16], one
+  cache line of 16 outputs per input, streamed once per call with the next panel prefetched.
+- oneDNN's blocked layout (`torch.ops.mkldnn`), where panels do not apply: bf16 on a CPU with
+  native bf16, or a weight whose outputs are no multiple of 16, or no C compiler.
+
+Measured on SmolLM2-135M (fp32, one thread, the other core busy; ms per forward, medians of 7;
+`bench/model_speed.py` has the benchmark):
+
+    forward                 dense (MKL)   oneDNN packed   panels
+    decode, batch 1              79.9           90.8        71.2
+    decode, batch 4             185.2          109.9        67.7
+    decode, batch 16            235.8          202.0       122.7
+    decode, batch 32            364.9          351.6       206.9
+    prefill, 512 tokens        2088          2226         2142
+
+A packed weight is not [N, K] any more (panels are [N/16, K, 16]; a oneDNN one is an opaque
+`is_mkldnn` tensor with no storage), so what needs the plain values (exporting the weights,
+comparing them) goes through `unpack`, which gives them back exactly.
 """
 
 from __future__ import annotations
@@ -17,39 +29,62 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-# The row count oneDNN tunes the packed layout for. The layout is chosen once, at load, for every
-# batch that follows; 16 rows is the decode batch that matters, and the packed kernels measured
-# as fast as a layout chosen per row count from 1 row up to 256-row prefill chunks.
-PACK_ROWS = 16
+from kernels import native
+
+# The row count oneDNN tunes its packed layout for. The layout is chosen once, at load, for
+# every batch that follows; 16 rows is the decode batch that matters, and oneDNN's kernels
+# measured as fast as with a layout chosen per row count, from 1 row to 256-row prefill chunks.
+ONEDNN_PACK_ROWS = 16
 
 
-def prepack_supported(dtype: torch.dtype, device: torch.device | str) -> bool:
-    """Whether weights of this dtype on this device have a packed oneDNN path: fp32 on any CPU,
-    bf16 only where the CPU has native bf16 (elsewhere oneDNN emulates it, slower than dense)."""
-    if torch.device(device).type != "cpu" or not torch.backends.mkldnn.is_available():
+def _onednn_packs(dtype: torch.dtype) -> bool:
+    """fp32 on any CPU, bf16 only where the CPU has native bf16 (elsewhere oneDNN emulates it,
+    slower than dense)."""
+    if not torch.backends.mkldnn.is_available():
         return False
     if dtype == torch.float32:
         return True
     return dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
+def prepack_supported(dtype: torch.dtype, device: torch.device | str) -> bool:
+    """Whether weights of this dtype on this device have a packed path (panels or oneDNN)."""
+    return torch.device(device).type == "cpu" and _onednn_packs(dtype)
+
+
 def prepack(weight: torch.Tensor) -> torch.Tensor:
-    """`weight` [out, in] reordered into oneDNN's packed layout (a new, opaque tensor)."""
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), PACK_ROWS)
+    """`weight` [N, K] in the fastest packed form this CPU has for it (a new tensor); the weight
+    itself where it has none."""
+    if native.panels_supported(weight):
+        return native.pack_panels(weight)
+    if weight.device.type == "cpu" and _onednn_packs(weight.dtype):
+        w = weight.detach().contiguous()
+        return torch.ops.mkldnn._reorder_linear_weight(w, ONEDNN_PACK_ROWS)
+    return weight
+
+
+def is_packed(weight: torch.Tensor) -> bool:
+    return weight.is_mkldnn or weight.dim() == 3
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [..., in] @ weight.T, whether the weight is packed or plain."""
+    """x [..., in] @ weight.T, whether the weight is packed (either form) or plain."""
     if weight.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
+    if weight.dim() == 3:
+        return native.linear_panels(x, weight)
     return F.linear(x, weight)
 
 
 def unpack(weight: torch.Tensor) -> torch.Tensor:
-    """A plain tensor with the weight's values (the weight itself when it is not packed)."""
-    return weight.to_dense() if weight.is_mkldnn else weight
+    """A plain [N, K] tensor with the weight's values (the weight itself when it is plain)."""
+    if weight.is_mkldnn:
+        return weight.to_dense()
+    if weight.dim() == 3:
+        return native.unpack_panels(weight)
+    return weight
 
 
 def tensor_nbytes(t: torch.Tensor) -> int:
-    """Bytes a tensor's values take, packed or not (a packed tensor has no storage to ask)."""
+    """Bytes a tensor's values take, packed or not (a oneDNN tensor has no storage to ask)."""
     return t.numel() * t.element_size()

@@ -1,5 +1,6 @@
-"""The fused CPU decode-attention kernels (kernels/csrc/decode_attention.c): built on first use
-with the system C compiler, cached by source and compiler flags, called through ctypes.
+"""The fused CPU decode-attention kernels (kernels/csrc/decode_attention.c) and the small-batch
+linear over packed weight panels (kernels/csrc/linear.c): built on first use with the system C
+compiler, cached by source and compiler flags, called through ctypes.
 
 `native_status()` says whether they are there and, if not, why; the dispatch then falls back to
 the torch twin (paged_attention_torch.py), logs the reason once, and a worker reports it as a
@@ -38,7 +39,10 @@ from kernels.paged_attention_torch import (
 
 log = logging.getLogger("halfmoon.kernels")
 
-SOURCE = Path(__file__).resolve().parent / "csrc" / "decode_attention.c"
+# One library of both: the decode attention, and the small-batch linear of packed panels.
+SOURCES = tuple(
+    Path(__file__).resolve().parent / "csrc" / f for f in ("decode_attention.c", "linear.c")
+)
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 # The C kernel's per-block arrays (csrc/decode_attention.c HM_MAX_BS)
 MAX_BLOCK_SIZE = 256
@@ -65,9 +69,8 @@ def _compiler() -> str | None:
 def _build(cc: str) -> Path:
     """The library for this source, compiler and flags, compiled now unless cached."""
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256(
-        SOURCE.read_bytes() + version.encode() + " ".join(CFLAGS).encode()
-    ).hexdigest()[:16]
+    sources = b"".join(src.read_bytes() for src in SOURCES)
+    key = hashlib.sha256(sources + version.encode() + " ".join(CFLAGS).encode()).hexdigest()[:16]
     out = _build_dir() / f"decode_attention-{key}.so"
     if out.exists():
         return out
@@ -76,7 +79,7 @@ def _build(cc: str) -> Path:
     os.close(fd)
     try:
         done = subprocess.run(
-            [cc, *CFLAGS, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True
+            [cc, *CFLAGS, "-o", tmp, *map(str, SOURCES), "-lm"], capture_output=True, text=True
         )
         if done.returncode:
             raise RuntimeError(f"{cc} failed: {done.stderr.strip()[-500:]}")
@@ -115,6 +118,11 @@ def _library() -> tuple[ctypes.CDLL | None, str]:
         _ptr, _ptr, _ptr, _i64, _i32, _i32, _i32, _i32, _ptr, _i64, _ptr,
         _i32, _i32, _i32, _i32, _i32, _f32, _i32, _ptr, _ptr,
     ]  # fmt: skip
+    lib.hm_linear.restype = ctypes.c_int
+    lib.hm_linear.argtypes = [_ptr, _i64, _i32, _ptr, _i32, _i32, _ptr, _i64, _i32]
+    lib.hm_linear_pack.restype = None
+    lib.hm_linear_pack.argtypes = [_ptr, _i32, _i32, _ptr, _i32]
+    lib.hm_linear_available.restype = ctypes.c_int
     return lib, str(path)
 
 
@@ -370,3 +378,58 @@ def paged_mla_decode_attention_native(
     out, lse = paged_attention_full(q, rows, rows, block_tables, seq_lens, scale)
     out = out[..., : q_latent.shape[-1]]
     return (out, lse) if return_lse else out
+
+
+# ---- the linear over packed panels (csrc/linear.c) ----
+
+PANEL = 16  # outputs per panel: a weight packs when its output count is a multiple of it
+
+
+def panels_supported(weight: torch.Tensor) -> bool:
+    """Whether `weight` [N, K] can be packed into panels here: fp32 on the CPU, N a multiple of
+    PANEL, and the library built with its AVX2 + FMA path."""
+    if weight.dim() != 2 or weight.dtype != torch.float32 or weight.device.type != "cpu":
+        return False
+    if weight.shape[0] % PANEL or weight.shape[0] == 0 or weight.shape[1] == 0:
+        return False
+    lib, _ = _library()
+    return lib is not None and bool(lib.hm_linear_available())
+
+
+def pack_panels(weight: torch.Tensor) -> torch.Tensor:
+    """`weight` [N, K] as panels [N/16, K, 16] (panel p, row k: outputs 16p..16p+15 at input k);
+    call only where panels_supported(weight)."""
+    lib, _ = _library()
+    w = weight.detach().contiguous()
+    n, k = w.shape
+    panels = torch.empty(n // PANEL, k, PANEL, dtype=torch.float32)
+    lib.hm_linear_pack(w.data_ptr(), n, k, panels.data_ptr(), torch.get_num_threads())
+    return panels
+
+
+def unpack_panels(panels: torch.Tensor) -> torch.Tensor:
+    """The [N, K] weight that pack_panels packed (exactly)."""
+    p, k, nr = panels.shape
+    return panels.permute(0, 2, 1).reshape(p * nr, k)
+
+
+def linear_panels(x: torch.Tensor, panels: torch.Tensor) -> torch.Tensor:
+    """x [..., K] times the packed weight's transpose: [..., N] fp32."""
+    lib, _ = _library()
+    p, k, nr = panels.shape
+    if x.shape[-1] != k:
+        raise ValueError(f"linear: x has {x.shape[-1]} features, the weight takes {k}")
+    if panels.data_ptr() % 32 or not panels.is_contiguous():
+        raise ValueError("linear: packed panels must be contiguous and 32-byte aligned")
+    rows = x.reshape(-1, k)
+    if rows.dtype != torch.float32 or rows.stride(-1) != 1:
+        rows = rows.float().contiguous()
+    out = torch.empty(rows.shape[0], p * nr, dtype=torch.float32)
+    if rows.shape[0]:
+        failed = lib.hm_linear(
+            rows.data_ptr(), rows.stride(0), rows.shape[0], panels.data_ptr(), p * nr, k,
+            out.data_ptr(), out.stride(0), torch.get_num_threads(),
+        )  # fmt: skip
+        if failed:
+            raise RuntimeError("linear: the kernel was built without AVX2 + FMA")
+    return out.reshape(*x.shape[:-1], p * nr)

@@ -129,9 +129,9 @@ class LlamaModel(nn.Module):
             for layer in self.layers:
                 for name in _PACKED_PROJECTIONS:
                     weight = getattr(layer, name)
-                    if not weight.is_mkldnn:
+                    if not kernels.is_packed(weight):
                         setattr(layer, name, nn.Parameter(kernels.prepack(weight), False))
-            if self.lm_head is not None and not self.lm_head.is_mkldnn:
+            if self.lm_head is not None and not kernels.is_packed(self.lm_head):
                 self.lm_head = nn.Parameter(kernels.prepack(self.lm_head), False)
             elif self.lm_head is None and self.packed_head is None:
                 self.packed_head = kernels.prepack(self.embed_tokens)

@@ -9,6 +9,8 @@ import torch
 import torch.nn.functional as F
 
 import kernels
+from kernels import native
+from kernels.linear import ONEDNN_PACK_ROWS
 from model import KVPool, load_model
 from servekit.memory import tensor_bytes
 
@@ -17,20 +19,47 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-@pytest.mark.parametrize("rows", [1, 3, 16, 300])
-def test_packed_linear_equals_dense(rows):
+def _onednn(w: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._reorder_linear_weight(w, ONEDNN_PACK_ROWS)
+
+
+PANELS = pytest.param(
+    native.pack_panels,
+    id="panels",
+    marks=pytest.mark.skipif(
+        not native.panels_supported(torch.ones(16, 1)), reason="no C compiler or no AVX2 + FMA"
+    ),
+)
+
+
+# rows: one, a micro-kernel's six, six and one more, six and five more, a decode batch, a chunk
+@pytest.mark.parametrize("rows", [1, 6, 7, 11, 16, 300])
+@pytest.mark.parametrize("pack", [PANELS, pytest.param(_onednn, id="onednn")])
+def test_packed_linear_equals_dense(rows, pack):
     g = torch.Generator().manual_seed(rows)
     w = torch.randn(96, 40, generator=g)
     x = torch.randn(rows, 40, generator=g)
-    packed = kernels.prepack(w)
-    assert packed.is_mkldnn and packed.shape == w.shape
+    packed = pack(w)
+    assert kernels.is_packed(packed) and not kernels.is_packed(w)
     # fp32 products summed in another order: within a few ulps of a 40-term dot product
     assert (kernels.linear(x, packed) - F.linear(x, w)).abs().max().item() <= 1e-4
     assert torch.equal(kernels.unpack(packed), w)  # the values come back exactly
-    # an input that is a view with strides of its own is read right, too
+    # an input that is a view with strides of its own, or has leading dimensions, is read right
     xt = torch.randn(40, rows, generator=g).t()
     assert (kernels.linear(xt, packed) - F.linear(xt, w)).abs().max().item() <= 1e-4
+    x3 = x.reshape(1, rows, 40)
+    assert (kernels.linear(x3, packed) - F.linear(x3, w)).abs().max().item() <= 1e-4
     assert kernels.linear(x, w).equal(F.linear(x, w))  # a plain weight goes to F.linear
+
+
+def test_prepack_picks_the_form_each_weight_fits():
+    panels_here = native.panels_supported(torch.ones(16, 1))
+    assert kernels.prepack(torch.randn(32, 8)).dim() == (3 if panels_here else 2)
+    assert kernels.prepack(torch.randn(30, 8)).is_mkldnn  # outputs no multiple of 16: oneDNN
+    half = torch.randn(32, 8, dtype=torch.float16)
+    assert kernels.prepack(half) is half  # no fast packed path: left as it is
+    with pytest.raises(ValueError, match="features"):
+        native.linear_panels(torch.randn(2, 9), native.pack_panels(torch.randn(32, 8)))
 
 
 def test_only_dtypes_with_a_fast_packed_path_are_packed():
@@ -42,16 +71,16 @@ def test_only_dtypes_with_a_fast_packed_path_are_packed():
     )
     lm = load_model("tiny-random", dtype=torch.float16)  # no packed path: left as loaded
     assert not lm.model.prepack_weights()
-    assert not any(p.is_mkldnn for p in lm.model.parameters())
+    assert not any(kernels.is_packed(p) for p in lm.model.parameters())
 
 
 def test_packed_model_gives_the_dense_models_logits_and_tokens():
     dense = load_model("tiny-random", prepack=False)
     packed = load_model("tiny-random")  # prepack is the default
-    assert not any(p.is_mkldnn for p in dense.model.parameters())
-    assert packed.model.layers[0].gate_up_proj.is_mkldnn
-    assert packed.model._head().is_mkldnn  # the LM head too, tied or not
-    assert not packed.model.embed_tokens.is_mkldnn  # lookups index its rows
+    assert not any(kernels.is_packed(p) for p in dense.model.parameters())
+    assert kernels.is_packed(packed.model.layers[0].gate_up_proj)
+    assert kernels.is_packed(packed.model._head())  # the LM head too, tied or not
+    assert not kernels.is_packed(packed.model.embed_tokens)  # lookups index its rows
     assert packed.fingerprint == dense.fingerprint  # the same weights, so the same KV
 
     # exported weights are the plain, identical values
