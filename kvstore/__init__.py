@@ -16,7 +16,7 @@ from kvstore.cachegen import (
     cachegen_decode,
     cachegen_encode,
 )
-from kvstore.cachegen_stream import chunk_key, chunk_keys, choose_level
+from kvstore.cachegen_stream import RAW_LEVEL, chunk_key, chunk_keys, choose_level
 from kvstore.client import BlockWriter, PutResult, StoreClient, StoreUnavailable
 from kvstore.codecs import CODECS, Codec, block_tokens, get_codec
 from kvstore.config import StoreConfig
@@ -77,6 +77,7 @@ __all__ = [
     "chunk_key",
     "chunk_keys",
     "choose_level",
+    "RAW_LEVEL",
     "Index",
     "IndexPublisher",
     "EmbeddedRedis",

@@ -16,6 +16,7 @@ import logging
 import socket
 import threading
 import time
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, NamedTuple, Sequence
 
@@ -30,12 +31,16 @@ from kvstore.block_format import (
     parse_header,
 )
 from kvstore.cachegen_stream import (
+    RAW_LEVEL,
+    OptionCost,
     Throughput,
     choose_level,
+    chunk_costs,
     chunk_key,
     chunk_keys,
     decode_chunk_record,
     encode_chunk,
+    pipeline_done,
     tokens_to_blocks,
 )
 from kvstore.client import BlockWriter, StoreClient, StoreUnavailable
@@ -52,6 +57,14 @@ TIERS = ("device", "dram", "ssd", "remote")
 # What a CacheGen chunk is assumed to decode at (pool bytes a second) until it is measured: about
 # what kvstore/cachegen.py does on one core of this project's CPUs.
 DECODE_PRIOR_BYTES_PER_S = 60e6
+# What a raw chunk's blocks are assumed to copy into the pool at (pool bytes a second) until it is
+# measured: a memory copy, far faster than any link or the entropy decoder.
+COPY_PRIOR_BYTES_PER_S = 2e9
+# CacheGen streaming: at most this many chunks queued on the link while this thread lands one (a
+# coded chunk decodes slower than the link carries a raw one: more than one keeps the link busy)
+PREFETCH_CHUNKS = 3
+# What `fetch_chunks` logs when it stops at a chunk (worker, chunk, node, why); the rest is a miss
+STOPPED = "%s: kv fetch_chunks stopped at chunk %d from %s: %s (recomputed from there)"
 
 
 class PrefixLoad(NamedTuple):
@@ -73,15 +86,28 @@ class ChunkPlan(NamedTuple):
     deadline: float  # time.perf_counter() by which the fetch must be done
     recompute_s_per_chunk: float  # predicted time to recompute one chunk instead
     prior_bytes_per_s: float  # assumed throughput before a transfer to the node is measured
+    raw: bool = True  # the chunk's stored blocks are an option too (RAW_LEVEL, the top one)
 
 
 class ChunkFetch(NamedTuple):
     """What `fetch_chunks` did."""
 
-    levels: list[int]  # the level of each chunk fetched, in order
+    levels: list[int]  # the option of each chunk fetched, in order: a level, or RAW_LEVEL
     blocks: int  # pool blocks it added
-    bytes: int  # bytes that crossed the link
+    bytes: int  # bytes that crossed the link (records and raw blocks)
     ms: float  # time it took (lookups, transfers, decoding)
+    decode_ms: float = 0.0  # of which this thread decoded or copied chunks into the pool
+    wait_ms: float = 0.0  # of which this thread waited for a transfer to arrive
+
+
+class _OnLink(NamedTuple):
+    """A chunk whose transfer is queued on (or crossing) the link, in `fetch_chunks`."""
+
+    chunk: int  # its index in the prefix
+    option: int  # the level it goes at, or RAW_LEVEL
+    cost: OptionCost  # what the rule predicted it takes
+    keys: list[bytes]  # raw: the blocks fetched (those not loaded already); coded: its record's key
+    future: Future  # coded: the record or None; raw: (staging blocks, how many arrived intact)
 
 
 def _failure_kind(exc: BaseException) -> str:
@@ -189,7 +215,7 @@ class KVConnector:
         )
         self.worker, self.timeout_s = worker or device_node or store_node, timeout_s
         self.device = DeviceTier() if device_node else None
-        self._clients: dict[str, StoreClient] = {}
+        self._clients: dict[tuple[str, str], StoreClient] = {}  # (address, transport) -> client
         self._clients_lock = threading.Lock()
         self._links: dict[str, Throughput] = {}  # node id -> measured throughput (CacheGen)
         # node id -> what raw fetches from it measured (the Load report, for the policy)
@@ -279,28 +305,31 @@ class KVConnector:
 
     # ---- clients ----
 
-    def client(self, address: str) -> StoreClient:
-        """The client of the store node at `address` (one per address, made on first use)."""
+    def client(self, address: str, transport: str = "auto") -> StoreClient:
+        """The client of the store node at `address` over `transport` (StoreClient's: "auto" =
+        shm on this host; one per address and transport, made on first use)."""
         with self._clients_lock:
-            c = self._clients.get(address)
+            c = self._clients.get((address, transport))
             if c is None:
                 # Outside inference mode: the client maps its shm slab as a tensor later writes
                 # update, which inference tensors would forbid.
                 with torch.inference_mode(False):
-                    c = self._clients[address] = StoreClient(
-                        address, timeout_s=self.timeout_s, security=self.security
+                    c = self._clients[(address, transport)] = StoreClient(
+                        address, transport, timeout_s=self.timeout_s, security=self.security
                     )
             return c
 
-    def _node_client(self, node: str) -> StoreClient | None:
+    def _node_client(self, node: str, transport: str = "auto") -> StoreClient | None:
         """The client of the store node an index id names; None (counted) when unknown."""
         if node == self.store_node:
-            return self._local
+            return (
+                self._local if transport == "auto" else self.client(self.store_address, transport)
+            )
         try:
             info = self._index.nodes().get(node) if self._index is not None else None
             if info is None or not info.address:
                 raise KeyError(f"store node {node!r} is not in the index")
-            return self.client(info.address)
+            return self.client(info.address, transport)
         except Exception as exc:  # noqa: BLE001 - the prefix is recomputed instead
             self._error("resolve_node", exc)
             return None
@@ -398,6 +427,17 @@ class KVConnector:
 
     def _get_into(self, client: StoreClient, keys: list[bytes], ids: list[int], op: str) -> int:
         """Copy the leading held blocks of `keys` into pool blocks `ids`; how many."""
+        staging, got = self._get_staged(client, keys, op)
+        self._miss(op, len(keys) - got)
+        self._write_staged(staging[:got], ids[:got])
+        return got
+
+    def _get_staged(
+        self, client: StoreClient, keys: list[bytes], op: str
+    ) -> tuple[torch.Tensor, int]:
+        """The leading held blocks of `keys` in host memory, as stored (checked by the client: a
+        block that fails its checks ends the run): (staging [len(keys), *store block], how many
+        of its leading blocks hold them). A failed transfer is counted and logged (0 blocks)."""
         staging = torch.empty(
             (len(keys), *self.store_layout.block_shape),
             dtype=self.store_layout.dtype,
@@ -408,14 +448,18 @@ class KVConnector:
         except Exception as exc:  # noqa: BLE001 - a failed transfer is a miss
             self._error(op, exc)
             got = 0
-        self._miss(op, len(keys) - got)
-        if got:
-            idx = torch.tensor(ids[:got], dtype=torch.long, device=self.kv.device)
-            blocks = staging[:got].to(self.kv.device, non_blocking=True)
-            if self.packs:
-                blocks = self.store_layout.unpack(blocks, self.kv.dtype)
-            self.kv[idx] = blocks
-        return got
+        return staging, got
+
+    def _write_staged(self, staged: torch.Tensor, ids: list[int]) -> None:
+        """Stored blocks from `_get_staged` (unpacked when the store layout packs) into pool
+        blocks `ids`."""
+        if not ids:
+            return
+        idx = torch.tensor(ids, dtype=torch.long, device=self.kv.device)
+        blocks = staged.to(self.kv.device, non_blocking=True)
+        if self.packs:
+            blocks = self.store_layout.unpack(blocks, self.kv.dtype)
+        self.kv[idx] = blocks
 
     def pull(self, address: str, keys: Sequence[bytes], ids: Sequence[int]) -> int:
         """Decode side: the leading blocks of `keys` held at the store node at `address` into
@@ -604,18 +648,153 @@ class KVConnector:
         plan: "ChunkPlan",
     ) -> ChunkFetch:
         """Adaptive streaming from node `fetch_from`: extend `table` (the prefix loaded so far)
-        towards `want` blocks chunk by chunk, each at the level CacheGen's rule picks from the
-        measured link throughput, the measured decode time of each level and the remaining
-        budget. Chunk c+1 crosses the link while chunk c decodes, so a chunk costs the larger of
-        the two. Stops at the first chunk that is not held, fails its checks, or is better
-        recomputed."""
+        towards `want` blocks chunk by chunk, each at the option CacheGen's rule picks
+        (kvstore/cachegen_stream.py): a CacheGen level, or the chunk's blocks as stored
+        (RAW_LEVEL, lossless, when plan.raw), from the measured link throughput, the measured
+        decode (or copy) time of each option and the remaining budget. The link carries chunks
+        one after another up to PREFETCH_CHUNKS ahead of the one this thread decodes or copies;
+        chunks enter the pool in order. Stops at the first chunk that is not held, fails its
+        checks, or is better recomputed."""
         c_blocks = plan.chunk_blocks
-        first, last = len(table) // c_blocks, want // c_blocks  # chunks [first, last)
-        levels, moved, added, t0 = [], 0, 0, time.perf_counter()
-        client = self._node_client(fetch_from) if last > first else None
+        start = len(table)  # blocks loaded already (the first chunk may hold some)
+        first, last = start // c_blocks, want // c_blocks  # chunks [first, last)
+        levels, t0 = [], time.perf_counter()
+        moved = coded_bytes = coded_blocks = 0
+        decode_s = wait_s = 0.0
+        # Over gRPC even on this host: every chunk crosses the link the rule measures (a record
+        # always does, StoreClient.get_record), so raw blocks must too, not the shm slab.
+        client = self._node_client(fetch_from, "grpc") if last > first else None
         if client is None:
             return ChunkFetch(levels, 0, 0, 0.0)
-        # what the node holds at each level: the sizes CacheGen's rule weighs
+        sizes = self._option_sizes(client, keys, start, first, last, plan)
+        link = self._links.setdefault(fetch_from, Throughput(plan.prior_bytes_per_s))
+        chunk_bytes = c_blocks * self.layout.block_bytes
+        on_link: deque[_OnLink] = deque()  # chunks queued on the link, in chunk order
+
+        def options(c: int) -> dict[int, OptionCost]:
+            """Chunk c's options (those the node holds) and what each takes on each stage."""
+            bw = max(link.bytes_per_s, 1.0)
+            return {
+                option: OptionCost(sz[c - first] / bw, self._decode_s(option, chunk_bytes))
+                for option, sz in sizes.items()
+                if c - first < len(sz)
+            }
+
+        def queue(c: int, busy_s: float) -> bool:
+            """Choose chunk c's option and queue its transfer (this thread busy for `busy_s` more
+            seconds first); False: recompute from here."""
+            link_free, decode_free = self._queues_free(on_link, busy_s)
+            here = options(c)
+            after = options(c + 1) if c + 1 < last else {}
+            costs = chunk_costs(here, after, link_free, decode_free)
+            remaining = plan.deadline - time.perf_counter() - decode_free
+            choice = choose_level(
+                costs.alone, remaining, last - c, plan.recompute_s_per_chunk, costs.paired
+            )
+            log.debug(
+                "%s: chunk %d -> %d (%.1f ms, budget %.1f ms; link %.3g MB/s, %d queued)",
+                self.worker,
+                c,
+                choice.level,
+                choice.predicted_s * 1e3,
+                choice.budget_s * 1e3,
+                link.bytes_per_s / 1e6,
+                len(on_link),
+            )
+            if choice.level == 0:
+                return False
+            if choice.level == RAW_LEVEL:
+                ks = list(keys[max(start, c * c_blocks) : (c + 1) * c_blocks])
+                nbytes = sizes[RAW_LEVEL][c - first]
+                fut = self._fetcher.submit(self._timed_raw, client, ks, nbytes, link)
+            else:
+                ks = [chunk_key(keys[(c + 1) * c_blocks - 1], choice.level)]
+                fut = self._fetcher.submit(self._timed_get, client, ks[0], link)
+            on_link.append(_OnLink(c, choice.level, here[choice.level], ks, fut))
+            return True
+
+        next_c = first  # the next chunk to choose an option for
+
+        def fill(busy_s: float) -> None:
+            """Queue chunks until the link has work for the `busy_s` seconds this thread is busy
+            landing a chunk (so it never idles while this thread cannot choose), and at least
+            one; at most PREFETCH_CHUNKS. Choosing later, once the chunks before have arrived,
+            chooses with their throughput measured."""
+            nonlocal next_c
+            while next_c < last and len(on_link) < PREFETCH_CHUNKS:
+                if on_link and self._queues_free(on_link, busy_s)[0] >= busy_s:
+                    return
+                next_c = next_c + 1 if queue(next_c, busy_s) else last  # last: queue no more
+
+        try:
+            fill(0.0)
+            while on_link:
+                q = on_link.popleft()
+                t = time.perf_counter()
+                got = q.future.result()
+                t1 = time.perf_counter()
+                wait_s += t1 - t
+                if q.option == RAW_LEVEL:
+                    staging, n = got
+                    if n < len(q.keys):
+                        why = f"{n} of its {len(q.keys)} blocks arrived intact"
+                        log.warning(STOPPED, self.worker, q.chunk, fetch_from, why)
+                        break
+                    fill(q.cost.decode_s)  # the link carries what follows while this one lands
+                    ids = allocate(n)
+                    self._write_staged(staging, ids)
+                    moved += sizes[RAW_LEVEL][q.chunk - first]
+                    landed_bytes = n * self.layout.block_bytes
+                else:
+                    if got is None:
+                        why = f"its level {q.option} record is not held or failed its checks"
+                        log.warning(STOPPED, self.worker, q.chunk, fetch_from, why)
+                        break
+                    fill(q.cost.decode_s)  # the link carries what follows while this decodes
+                    try:
+                        blocks = self._decode_chunk(got, c_blocks)
+                    except Exception as exc:  # noqa: BLE001 - corrupt or foreign: a miss, never wrong KV
+                        self._error("fetch_chunks", exc)
+                        break
+                    skip = len(table) - q.chunk * c_blocks  # blocks of this chunk loaded already
+                    ids = allocate(c_blocks - skip)
+                    idx = torch.tensor(ids, dtype=torch.long, device=self.kv.device)
+                    self.kv[idx] = blocks[skip:].to(self.kv.device, self.kv.dtype)
+                    moved += len(got)
+                    coded_bytes += len(got)
+                    coded_blocks += len(ids)
+                    landed_bytes = chunk_bytes  # the whole chunk decoded
+                took = time.perf_counter() - t1
+                self._decoded(q.option, took, landed_bytes)
+                decode_s += took
+                table.extend(ids)
+                levels.append(q.option)
+        finally:
+            for q in on_link:  # transfers queued for chunks that will not be used
+                if not q.future.cancel():
+                    q.future.result()  # the _timed_* count their failures and never raise
+        added = len(table) - start
+        self._miss("fetch_chunks", want - len(table))
+        if added:
+            self.m_blocks.labels(self.worker, "remote").inc(added)
+            self.m_cachegen_bytes.inc(coded_bytes)
+            self.m_cachegen_blocks.inc(coded_blocks)
+        ms = (time.perf_counter() - t0) * 1000.0
+        return ChunkFetch(levels, added, moved, ms, decode_s * 1000.0, wait_s * 1000.0)
+
+    def _option_sizes(
+        self,
+        client: StoreClient,
+        keys: Sequence[bytes],
+        start: int,
+        first: int,
+        last: int,
+        plan: ChunkPlan,
+    ) -> dict[int, list[int]]:
+        """Option -> the bytes of chunks first, first+1, ... (the leading run the node holds, up
+        to `last`) at it: plan.levels (their records), and RAW_LEVEL when plan.raw (the chunk's
+        blocks from block `start` on: those loaded already are not fetched again)."""
+        c_blocks = plan.chunk_blocks
         sizes: dict[int, list[int]] = {}
         for level in plan.levels:
             try:
@@ -623,56 +802,45 @@ class KVConnector:
             except Exception as exc:  # noqa: BLE001 - that level is unavailable
                 self._error("fetch_chunks", exc)
                 continue
-            sizes[level] = list(found.sizes)
-        link = self._links.setdefault(fetch_from, Throughput(plan.prior_bytes_per_s))
-        chunk_bytes = c_blocks * self.layout.block_bytes
-
-        def start(c: int) -> tuple[int, Future] | None:
-            """Choose chunk c's level and start its transfer; None: recompute from here."""
-            costs = {
-                lv: max(sz[c] / max(link.bytes_per_s, 1.0), self._decode_s(lv, chunk_bytes))
-                for lv, sz in sizes.items()
-                if c < len(sz)
-            }
-            remaining = plan.deadline - time.perf_counter()
-            choice = choose_level(costs, remaining, last - c, plan.recompute_s_per_chunk)
-            if choice.level == 0:
-                return None
-            key = chunk_key(keys[(c + 1) * c_blocks - 1], choice.level)
-            return choice.level, self._fetcher.submit(self._timed_get, client, key, link)
-
-        pending = start(first)
-        for c in range(first, last):
-            if pending is None:
-                break
-            level, fut = pending
-            record = fut.result()
-            pending = start(c + 1) if record is not None and c + 1 < last else None
-            if record is None:
-                break
-            moved += len(record)
+            sizes[level] = list(found.sizes[first:])
+        if plan.raw:
             try:
-                t = time.perf_counter()
-                blocks = self._decode_chunk(record, c_blocks)
-                self._decoded(level, time.perf_counter() - t, chunk_bytes)
-            except Exception as exc:  # noqa: BLE001 - corrupt or foreign: a miss, never wrong KV
+                found = client.lookup(list(keys[start : last * c_blocks]))
+            except Exception as exc:  # noqa: BLE001 - the raw blocks are unavailable
                 self._error("fetch_chunks", exc)
-                break
-            skip = len(table) - c * c_blocks  # blocks of this chunk loaded already
-            ids = allocate(c_blocks - skip)
-            idx = torch.tensor(ids, dtype=torch.long, device=self.kv.device)
-            self.kv[idx] = blocks[skip:].to(self.kv.device, self.kv.dtype)
-            table.extend(ids)
-            added += len(ids)
-            levels.append(level)
-        if pending is not None:  # a transfer started for a chunk that will not be used
-            pending[1].result()
-        self._miss("fetch_chunks", want - len(table) if last > first else 0)
-        if added:
-            self.m_blocks.labels(self.worker, "remote").inc(added)
-            self.m_cachegen_bytes.inc(moved)
-            self.m_cachegen_blocks.inc(added)
-        return ChunkFetch(levels, added, moved, (time.perf_counter() - t0) * 1000.0)
+                return sizes
+            raw = sizes[RAW_LEVEL] = []
+            for c in range(first, last):
+                lo, hi = max(start, c * c_blocks) - start, (c + 1) * c_blocks - start
+                if hi > found.num_blocks:
+                    break
+                raw.append(sum(found.sizes[lo:hi]))
+        return sizes
+
+    @staticmethod
+    def _queues_free(on_link: deque, busy_s: float) -> tuple[float, float]:
+        """When the link and this thread (busy `busy_s` more seconds first) are predicted free,
+        seconds from now, of the chunks queued on the link: each arrives after those before it
+        (one that arrived: now; the one crossing is counted whole, a little late) and lands after
+        the one before it."""
+        link_free, decode_free = 0.0, busy_s
+        for q in on_link:
+            if q.future.done():
+                decode_free += q.cost.decode_s
+            else:
+                link_free, decode_free = pipeline_done(link_free, decode_free, q.cost)
+        return link_free, decode_free
+
+    def _timed_raw(
+        self, client: StoreClient, keys: list[bytes], nbytes: int, link: Throughput
+    ) -> tuple[torch.Tensor, int]:
+        """A raw chunk's blocks (`nbytes` on the wire) over the link into host memory, checked,
+        the throughput measured when all arrived: (staging, how many leading blocks arrived)."""
+        t = time.perf_counter()
+        staging, got = self._get_staged(client, keys, "fetch_chunks")
+        if got == len(keys):
+            link.add(nbytes, time.perf_counter() - t)
+        return staging, got
 
     def _timed_get(self, client: StoreClient, key: bytes, link: Throughput) -> bytes | None:
         """One chunk record over the link, its throughput measured; None (counted) on failure."""
@@ -695,17 +863,19 @@ class KVConnector:
             raise BlockCorrupt(f"chunk decodes to {list(blocks.shape)}")
         return blocks
 
-    def _decode_s(self, level: int, chunk_bytes: int) -> float:
-        """Predicted seconds to decode one chunk at `level`: measured here, else a prior."""
-        rate = self._decode_rates.get(level, DECODE_PRIOR_BYTES_PER_S)
-        return chunk_bytes / rate
+    def _decode_s(self, option: int, chunk_bytes: int) -> float:
+        """Predicted seconds to decode one chunk at a level, or to copy its raw blocks into the
+        pool (RAW_LEVEL): measured here, else a prior."""
+        prior = COPY_PRIOR_BYTES_PER_S if option == RAW_LEVEL else DECODE_PRIOR_BYTES_PER_S
+        return chunk_bytes / self._decode_rates.get(option, prior)
 
-    def _decoded(self, level: int, seconds: float, chunk_bytes: int) -> None:
-        """Record one chunk's decode time (pool bytes per second, smoothed, per level)."""
+    def _decoded(self, option: int, seconds: float, pool_bytes: int) -> None:
+        """Record the time one chunk took to land (decode or copy): pool bytes per second,
+        smoothed, per option."""
         if seconds > 0:
-            rate = chunk_bytes / seconds
-            old = self._decode_rates.get(level)
-            self._decode_rates[level] = rate if old is None else 0.7 * rate + 0.3 * old
+            rate = pool_bytes / seconds
+            old = self._decode_rates.get(option)
+            self._decode_rates[option] = rate if old is None else 0.7 * rate + 0.3 * old
 
     # ---- the device tier ----
 
