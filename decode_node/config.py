@@ -19,9 +19,10 @@ class DecodeConfig:
     model: str = "smollm2-135m"  # a load_model name or path
     dtype: str = "float32"  # float32 | bfloat16 | float16 (weights and KV pool)
     device: str = "auto"  # auto | cpu | cuda | cuda:N (auto: CUDA when present)
-    # CPU: hold the linear weights in oneDNN's packed layout (kernels/linear.py; same values,
-    # faster small-batch matmuls); dtypes without a fast packed path stay plain
-    prepack_weights: bool = True
+    # CPU: the linear weights' packed form (kernels/linear.py; same values, faster matmuls),
+    # panels | onednn | none (panels: decode steps faster than oneDNN's); dtypes without
+    # a packed path stay plain
+    prepack_weights: str = "panels"
     host: str = "127.0.0.1"  # address the gRPC server binds and advertises
     port: int = 0  # 0 = a free port
     metrics_port: int = 0  # Prometheus exporter on this port; 0 = off
@@ -75,6 +76,6 @@ class DecodeConfig:
             raise ValueError(
                 f"DecodeConfig: kv_timeout_s must be positive, got {self.kv_timeout_s}"
             )
-        check_dtype_device("DecodeConfig", self.dtype, self.device)
+        check_dtype_device("DecodeConfig", self.dtype, self.device, self.prepack_weights)
         parse_cpu_list("DecodeConfig.cpus", self.cpus)
         check_kv_cache("DecodeConfig", self)

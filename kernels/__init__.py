@@ -25,6 +25,7 @@ from kernels.kivi import (
 )
 from kernels.layout import KV_LAYOUTS, FullKVLayout, KiviKVLayout, KVLayout, MlaKVLayout
 from kernels.linear import (
+    PACK_FORMS,
     is_packed,
     linear,
     prepack,
@@ -37,6 +38,7 @@ from kernels.paged_attention_ref import paged_decode_attention_ref
 from kernels.paged_attention_torch import merge_attention
 
 __all__ = [
+    "PACK_FORMS",
     "BACKENDS",
     "HAS_TRITON",
     "KIVI_BITS",

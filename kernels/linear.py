@@ -52,10 +52,17 @@ def prepack_supported(dtype: torch.dtype, device: torch.device | str) -> bool:
     return torch.device(device).type == "cpu" and _onednn_packs(dtype)
 
 
-def prepack(weight: torch.Tensor) -> torch.Tensor:
-    """`weight` [N, K] in the fastest packed form this CPU has for it (a new tensor); the weight
-    itself where it has none."""
-    if native.panels_supported(weight):
+# Packed forms by name: "panels" where a weight fits them, else oneDNN's; "onednn" only oneDNN's.
+# Panels decode faster (above); oneDNN's layout prefills 6-10% faster than panels on 2 cores.
+PACK_FORMS = ("panels", "onednn")
+
+
+def prepack(weight: torch.Tensor, form: str = "panels") -> torch.Tensor:
+    """`weight` [N, K] packed (a new tensor): in panels where `form` is "panels" and the weight
+    fits them, else in oneDNN's layout; the weight itself where neither applies."""
+    if form not in PACK_FORMS:
+        raise ValueError(f"unknown packed form {form!r} (known: {', '.join(PACK_FORMS)})")
+    if form == "panels" and native.panels_supported(weight):
         return native.pack_panels(weight)
     if weight.device.type == "cpu" and _onednn_packs(weight.dtype):
         w = weight.detach().contiguous()

@@ -117,9 +117,9 @@ class LlamaModel(nn.Module):
 
     # ---- weights in oneDNN's packed layout (kernels/linear.py) ----
 
-    def prepack_weights(self) -> bool:
+    def prepack_weights(self, form: str = "panels") -> bool:
         """Swap every projection and the LM head for a packed copy, which is faster for the few
-        rows of a decode step and no slower for prefill chunks (kernels/linear.py); the values
+        rows of a decode step (kernels/linear.py; `form`: its PACK_FORMS); the values
         are unchanged and `hf_state_dict` unpacks them. A tied head gets its own packed copy
         (one more head's bytes). False, and nothing changed, where the device and dtype have no
         packed path."""
@@ -130,11 +130,11 @@ class LlamaModel(nn.Module):
                 for name in _PACKED_PROJECTIONS:
                     weight = getattr(layer, name)
                     if not kernels.is_packed(weight):
-                        setattr(layer, name, nn.Parameter(kernels.prepack(weight), False))
+                        setattr(layer, name, nn.Parameter(kernels.prepack(weight, form), False))
             if self.lm_head is not None and not kernels.is_packed(self.lm_head):
-                self.lm_head = nn.Parameter(kernels.prepack(self.lm_head), False)
+                self.lm_head = nn.Parameter(kernels.prepack(self.lm_head, form), False)
             elif self.lm_head is None and self.packed_head is None:
-                self.packed_head = kernels.prepack(self.embed_tokens)
+                self.packed_head = kernels.prepack(self.embed_tokens, form)
         return True
 
     def _head(self) -> torch.Tensor:

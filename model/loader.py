@@ -577,15 +577,16 @@ def load_model(
     name_or_path: str,
     dtype: torch.dtype | str = torch.float32,
     device: str = "cpu",
-    prepack: bool = True,
+    prepack: str = "panels",
 ) -> LoadedModel:
     """A registered model by name, a .gguf file, or a HF safetensors directory. With `prepack`
-    (on CPU, where the dtype has a packed path) a Llama-family model's linear weights are held
-    in oneDNN's packed layout (kernels/linear.py): same values, faster small-batch matmuls."""
+    ("panels" | "onednn" | "none"; on CPU, where the dtype has a packed path) a Llama-family
+    model's linear weights are held packed (kernels/linear.py): same values, faster small-batch
+    matmuls."""
     dtype = _torch_dtype(dtype)
     info, read_weights = _open(_resolve(name_or_path))
     model = _build(info.config, read_weights(), dtype, device)
-    if prepack and isinstance(model, LlamaModel):
-        model.prepack_weights()
+    if prepack != "none" and isinstance(model, LlamaModel):
+        model.prepack_weights(prepack)
     fingerprint = kv_fingerprint(info.weights_id, info.config.kv_layout(DEFAULT_BLOCK_SIZE, dtype))
     return LoadedModel(model, info.tokenizer, info.config, fingerprint, info.name, info.weights_id)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from kernels import PACK_FORMS
 from model import SamplingParams
 from protos import halfmoon_pb2 as pb
 
@@ -38,10 +39,16 @@ def check_device(name: str) -> None:
     raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {name!r}")
 
 
-def check_dtype_device(owner: str, dtype: str, device: str) -> None:
-    """A worker config's dtype and device, checked; the ValueError names `owner`."""
+def check_dtype_device(owner: str, dtype: str, device: str, prepack: str = "none") -> None:
+    """A worker config's dtype, device and packed-weight form, checked; the ValueError names
+    `owner`."""
     if dtype not in DTYPE_NAMES:
         raise ValueError(f"{owner}: dtype must be float32, bfloat16 or float16, got {dtype!r}")
+    if prepack not in ("none", *PACK_FORMS):
+        raise ValueError(
+            f"{owner}: prepack_weights must be one of none, {', '.join(PACK_FORMS)}; "
+            f"got {prepack!r}"
+        )
     try:
         check_device(device)
     except ValueError as exc:

@@ -138,6 +138,14 @@ def test_cachegen_and_link_settings_are_checked():
         cluster_config_from_dict({"store": {"link_gbps": -1}})
 
 
+def test_packed_weight_forms_are_checked():
+    cfg = load_cluster_config(None, ["decode.prepack_weights=onednn"])
+    assert cfg.decode.prepack_weights == "onednn" and cfg.prefill.prepack_weights == "onednn"
+    assert load_cluster_config(None, []).decode.prepack_weights == "panels"
+    with pytest.raises(ValueError, match=r"PrefillConfig: prepack_weights must be one of none"):
+        load_cluster_config(None, ["prefill.prepack_weights=fast"])
+
+
 def test_worker_cpus_are_checked_and_pin_the_process():
     import subprocess
     import sys

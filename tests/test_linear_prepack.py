@@ -56,6 +56,9 @@ def test_prepack_picks_the_form_each_weight_fits():
     panels_here = native.panels_supported(torch.ones(16, 1))
     assert kernels.prepack(torch.randn(32, 8)).dim() == (3 if panels_here else 2)
     assert kernels.prepack(torch.randn(30, 8)).is_mkldnn  # outputs no multiple of 16: oneDNN
+    assert kernels.prepack(torch.randn(32, 8), "onednn").is_mkldnn  # asked for by name
+    with pytest.raises(ValueError, match="unknown packed form"):
+        kernels.prepack(torch.randn(32, 8), "fast")
     half = torch.randn(32, 8, dtype=torch.float16)
     assert kernels.prepack(half) is half  # no fast packed path: left as it is
     with pytest.raises(ValueError, match="features"):
@@ -75,7 +78,7 @@ def test_only_dtypes_with_a_fast_packed_path_are_packed():
 
 
 def test_packed_model_gives_the_dense_models_logits_and_tokens():
-    dense = load_model("tiny-random", prepack=False)
+    dense = load_model("tiny-random", prepack="none")
     packed = load_model("tiny-random")  # prepack is the default
     assert not any(kernels.is_packed(p) for p in dense.model.parameters())
     assert kernels.is_packed(packed.model.layers[0].gate_up_proj)
@@ -113,7 +116,7 @@ def test_packed_model_gives_the_dense_models_logits_and_tokens():
 
 @pytest.mark.parametrize("name", ["tiny-random", "smollm2-135m"])
 def test_memory_accounting_counts_packed_weights(name):
-    dense = load_model(name, prepack=False)
+    dense = load_model(name, prepack="none")
     packed = load_model(name)
     plain = tensor_bytes(*dense.model.parameters())
     # a tied head's packed copy is one more head's bytes

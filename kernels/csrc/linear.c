@@ -24,6 +24,9 @@
 
 #define HM_NR 16 /* outputs per panel */
 #define HM_MR 6  /* rows of x per micro-kernel call */
+#ifndef HM_X_BLOCK_BYTES
+#define HM_X_BLOCK_BYTES (192 * 1024) /* rows of x worked on at once: about half an L2 */
+#endif
 
 /* panels[N/16][K][16] from w [N, K] (row-major). */
 void hm_linear_pack(const float *w, int n, int k, float *panels, int threads) {
@@ -77,21 +80,30 @@ HM_MICRO(6)
 int hm_linear(const float *x, int64_t ldx, int m, const float *panels, int n, int k, float *out,
               int64_t ldo, int threads) {
   const int np = n / HM_NR;
+  /* Rows in blocks that stay in the L2 cache while every panel passes over them (a prefill
+   * chunk's rows would otherwise come from L3 again for each panel). */
+  int mb = (int)(HM_X_BLOCK_BYTES / ((int64_t)k * 4)) / HM_MR * HM_MR;
+  mb = mb < HM_MR ? HM_MR : mb;
+  for (int m0 = 0; m0 < m; m0 += mb) {
+    const int rows = m - m0 < mb ? m - m0 : mb;
+    const float *xb = x + (int64_t)m0 * ldx;
+    float *ob = out + (int64_t)m0 * ldo;
 #pragma omp parallel for num_threads(threads) schedule(static)
-  for (int p = 0; p < np; p++) {
-    const float *panel = panels + (int64_t)p * k * HM_NR;
-    const float *next = p + 1 < np ? panel + (int64_t)k * HM_NR : NULL;
-    float *o = out + (int64_t)p * HM_NR;
-    int r = 0;
-    for (; r + HM_MR <= m; r += HM_MR, next = NULL) /* the first pass prefetches */
-      hm_micro6(x + r * ldx, ldx, panel, k, o + r * ldo, ldo, next);
-    switch (m - r) {
-      case 1: hm_micro1(x + r * ldx, ldx, panel, k, o + r * ldo, ldo, next); break;
-      case 2: hm_micro2(x + r * ldx, ldx, panel, k, o + r * ldo, ldo, next); break;
-      case 3: hm_micro3(x + r * ldx, ldx, panel, k, o + r * ldo, ldo, next); break;
-      case 4: hm_micro4(x + r * ldx, ldx, panel, k, o + r * ldo, ldo, next); break;
-      case 5: hm_micro5(x + r * ldx, ldx, panel, k, o + r * ldo, ldo, next); break;
-      default: break;
+    for (int p = 0; p < np; p++) {
+      const float *panel = panels + (int64_t)p * k * HM_NR;
+      const float *next = p + 1 < np ? panel + (int64_t)k * HM_NR : NULL;
+      float *o = ob + (int64_t)p * HM_NR;
+      int r = 0;
+      for (; r + HM_MR <= rows; r += HM_MR, next = NULL) /* the first pass prefetches */
+        hm_micro6(xb + r * ldx, ldx, panel, k, o + r * ldo, ldo, next);
+      switch (rows - r) {
+        case 1: hm_micro1(xb + r * ldx, ldx, panel, k, o + r * ldo, ldo, next); break;
+        case 2: hm_micro2(xb + r * ldx, ldx, panel, k, o + r * ldo, ldo, next); break;
+        case 3: hm_micro3(xb + r * ldx, ldx, panel, k, o + r * ldo, ldo, next); break;
+        case 4: hm_micro4(xb + r * ldx, ldx, panel, k, o + r * ldo, ldo, next); break;
+        case 5: hm_micro5(xb + r * ldx, ldx, panel, k, o + r * ldo, ldo, next); break;
+        default: break;
+      }
     }
   }
   return 0;
