@@ -28,9 +28,12 @@ from kernels.linear import (
     PACK_FORMS,
     is_packed,
     linear,
+    linear_add_,
     prepack,
     prepack_supported,
     tensor_nbytes,
+    rms_norm,
+    silu_mul,
     unpack,
 )
 from kernels.native import NativeStatus, native_status
@@ -61,6 +64,7 @@ __all__ = [
     "kivi_quantize",
     "kivi_to_bytes",
     "linear",
+    "linear_add_",
     "merge_attention",
     "native_status",
     "paged_decode_attention",
@@ -70,7 +74,9 @@ __all__ = [
     "paged_mla_decode_attention",
     "prepack",
     "prepack_supported",
+    "rms_norm",
     "scatter_blocks",
+    "silu_mul",
     "tensor_nbytes",
     "unpack",
 ]

@@ -83,6 +83,37 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return F.linear(x, weight)
 
 
+def linear_add_(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """out += x @ weight.T, in place (a residual connection), and out returned: in the matmul's
+    own pass where the weight is in panels."""
+    if weight.dim() == 3 and out.dtype == torch.float32 and out.dim() == 2 and out.stride(1) == 1:
+        return native.linear_panels(x, weight, add_to=out)
+    return out.add_(linear(x, weight))
+
+
+def _native_rows(*tensors: torch.Tensor) -> bool:
+    """Whether the C element-wise kernels take these: fp32 CPU tensors, the library loaded."""
+    return (
+        all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors)
+        and native.native_status().available
+    )
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of x [..., D] by weight [D] (fp32: one C pass where the kernels are built)."""
+    if _native_rows(x, weight):
+        return native.rms_norm(x, weight, eps)
+    return F.rms_norm(x, weight.shape, weight, eps)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's silu(gate) * up of gate_up [..., 2I] (gate, then up): [..., I]."""
+    if _native_rows(gate_up):
+        return native.silu_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
 def unpack(weight: torch.Tensor) -> torch.Tensor:
     """A plain [N, K] tensor with the weight's values (the weight itself when it is plain)."""
     if weight.is_mkldnn:

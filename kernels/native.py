@@ -39,10 +39,11 @@ from kernels.paged_attention_torch import (
 
 log = logging.getLogger("halfmoon.kernels")
 
-# One library of both: the decode attention, and the small-batch linear of packed panels.
-SOURCES = tuple(
-    Path(__file__).resolve().parent / "csrc" / f for f in ("decode_attention.c", "linear.c")
-)
+# One library of both: the decode attention, and the small-batch linear of packed panels (with
+# the element-wise steps around it); the headers they include count towards the cache key.
+_CSRC = Path(__file__).resolve().parent / "csrc"
+SOURCES = (_CSRC / "decode_attention.c", _CSRC / "linear.c")
+HEADERS = (_CSRC / "hm_exp.h",)
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 # The C kernel's per-block arrays (csrc/decode_attention.c HM_MAX_BS)
 MAX_BLOCK_SIZE = 256
@@ -69,7 +70,7 @@ def _compiler() -> str | None:
 def _build(cc: str) -> Path:
     """The library for this source, compiler and flags, compiled now unless cached."""
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
-    sources = b"".join(src.read_bytes() for src in SOURCES)
+    sources = b"".join(src.read_bytes() for src in (*SOURCES, *HEADERS))
     key = hashlib.sha256(sources + version.encode() + " ".join(CFLAGS).encode()).hexdigest()[:16]
     out = _build_dir() / f"decode_attention-{key}.so"
     if out.exists():
@@ -119,7 +120,11 @@ def _library() -> tuple[ctypes.CDLL | None, str]:
         _i32, _i32, _i32, _i32, _i32, _f32, _i32, _ptr, _ptr,
     ]  # fmt: skip
     lib.hm_linear.restype = ctypes.c_int
-    lib.hm_linear.argtypes = [_ptr, _i64, _i32, _ptr, _i32, _i32, _ptr, _i64, _i32]
+    lib.hm_linear.argtypes = [_ptr, _i64, _i32, _ptr, _i32, _i32, _ptr, _i64, _i32, _i32]
+    lib.hm_rms_norm.restype = None
+    lib.hm_rms_norm.argtypes = [_ptr, _i64, _i32, _i32, _ptr, _f32, _ptr, _i64]
+    lib.hm_silu_mul.restype = None
+    lib.hm_silu_mul.argtypes = [_ptr, _i64, _i32, _i32, _ptr, _i64]
     lib.hm_linear_pack.restype = None
     lib.hm_linear_pack.argtypes = [_ptr, _i32, _i32, _ptr, _i32]
     lib.hm_linear_available.restype = ctypes.c_int
@@ -413,23 +418,59 @@ def unpack_panels(panels: torch.Tensor) -> torch.Tensor:
     return panels.permute(0, 2, 1).reshape(p * nr, k)
 
 
-def linear_panels(x: torch.Tensor, panels: torch.Tensor) -> torch.Tensor:
-    """x [..., K] times the packed weight's transpose: [..., N] fp32."""
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """t as fp32 rows [R, last dim] with unit stride along a row (a copy only where needed)."""
+    rows = t.reshape(-1, t.shape[-1])
+    if rows.dtype != torch.float32 or rows.stride(-1) != 1:
+        rows = rows.float().contiguous()
+    return rows
+
+
+def linear_panels(
+    x: torch.Tensor, panels: torch.Tensor, add_to: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x [..., K] times the packed weight's transpose: [..., N] fp32; with `add_to` (fp32
+    [R, N], unit stride along a row) that product is added into it in place, and it is
+    returned."""
     lib, _ = _library()
     p, k, nr = panels.shape
     if x.shape[-1] != k:
         raise ValueError(f"linear: x has {x.shape[-1]} features, the weight takes {k}")
     if panels.data_ptr() % 32 or not panels.is_contiguous():
         raise ValueError("linear: packed panels must be contiguous and 32-byte aligned")
-    rows = x.reshape(-1, k)
-    if rows.dtype != torch.float32 or rows.stride(-1) != 1:
-        rows = rows.float().contiguous()
-    out = torch.empty(rows.shape[0], p * nr, dtype=torch.float32)
+    rows = _rows(x)
+    if add_to is None:
+        out = torch.empty(rows.shape[0], p * nr, dtype=torch.float32)
+    else:
+        out = add_to
+        if out.dtype != torch.float32 or out.shape != (rows.shape[0], p * nr) or out.stride(1) != 1:
+            raise ValueError(f"linear: cannot add into {out.dtype} {list(out.shape)}")
     if rows.shape[0]:
         failed = lib.hm_linear(
             rows.data_ptr(), rows.stride(0), rows.shape[0], panels.data_ptr(), p * nr, k,
-            out.data_ptr(), out.stride(0), torch.get_num_threads(),
+            out.data_ptr(), out.stride(0), add_to is not None, torch.get_num_threads(),
         )  # fmt: skip
         if failed:
             raise RuntimeError("linear: the kernel was built without AVX2 + FMA")
-    return out.reshape(*x.shape[:-1], p * nr)
+    return out if add_to is not None else out.reshape(*x.shape[:-1], p * nr)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of fp32 rows x [..., D] by `weight` [D] (fp32), in one pass."""
+    lib, _ = _library()
+    rows, w = _rows(x), weight.contiguous()
+    out = torch.empty(rows.shape, dtype=torch.float32)
+    d = rows.shape[1]
+    lib.hm_rms_norm(rows.data_ptr(), rows.stride(0), rows.shape[0], d, w.data_ptr(), eps,
+                    out.data_ptr(), d)  # fmt: skip
+    return out.reshape(x.shape)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's silu(gate) * up of fp32 rows [..., 2I] (gate then up): [..., I], in one pass."""
+    lib, _ = _library()
+    rows = _rows(gate_up)
+    inter = rows.shape[1] // 2
+    out = torch.empty(rows.shape[0], inter, dtype=torch.float32)
+    lib.hm_silu_mul(rows.data_ptr(), rows.stride(0), rows.shape[0], inter, out.data_ptr(), inter)
+    return out.reshape(*gate_up.shape[:-1], inter)

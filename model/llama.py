@@ -43,7 +43,7 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if x.dtype == torch.float32:
-        return F.rms_norm(x, weight.shape, weight, eps)
+        return kernels.rms_norm(x, weight, eps)
     # Low-precision activations: normalise in fp32 as the reference implementation does.
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
@@ -254,8 +254,9 @@ class LlamaModel(nn.Module):
 
     def _mlp(self, layer: LlamaLayer, x: torch.Tensor) -> torch.Tensor:
         h = _rms_norm(x, layer.post_norm, self.config.rms_norm_eps)
-        gate, up = kernels.linear(h, layer.gate_up_proj).chunk(2, dim=-1)
-        return x + kernels.linear(F.silu(gate) * up, layer.down_proj)
+        # the residual is added in place (in the matmul's own pass where it can be)
+        act = kernels.silu_mul(kernels.linear(h, layer.gate_up_proj))
+        return kernels.linear_add_(x, act, layer.down_proj)
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         x = _rms_norm(x, self.norm, self.config.rms_norm_eps)
@@ -362,7 +363,7 @@ class LlamaModel(nn.Module):
             v_cache[plan.slot_block, plan.slot_off] = v.to(pool.dtype)
             if on_layer_done is not None:
                 on_layer_done(li)
-            x = x + kernels.linear(self._attend(plan, q, k, v, k_cache, v_cache), layer.o_proj)
+            kernels.linear_add_(x, self._attend(plan, q, k, v, k_cache, v_cache), layer.o_proj)
             x = self._mlp(layer, x)
         if last_only:
             x = x[-1:]
@@ -403,7 +404,7 @@ class LlamaModel(nn.Module):
                     for p, s, e in zip(plans, bounds[:-1], bounds[1:])
                 ]
             )
-            x = x + kernels.linear(attn, layer.o_proj)
+            kernels.linear_add_(x, attn, layer.o_proj)
             x = self._mlp(layer, x)
         logits = self._logits(x[torch.tensor(bounds[1:]) - 1])
         return list(logits.split(1))
@@ -437,7 +438,7 @@ class LlamaModel(nn.Module):
             attn = kernels.paged_decode_attention(
                 q, k_cache, v_cache, block_tables, seq_lens, self.scale
             )
-            x = x + kernels.linear(attn.reshape(b, c.q_size).to(x.dtype), layer.o_proj)
+            kernels.linear_add_(x, attn.reshape(b, c.q_size).to(x.dtype), layer.o_proj)
             x = self._mlp(layer, x)
         return self._logits(x)
 
@@ -486,6 +487,6 @@ class LlamaModel(nn.Module):
                 window_lens,
                 self.scale,
             )
-            x = x + kernels.linear(attn.reshape(b, c.q_size).to(x.dtype), layer.o_proj)
+            kernels.linear_add_(x, attn.reshape(b, c.q_size).to(x.dtype), layer.o_proj)
             x = self._mlp(layer, x)
         return self._logits(x)

@@ -124,3 +124,31 @@ def test_memory_accounting_counts_packed_weights(name):
     assert tensor_bytes(*packed.model.parameters(), *packed.model.buffers()) == (
         plain + head + tensor_bytes(*dense.model.buffers())
     )
+
+
+@pytest.mark.parametrize("rows", [1, 5, 16])
+@pytest.mark.parametrize("pack", [PANELS, pytest.param(_onednn, id="onednn"), None])
+def test_residual_add_and_the_element_wise_steps_equal_torch(rows, pack):
+    g = torch.Generator().manual_seed(7 + rows)
+    w = torch.randn(96, 40, generator=g)
+    x, res = torch.randn(rows, 40, generator=g), torch.randn(rows, 96, generator=g)
+    want = res + F.linear(x, w)
+    out = res.clone()
+    got = kernels.linear_add_(out, x, pack(w) if pack else w)
+    assert got is out  # in place
+    assert (out - want).abs().max().item() <= 1e-4
+
+    # RMSNorm and SiLU-and-multiply (in C where the kernels are built): torch's results, also
+    # for large arguments (SiLU of -100 is -0, of 100 is 100) and rows that are views
+    h = torch.randn(rows, 3, 40, generator=g) * 30
+    norm_w = torch.rand(40, generator=g)
+    want = F.rms_norm(h, (40,), norm_w, 1e-5)
+    assert (kernels.rms_norm(h, norm_w, 1e-5) - want).abs().max().item() <= 1e-5 * want.abs().max()
+    gu = torch.randn(rows, 2 * 52, generator=g) * 10
+    gu[0, :4] = torch.tensor([-100.0, 100.0, -88.5, 0.0])
+    gate, up = gu.chunk(2, dim=-1)
+    want = F.silu(gate) * up
+    got = kernels.silu_mul(gu)
+    assert got.shape == (rows, 52)
+    assert (got - want).abs().max().item() <= 1e-5 * want.abs().max()
+    assert (kernels.silu_mul(gu.t().contiguous().t()) - want).abs().max() <= 1e-5 * want.abs().max()

@@ -16,11 +16,14 @@
  * broadcast of x[r][k] per row and 2 x MR fused multiply-adds. Threads take whole panels.
  */
 
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #endif
+
+#include "hm_exp.h"
 
 #define HM_NR 16 /* outputs per panel */
 #define HM_MR 6  /* rows of x per micro-kernel call */
@@ -50,14 +53,22 @@ void hm_linear_pack(const float *w, int n, int k, float *panels, int threads) {
     _mm256_storeu_ps(out + (r) * ldo, a##r##0);                      \
     _mm256_storeu_ps(out + (r) * ldo + 8, a##r##1);                  \
   }
-/* MR rows of x [.., K] (row stride ldx) times one panel into out (row stride ldo); `next`: the
- * panel to prefetch a line of per k, or NULL. Named accumulators, so that they stay in
- * registers (an array of them is spilled to the stack on every k). */
+/* MR rows of x [.., K] (row stride ldx) times one panel into out (row stride ldo), added to what
+ * out holds when `add`; `next`: the panel to prefetch a line of per k, or NULL. Named
+ * accumulators, so that they stay in registers (an array of them is spilled to the stack on
+ * every k). */
+#define HM_ROW_LOAD(MR, r)                                           \
+  if ((MR) > (r) && add) {                                           \
+    a##r##0 = _mm256_loadu_ps(out + (r) * ldo);                      \
+    a##r##1 = _mm256_loadu_ps(out + (r) * ldo + 8);                  \
+  }
 #define HM_MICRO(MR)                                                                          \
   static void hm_micro##MR(const float *x, int64_t ldx, const float *panel, int k,           \
-                           float *out, int64_t ldo, const float *next) {                     \
+                           float *out, int64_t ldo, const float *next, int add) {            \
     __m256 a00 = _mm256_setzero_ps(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00;  \
     __m256 a30 = a00, a31 = a00, a40 = a00, a41 = a00, a50 = a00, a51 = a00;                 \
+    HM_ROW_LOAD(MR, 0) HM_ROW_LOAD(MR, 1) HM_ROW_LOAD(MR, 2)                                  \
+    HM_ROW_LOAD(MR, 3) HM_ROW_LOAD(MR, 4) HM_ROW_LOAD(MR, 5)                                  \
     for (int kk = 0; kk < k; kk++) {                                                          \
       const __m256 w0 = _mm256_load_ps(panel + (int64_t)kk * HM_NR);                          \
       const __m256 w1 = _mm256_load_ps(panel + (int64_t)kk * HM_NR + 8);                      \
@@ -75,10 +86,11 @@ HM_MICRO(4)
 HM_MICRO(5)
 HM_MICRO(6)
 
-/* out [M, N] (row stride ldo) = x [M, K] (row stride ldx) times the panels' W^T. The panels
- * must be 32-byte aligned. Returns 0 (1: built without AVX2/FMA, nothing written). */
+/* out [M, N] (row stride ldo) = x [M, K] (row stride ldx) times the panels' W^T, or out += that
+ * when `add` (a residual connection in the same pass). The panels must be 32-byte aligned.
+ * Returns 0 (1: built without AVX2/FMA, nothing written). */
 int hm_linear(const float *x, int64_t ldx, int m, const float *panels, int n, int k, float *out,
-              int64_t ldo, int threads) {
+              int64_t ldo, int add, int threads) {
   const int np = n / HM_NR;
   /* Rows in blocks that stay in the L2 cache while every panel passes over them (a prefill
    * chunk's rows would otherwise come from L3 again for each panel). */
@@ -95,13 +107,13 @@ int hm_linear(const float *x, int64_t ldx, int m, const float *panels, int n, in
       float *o = ob + (int64_t)p * HM_NR;
       int r = 0;
       for (; r + HM_MR <= rows; r += HM_MR, next = NULL) /* the first pass prefetches */
-        hm_micro6(xb + r * ldx, ldx, panel, k, o + r * ldo, ldo, next);
+        hm_micro6(xb + r * ldx, ldx, panel, k, o + r * ldo, ldo, next, add);
       switch (rows - r) {
-        case 1: hm_micro1(xb + r * ldx, ldx, panel, k, o + r * ldo, ldo, next); break;
-        case 2: hm_micro2(xb + r * ldx, ldx, panel, k, o + r * ldo, ldo, next); break;
-        case 3: hm_micro3(xb + r * ldx, ldx, panel, k, o + r * ldo, ldo, next); break;
-        case 4: hm_micro4(xb + r * ldx, ldx, panel, k, o + r * ldo, ldo, next); break;
-        case 5: hm_micro5(xb + r * ldx, ldx, panel, k, o + r * ldo, ldo, next); break;
+        case 1: hm_micro1(xb + r * ldx, ldx, panel, k, o + r * ldo, ldo, next, add); break;
+        case 2: hm_micro2(xb + r * ldx, ldx, panel, k, o + r * ldo, ldo, next, add); break;
+        case 3: hm_micro3(xb + r * ldx, ldx, panel, k, o + r * ldo, ldo, next, add); break;
+        case 4: hm_micro4(xb + r * ldx, ldx, panel, k, o + r * ldo, ldo, next, add); break;
+        case 5: hm_micro5(xb + r * ldx, ldx, panel, k, o + r * ldo, ldo, next, add); break;
         default: break;
       }
     }
@@ -110,8 +122,8 @@ int hm_linear(const float *x, int64_t ldx, int m, const float *panels, int n, in
 }
 #else
 int hm_linear(const float *x, int64_t ldx, int m, const float *panels, int n, int k, float *out,
-              int64_t ldo, int threads) {
-  (void)x, (void)ldx, (void)m, (void)panels, (void)n, (void)k, (void)out, (void)ldo;
+              int64_t ldo, int add, int threads) {
+  (void)x, (void)ldx, (void)m, (void)panels, (void)n, (void)k, (void)out, (void)ldo, (void)add;
   (void)threads;
   return 1;
 }
@@ -124,4 +136,44 @@ int hm_linear_available(void) {
 #else
   return 0;
 #endif
+}
+
+/* ---- the element-wise steps around a decode step's matmuls, one pass each ----
+ * At decode batch sizes each is a few microseconds of arithmetic; as torch ops (RMSNorm's
+ * square, mean, rsqrt and two products; SiLU then a product; a residual add) each costs several
+ * dispatches and temporaries. */
+
+/* out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * w, for `rows` rows of `dim` (row strides ldx,
+ * ldo). */
+void hm_rms_norm(const float *x, int64_t ldx, int rows, int dim, const float *w, float eps,
+                 float *out, int64_t ldo) {
+  for (int r = 0; r < rows; r++) {
+    const float *xr = x + r * ldx;
+    float *o = out + r * ldo;
+    float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+    for (int i = 0; i < dim; i++) ss += xr[i] * xr[i];
+    const float inv = 1.0f / sqrtf(ss / (float)dim + eps);
+#pragma omp simd
+    for (int i = 0; i < dim; i++) o[i] = xr[i] * inv * w[i];
+  }
+}
+
+/* out[r][i] = silu(gu[r][i]) * gu[r][inter + i]: SwiGLU's gate and up halves of one matmul. */
+void hm_silu_mul(const float *gu, int64_t ldg, int rows, int inter, float *out, int64_t ldo) {
+  for (int r = 0; r < rows; r++) {
+    const float *g = gu + r * ldg, *u = g + inter;
+    float *o = out + r * ldo;
+    int i = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+    const __m256 one = _mm256_set1_ps(1.0f);
+    for (; i + 8 <= inter; i += 8) {
+      const __m256 gv = _mm256_loadu_ps(g + i);
+      const __m256 e = hm_exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv));
+      _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_div_ps(gv, _mm256_add_ps(one, e)),
+                                            _mm256_loadu_ps(u + i)));
+    }
+#endif
+    for (; i < inter; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+  }
 }

@@ -1,0 +1,54 @@
+/* e^x without libm, shared by the CPU kernels (decode_attention.c's softmax, linear.c's SiLU):
+ * branch-free, so that loops over it vectorise. */
+#ifndef HM_EXP_H
+#define HM_EXP_H
+
+#include <stdint.h>
+#include <string.h>
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
+
+/* e^x for x <= 0 (softmax arguments), branch-free so that loops over it vectorise: 2^(x log2 e)
+ * split into an integer power of two and a degree-6 polynomial on [-0.5, 0.5] (relative error
+ * below 2e-7); arguments below -87 give 0. */
+static inline float hm_exp(float x) {
+  x = x < -87.0f ? -87.0f : x;
+  const float y = x * 1.44269504088896341f;
+  const float n = __builtin_floorf(y + 0.5f); /* inlined (roundf is a libm call) */
+  const float f = y - n;
+  float p = 1.5403530393381609954e-4f;
+  p = p * f + 1.3333558146428443423e-3f;
+  p = p * f + 9.6181291076284771619e-3f;
+  p = p * f + 5.5504108664821579953e-2f;
+  p = p * f + 2.4022650695910071233e-1f;
+  p = p * f + 6.9314718055994530942e-1f;
+  p = p * f + 1.0f;
+  int32_t e = ((int32_t)n + 127) << 23;
+  float scale;
+  memcpy(&scale, &e, 4);
+  return x <= -87.0f ? 0.0f : p * scale;
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+/* hm_exp on eight lanes: the same steps (clamp, split into 2^n and the polynomial, 0 below -87). */
+static inline __m256 hm_exp8(__m256 x) {
+  const __m256 lowest = _mm256_set1_ps(-87.0f);
+  x = _mm256_min_ps(_mm256_max_ps(x, lowest), _mm256_set1_ps(88.0f)); /* e^88 still a float */
+  const __m256 y = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f));
+  const __m256 n = _mm256_floor_ps(_mm256_add_ps(y, _mm256_set1_ps(0.5f)));
+  const __m256 f = _mm256_sub_ps(y, n);
+  __m256 p = _mm256_set1_ps(1.5403530393381609954e-4f);
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.3333558146428443423e-3f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.6181291076284771619e-3f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.5504108664821579953e-2f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.4022650695910071233e-1f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.9314718055994530942e-1f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  const __m256 r = _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+  return _mm256_andnot_ps(_mm256_cmp_ps(x, lowest, _CMP_LE_OQ), r);
+}
+#endif
+
+#endif
