@@ -40,6 +40,11 @@ class PrefillConfig:
     # most tokens of one request per prefill forward (chunked prefill); a multiple of block_size
     chunk_size: int = 512
     max_batch_tokens: int = 8192  # tokens one scheduling round takes from the queue
+    # A round starts once no request has arrived for this long (ms), at most 10x this after the
+    # first: a burst of requests (a client's concurrent calls reach the worker a few ms apart)
+    # is prefilled in one batch instead of one request, then the rest, while a lone request
+    # waits only this long. 0 = take only what is queued already
+    batch_gather_ms: float = 8.0
     store_address: str = ""  # this host's store node (gRPC "HOST:PORT"); required
     store_node: str = ""  # that node's id in the index (the conductor matches prefixes by it)
     index_url: str = (
@@ -78,6 +83,10 @@ class PrefillConfig:
         if self.kv_timeout_s <= 0:
             raise ValueError(
                 f"PrefillConfig: kv_timeout_s must be positive, got {self.kv_timeout_s}"
+            )
+        if self.batch_gather_ms < 0:
+            raise ValueError(
+                f"PrefillConfig: batch_gather_ms must be >= 0, got {self.batch_gather_ms}"
             )
         if self.chunk_size <= 0 or self.chunk_size % self.block_size:
             raise ValueError(

@@ -133,11 +133,15 @@ class PrefillScheduler:
                 if job is None:
                     return
                 waiting = [job]
-            # A round takes waiting requests up to max_batch_tokens, in arrival order.
+            # A round takes waiting requests up to max_batch_tokens, in arrival order, and those
+            # that arrive while requests keep coming (batch_gather_ms apart, 10x that at most).
             batch, tokens = waiting, sum(len(j.ids) for j in waiting)
+            gap_s = self.config.batch_gather_ms / 1000.0
+            until = time.perf_counter() + 10 * gap_s
             while tokens < self.config.max_batch_tokens:
+                wait_s = min(gap_s, until - time.perf_counter())
                 try:
-                    nxt = self._queue.get_nowait()
+                    nxt = self._queue.get(timeout=wait_s) if wait_s > 0 else self._queue.get(False)
                 except queue.Empty:
                     break
                 if nxt is None:

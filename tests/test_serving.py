@@ -404,7 +404,8 @@ def test_decode_worker_lost_mid_stream_resumes_elsewhere(lm, engine, kv_cache):
 def test_waiting_prefills_run_as_one_batched_forward(lm, engine):
     rng = random.Random(8)
     prompts = [rand_ids(rng, n) for n in (9, 70, 33, 16, 51, 24)]  # 1 to 5 chunks of 16 each
-    with Cluster(lm, prefill={"chunk_size": BS}) as c:
+    # no gathering: the first request's round starts alone (and stalls), the rest wait
+    with Cluster(lm, prefill={"chunk_size": BS, "batch_gather_ms": 0}) as c:
         w = c.prefills[0]
         results: dict[int, tuple] = {}
         threads = [
@@ -437,12 +438,35 @@ def test_waiting_prefills_run_as_one_batched_forward(lm, engine):
         )  # only the device tier holds blocks
 
 
+def test_a_burst_of_requests_is_gathered_into_one_round(lm, engine):
+    rng = random.Random(18)
+    prompts = [rand_ids(rng, n) for n in (12, 40, 25, 33)]
+    # requests that keep arriving within 200 ms of each other (generous for a loaded machine)
+    with Cluster(lm, prefill={"batch_gather_ms": 200}) as c:
+        results: dict[int, tuple] = {}
+        threads = [
+            threading.Thread(
+                target=lambda i=i: results.__setitem__(
+                    i, c.generate(token_ids=prompts[i], max_tokens=4)
+                )
+            )
+            for i in range(len(prompts))
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        assert c.prefills[0].load().max_batch_seen == len(prompts)  # one forward for all four
+        for i, p in enumerate(prompts):
+            assert results[i][0] == solo(engine, p, 4), i
+
+
 def test_a_job_the_pool_cannot_hold_fails_alone(lm, engine):
     rng = random.Random(9)
     stall, a, b, huge = (
         rand_ids(rng, n) for n in (10, 60, 70, 200)
     )  # 1, 4, 5 and 13 blocks; the pool holds 8
-    with Cluster(lm, prefill={"num_blocks": 8}) as c:
+    with Cluster(lm, prefill={"num_blocks": 8, "batch_gather_ms": 0}) as c:
         w = c.prefills[0]
         results: dict[int, object] = {}
 
@@ -493,7 +517,7 @@ def test_a_prefix_computed_this_round_is_reused_next_round(lm, engine):
     rng = random.Random(11)
     prefix = rand_ids(rng, 4 * BS)
     prompts = [rand_ids(rng, 5), prefix + rand_ids(rng, 7), prefix + rand_ids(rng, 9)]
-    with Cluster(lm) as c:
+    with Cluster(lm, prefill={"batch_gather_ms": 0}) as c:
         w = c.prefills[0]
         results: dict[int, tuple] = {}
         threads = [
