@@ -6,9 +6,10 @@ Two workloads, each beside vLLM's CPU build on the same workload and dtype when 
 - decode throughput (generated tokens per second, end to end) of 16 concurrent requests versus 1.
 Every figure is a median of --repeats runs (3 prompts for each TTFT), taken the same way for both
 systems. The dtype is the machine's fastest (`auto`: bf16 with avx512_bf16, else fp32), the same
-for both. Each halfmoon server's resident memory is sampled through the run: its peak RSS, and
-its peak PSS (shared pages split among their mappers, so the store's slab, which the workers map
-too, counts once) against what it was configured to hold (weights, pools, in-memory tiers).
+for both. Each halfmoon server's resident memory: its peak RSS (the kernel's high-water mark),
+and its peak PSS (shared pages split among their mappers, so the store's slab, which the workers
+map too, counts once; sampled between workloads, never during one) against what it was
+configured to hold (weights, pools, in-memory tiers).
 The last line printed is one JSON object, with the CPU's flags, the load and the pinning used.
 
     .venv/bin/python bench/e2e.py [--dtype auto] [--repeats 3] [--vllm-python PATH]
@@ -88,40 +89,40 @@ def process_cluster(
 
 
 class MemorySampler:
-    """Peak RSS and PSS of each server process, sampled every `every_s` seconds in a thread."""
+    """Peak RSS and PSS of each server process. RSS's peak is the kernel's own high-water mark
+    (VmHWM: exact, and free to read); PSS has none, so it is sampled at the ends of workloads,
+    not from a thread during them: reading a process's smaps walks its page tables under its
+    mmap lock, which stalled the servers' own allocations and added up to 0.5 s to a cold TTFT.
+    """
 
-    def __init__(self, servers, every_s: float = 1.0):
+    def __init__(self, servers):
         import psutil
 
         self.procs = {s.name: psutil.Process(s.pid) for s in servers}
         self.rss = dict.fromkeys(self.procs, 0)
         self.pss = dict.fromkeys(self.procs, 0)
-        self.every_s = every_s
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
 
     def sample(self) -> None:
         for name, proc in self.procs.items():
             try:
                 m = proc.memory_full_info()
+                hwm = _status_kib(proc.pid, "VmHWM") * 1024
             except Exception:  # noqa: BLE001 - a server that ended is no longer sampled
                 continue
-            self.rss[name] = max(self.rss[name], m.rss)
+            self.rss[name] = max(self.rss[name], m.rss, hwm)
             self.pss[name] = max(self.pss[name], getattr(m, "pss", m.uss))
 
-    def _run(self) -> None:
-        while not self._stop.wait(self.every_s):
-            self.sample()
 
-    def __enter__(self) -> "MemorySampler":
-        self.sample()
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.sample()
+def _status_kib(pid: int, field: str) -> int:
+    """A kB field of /proc/PID/status (0 where the system has none)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
 
 
 def configured_bytes(stub) -> dict[str, int]:
@@ -158,7 +159,7 @@ def run_halfmoon(
     cluster = process_cluster(lm.name, dtype, lm.fingerprint, threads, device_cache, cpus)
     sampler = MemorySampler(cluster.servers)
     try:
-        sampler.__enter__()
+        sampler.sample()
         channel = grpc.insecure_channel(cluster.address)
         stub = pb_grpc.ConductorStub(channel)
         say("halfmoon: warming up (first forward passes, timing models)")
@@ -174,6 +175,7 @@ def run_halfmoon(
                 f"halfmoon: TTFT cold  {ttft:8.1f} ms  "
                 f"(computed {u.computed_prompt_tokens}, cached {u.cached_tokens})"
             )
+        sampler.sample()  # between workloads, never during one (see MemorySampler)
         one(stub, prompts["seed"], 1)
         warm = []
         for ids in prompts["warm"]:
@@ -187,12 +189,14 @@ def run_halfmoon(
         out["ttft_cold_ms"] = statistics.median(cold)
         out["ttft_warm_ms"] = statistics.median(warm)
         out["warm_tier"] = "device" if u.cached_device_tokens else "dram"
+        sampler.sample()
 
         rates = []
         for _ in range(repeats):
             _, n, wall, _ = one(stub, prompts["decode"][0], NEW_TOKENS)
             rates.append(n / wall)
         out["decode_1_tok_s"] = statistics.median(rates)
+        sampler.sample()
         say(f"halfmoon: 1 x {NEW_TOKENS} tokens: {out['decode_1_tok_s']:7.1f} tok/s (median)")
 
         rates, batches = [], []
@@ -213,6 +217,7 @@ def run_halfmoon(
                 t.join()
             wall = time.perf_counter() - t0
             rates.append(sum(r[1] for r in results) / wall)
+            sampler.sample()
             batches.append(max(r[3].max_decode_batch for r in results))
         out["decode_16_tok_s"] = statistics.median(rates)
         out["decode_16_max_batch"] = max(batches)
@@ -220,7 +225,7 @@ def run_halfmoon(
             f"halfmoon: {CONCURRENCY} x {NEW_TOKENS} tokens: {out['decode_16_tok_s']:7.1f} tok/s "
             f"(median of {repeats}; largest decode batch {out['decode_16_max_batch']})"
         )
-        sampler.__exit__()
+        sampler.sample()
         configured = configured_bytes(stub)
         names = [s.name for s in cluster.servers]
         for name in names:
@@ -242,7 +247,6 @@ def run_halfmoon(
         )
         channel.close()
     finally:
-        sampler._stop.set()
         cluster.stop()
     return out
 
