@@ -401,21 +401,28 @@ def test_decode_worker_lost_mid_stream_resumes_elsewhere(lm, engine, kv_cache):
         )
 
 
+def _generate_threads(c, prompts: list[list[int]], max_tokens: int):
+    """(results, threads): thread i, once started, puts prompt i's c.generate result in
+    results[i]."""
+    results: dict[int, tuple] = {}
+    threads = [
+        threading.Thread(
+            target=lambda i=i: results.__setitem__(
+                i, c.generate(token_ids=prompts[i], max_tokens=max_tokens)
+            )
+        )
+        for i in range(len(prompts))
+    ]
+    return results, threads
+
+
 def test_waiting_prefills_run_as_one_batched_forward(lm, engine):
     rng = random.Random(8)
     prompts = [rand_ids(rng, n) for n in (9, 70, 33, 16, 51, 24)]  # 1 to 5 chunks of 16 each
     # no gathering: the first request's round starts alone (and stalls), the rest wait
     with Cluster(lm, prefill={"chunk_size": BS, "batch_gather_ms": 0}) as c:
         w = c.prefills[0]
-        results: dict[int, tuple] = {}
-        threads = [
-            threading.Thread(
-                target=lambda i=i: results.__setitem__(
-                    i, c.generate(token_ids=prompts[i], max_tokens=8)
-                )
-            )
-            for i in range(len(prompts))
-        ]
+        results, threads = _generate_threads(c, prompts, 8)
         # Holding the pool lock stalls the first request's round, so the other five queue up behind
         # it.
         with w.runner._pool_lock:
@@ -443,15 +450,7 @@ def test_a_burst_of_requests_is_gathered_into_one_round(lm, engine):
     prompts = [rand_ids(rng, n) for n in (12, 40, 25, 33)]
     # requests that keep arriving within 200 ms of each other (generous for a loaded machine)
     with Cluster(lm, prefill={"batch_gather_ms": 200}) as c:
-        results: dict[int, tuple] = {}
-        threads = [
-            threading.Thread(
-                target=lambda i=i: results.__setitem__(
-                    i, c.generate(token_ids=prompts[i], max_tokens=4)
-                )
-            )
-            for i in range(len(prompts))
-        ]
+        results, threads = _generate_threads(c, prompts, 4)
         for t in threads:
             t.start()
         for t in threads:
@@ -519,15 +518,7 @@ def test_a_prefix_computed_this_round_is_reused_next_round(lm, engine):
     prompts = [rand_ids(rng, 5), prefix + rand_ids(rng, 7), prefix + rand_ids(rng, 9)]
     with Cluster(lm, prefill={"batch_gather_ms": 0}) as c:
         w = c.prefills[0]
-        results: dict[int, tuple] = {}
-        threads = [
-            threading.Thread(
-                target=lambda i=i: results.__setitem__(
-                    i, c.generate(token_ids=prompts[i], max_tokens=4)
-                )
-            )
-            for i in range(3)
-        ]
+        results, threads = _generate_threads(c, prompts, 4)
         with (
             w.runner._pool_lock
         ):  # the first request's round stalls; the two sharing a prefix queue behind it in order
