@@ -1,6 +1,7 @@
-"""Weights prepacked for oneDNN (kernels/linear.py): the same products as dense `F.linear` at every
-row count a decode step or prefill chunk uses, the same greedy tokens from the whole model, and
-nothing lost for what reads the weights back (export, memory accounting)."""
+"""Packed linear weights (kernels/linear.py): panels for the C kernel and oneDNN's layout give
+the same products as dense `F.linear` at every row count a decode step or prefill chunk uses,
+the same greedy tokens from the whole model, and nothing lost for what reads the weights back
+(export, memory accounting)"""
 
 from __future__ import annotations
 
