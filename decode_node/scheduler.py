@@ -14,7 +14,7 @@ from decode_node.metrics import DecodeMetrics
 from decode_node.runner import DecodeRunner
 from decode_node.seq import Seq
 from protos import halfmoon_pb2 as pb
-from servekit import DecodeTimeModel
+from servekit import IDLE_TRIM_S, DecodeTimeModel, release_freed_heap
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +34,7 @@ class DecodeScheduler:
         )
         self._thread: threading.Thread | None = None
         self._quit = False
+        self._heap_dirty = True  # steps (or the calibration) ran since the heap was last trimmed
         self.max_batch_seen = 0
         self.requests_done = 0
         self.calibration_failures = 0  # start-up calibrations that failed (the prior stood)
@@ -152,8 +153,11 @@ class DecodeScheduler:
                 self._tidy()
                 while not self._running and not self._quit:
                     busy = self._pulling or self._waiting
-                    self._wake.wait(timeout=0.05 if busy else 0.5)
+                    self._wake.wait(timeout=0.05 if busy else IDLE_TRIM_S)
                     self._tidy()
+                    if not busy and not self._running and self._heap_dirty:
+                        release_freed_heap()  # idle: the steps' freed heap goes back
+                        self._heap_dirty = False
                 if self._quit:
                     return
                 batch = list(self._running)
@@ -209,6 +213,7 @@ class DecodeScheduler:
             self._end_stream(seq, "cancelled")
 
     def _step(self, batch: list[Seq]) -> None:
+        self._heap_dirty = True
         t0 = time.perf_counter()
         b = len(batch)
         context = sum(s.position for s in batch) + b

@@ -8,6 +8,9 @@ Tests force `backend="triton"` on CPU tensors to run the kernels under TRITON_IN
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
+
 import torch
 
 from kernels.blocks import gather_blocks_torch, scatter_blocks_torch
@@ -27,19 +30,23 @@ from kernels.paged_attention_torch import (
     paged_decode_attention_torch,
 )
 
-try:
-    from kernels.blocks import gather_blocks_triton, scatter_blocks_triton
-    from kernels.kivi_triton import kivi_dequantize_triton, kivi_quantize_triton
-    from kernels.mla_attention_triton import paged_mla_decode_attention_triton
-    from kernels.paged_attention_triton import (
-        paged_decode_attention_kivi_triton,
-        paged_decode_attention_kivi_window_triton,
-        paged_decode_attention_triton,
-    )
+# Triton is looked up, not imported: importing it costs a CPU server ~80 MB of resident memory
+# for kernels it never runs. Its twins load on first use.
+HAS_TRITON = importlib.util.find_spec("triton") is not None
 
-    HAS_TRITON = True
-except ImportError:  # no triton on this platform: only the torch twins are registered
-    HAS_TRITON = False
+
+class _TritonTwin:
+    """A triton implementation that imports its module (and triton) on first call."""
+
+    def __init__(self, module: str, name: str):
+        self.module, self.name = module, name
+        self._impl = None
+
+    def __call__(self, *args, **kwargs):
+        if self._impl is None:
+            self._impl = getattr(importlib.import_module(self.module), self.name)
+        return self._impl(*args, **kwargs)
+
 
 BACKENDS = ("torch", "triton", "native")
 _IMPLS: dict[str, dict[str, object]] = {
@@ -65,17 +72,25 @@ _IMPLS: dict[str, dict[str, object]] = {
     "gather_blocks": {"torch": gather_blocks_torch},
     "scatter_blocks": {"torch": scatter_blocks_torch},
 }
+_TRITON_TWINS = {
+    "paged_decode_attention": ("paged_attention_triton", "paged_decode_attention_triton"),
+    "paged_decode_attention_kivi": (
+        "paged_attention_triton",
+        "paged_decode_attention_kivi_triton",
+    ),
+    "paged_decode_attention_kivi_window": (
+        "paged_attention_triton",
+        "paged_decode_attention_kivi_window_triton",
+    ),
+    "paged_mla_decode_attention": ("mla_attention_triton", "paged_mla_decode_attention_triton"),
+    "kivi_quantize": ("kivi_triton", "kivi_quantize_triton"),
+    "kivi_dequantize": ("kivi_triton", "kivi_dequantize_triton"),
+    "gather_blocks": ("blocks_triton", "gather_blocks_triton"),
+    "scatter_blocks": ("blocks_triton", "scatter_blocks_triton"),
+}
 if HAS_TRITON:
-    _IMPLS["paged_decode_attention"]["triton"] = paged_decode_attention_triton
-    _IMPLS["paged_decode_attention_kivi"]["triton"] = paged_decode_attention_kivi_triton
-    _IMPLS["paged_decode_attention_kivi_window"]["triton"] = (
-        paged_decode_attention_kivi_window_triton
-    )
-    _IMPLS["paged_mla_decode_attention"]["triton"] = paged_mla_decode_attention_triton
-    _IMPLS["kivi_quantize"]["triton"] = kivi_quantize_triton
-    _IMPLS["kivi_dequantize"]["triton"] = kivi_dequantize_triton
-    _IMPLS["gather_blocks"]["triton"] = gather_blocks_triton
-    _IMPLS["scatter_blocks"]["triton"] = scatter_blocks_triton
+    for _op, (_module, _name) in _TRITON_TWINS.items():
+        _IMPLS[_op]["triton"] = _TritonTwin(f"kernels.{_module}", _name)
 
 
 def available_backends(op: str) -> list[str]:

@@ -42,7 +42,7 @@ log = logging.getLogger("halfmoon.kernels")
 # One library of both: the decode attention, and the small-batch linear of packed panels (with
 # the element-wise steps around it); the headers they include count towards the cache key.
 _CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = (_CSRC / "decode_attention.c", _CSRC / "linear.c")
+SOURCES = (_CSRC / "decode_attention.c", _CSRC / "linear.c", _CSRC / "linear_bf16.c")
 HEADERS = (_CSRC / "hm_exp.h",)
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 # The C kernel's per-block arrays (csrc/decode_attention.c HM_MAX_BS)
@@ -122,12 +122,22 @@ def _library() -> tuple[ctypes.CDLL | None, str]:
     lib.hm_linear.restype = ctypes.c_int
     lib.hm_linear.argtypes = [_ptr, _i64, _i32, _ptr, _i32, _i32, _ptr, _i64, _i32, _i32]
     lib.hm_rms_norm.restype = None
-    lib.hm_rms_norm.argtypes = [_ptr, _i64, _i32, _i32, _ptr, _f32, _ptr, _i64]
+    lib.hm_rms_norm.argtypes = [_ptr, _i64, _i32, _i32, _ptr, _f32, _ptr, _i64, _i32]
     lib.hm_silu_mul.restype = None
-    lib.hm_silu_mul.argtypes = [_ptr, _i64, _i32, _i32, _ptr, _i64]
+    lib.hm_silu_mul.argtypes = [_ptr, _i64, _i32, _i32, _ptr, _i64, _i32]
     lib.hm_linear_pack.restype = None
     lib.hm_linear_pack.argtypes = [_ptr, _i32, _i32, _ptr, _i32]
     lib.hm_linear_available.restype = ctypes.c_int
+    lib.hm_linear_bf16.restype = ctypes.c_int
+    lib.hm_linear_bf16.argtypes = [_ptr, _i64, _i32, _ptr, _i32, _i32, _ptr, _i64, _i32, _i32, _i32]
+    lib.hm_linear_bf16_amx_available.restype = ctypes.c_int
+    lib.hm_rms_norm_bf16.restype = None
+    lib.hm_rms_norm_bf16.argtypes = [_ptr, _i64, _i32, _i32, _ptr, _f32, _ptr, _i64, _i32]
+    lib.hm_silu_mul_bf16.restype = None
+    lib.hm_silu_mul_bf16.argtypes = [_ptr, _i64, _i32, _i32, _ptr, _i64, _i32]
+    lib.hm_linear_bf16_pack.restype = None
+    lib.hm_linear_bf16_pack.argtypes = [_ptr, _i32, _i32, _ptr, _i32]
+    lib.hm_linear_bf16_available.restype = ctypes.c_int
     return lib, str(path)
 
 
@@ -391,86 +401,143 @@ PANEL = 16  # outputs per panel: a weight packs when its output count is a multi
 
 
 def panels_supported(weight: torch.Tensor) -> bool:
-    """Whether `weight` [N, K] can be packed into panels here: fp32 on the CPU, N a multiple of
-    PANEL, and the library built with its AVX2 + FMA path."""
-    if weight.dim() != 2 or weight.dtype != torch.float32 or weight.device.type != "cpu":
+    """Whether `weight` [N, K] can be packed into panels here: on the CPU, N a multiple of PANEL,
+    and fp32 with the library's AVX2 + FMA path, or bf16 (K even) with its AVX-512 BF16 one."""
+    if weight.dim() != 2 or weight.device.type != "cpu" or weight.dtype not in _PANEL_DTYPES:
         return False
-    if weight.shape[0] % PANEL or weight.shape[0] == 0 or weight.shape[1] == 0:
+    n, k = weight.shape
+    if n % PANEL or n == 0 or k == 0 or (weight.dtype == torch.bfloat16 and k % 2):
         return False
     lib, _ = _library()
-    return lib is not None and bool(lib.hm_linear_available())
+    if lib is None:
+        return False
+    if weight.dtype == torch.bfloat16:
+        return bool(lib.hm_linear_bf16_available())
+    return bool(lib.hm_linear_available())
+
+
+def bf16_rows_supported() -> bool:
+    """Whether the library has its AVX-512 BF16 path (bf16 panels, RMSNorm and SiLU-and-mul)."""
+    lib, _ = _library()
+    return lib is not None and bool(lib.hm_linear_bf16_available())
+
+
+def amx_supported() -> bool:
+    """Whether bf16 panels run on AMX tiles here (built with them, and the OS grants them)."""
+    lib, _ = _library()
+    return lib is not None and bool(lib.hm_linear_bf16_amx_available())
+
+
+# bf16 panels go through AMX tiles from this many rows up (where the CPU has them): below it the
+# `vdpbf16ps` path is as fast, and the tiles' fixed cost is not paid (bench/model_speed.py).
+AMX_MIN_ROWS = 1
+
+# Panel dtypes: fp32 panels are [N/16, K, 16]; bf16 panels [N/16, K/2, 32], a line per input
+# pair (16 outputs x 2 inputs), the order `vdpbf16ps` takes them in (csrc/linear_bf16.c).
+_PANEL_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def pack_panels(weight: torch.Tensor) -> torch.Tensor:
-    """`weight` [N, K] as panels [N/16, K, 16] (panel p, row k: outputs 16p..16p+15 at input k);
+    """`weight` [N, K] as panels (fp32: [N/16, K, 16], panel p, row k holding outputs
+    16p..16p+15 at input k; bf16: [N/16, K/2, 32], the outputs' pairs of inputs 2k, 2k+1);
     call only where panels_supported(weight)."""
     lib, _ = _library()
     w = weight.detach().contiguous()
     n, k = w.shape
+    threads = torch.get_num_threads()
+    if w.dtype == torch.bfloat16:
+        panels = torch.empty(n // PANEL, k // 2, 2 * PANEL, dtype=torch.bfloat16)
+        lib.hm_linear_bf16_pack(w.data_ptr(), n, k, panels.data_ptr(), threads)
+        return panels
     panels = torch.empty(n // PANEL, k, PANEL, dtype=torch.float32)
-    lib.hm_linear_pack(w.data_ptr(), n, k, panels.data_ptr(), torch.get_num_threads())
+    lib.hm_linear_pack(w.data_ptr(), n, k, panels.data_ptr(), threads)
     return panels
+
+
+def panels_shape(panels: torch.Tensor) -> tuple[int, int]:
+    """(N, K) of the weight that `panels` hold."""
+    p, lines, width = panels.shape
+    if panels.dtype == torch.bfloat16:
+        return p * PANEL, lines * 2
+    return p * width, lines
 
 
 def unpack_panels(panels: torch.Tensor) -> torch.Tensor:
     """The [N, K] weight that pack_panels packed (exactly)."""
-    p, k, nr = panels.shape
-    return panels.permute(0, 2, 1).reshape(p * nr, k)
+    n, k = panels_shape(panels)
+    if panels.dtype == torch.bfloat16:
+        p, kh, _ = panels.shape
+        return panels.view(p, kh, PANEL, 2).permute(0, 2, 1, 3).reshape(n, k)
+    return panels.permute(0, 2, 1).reshape(n, k)
 
 
-def _rows(t: torch.Tensor) -> torch.Tensor:
-    """t as fp32 rows [R, last dim] with unit stride along a row (a copy only where needed)."""
+def _rows(t: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """t as rows [R, last dim] of `dtype` with unit stride along a row (a copy only where
+    needed)."""
     rows = t.reshape(-1, t.shape[-1])
-    if rows.dtype != torch.float32 or rows.stride(-1) != 1:
-        rows = rows.float().contiguous()
+    if rows.dtype != dtype or rows.stride(-1) != 1:
+        rows = rows.to(dtype).contiguous()
     return rows
 
 
 def linear_panels(
     x: torch.Tensor, panels: torch.Tensor, add_to: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """x [..., K] times the packed weight's transpose: [..., N] fp32; with `add_to` (fp32
-    [R, N], unit stride along a row) that product is added into it in place, and it is
-    returned."""
+    """x [..., K] times the packed weight's transpose: [..., N] in the panels' dtype (fp32 or
+    bf16; x is taken in that dtype); with `add_to` (that dtype, [R, N], unit stride along a
+    row) that product is added into it in place, and it is returned."""
     lib, _ = _library()
-    p, k, nr = panels.shape
+    n, k = panels_shape(panels)
+    dtype = panels.dtype
     if x.shape[-1] != k:
         raise ValueError(f"linear: x has {x.shape[-1]} features, the weight takes {k}")
-    if panels.data_ptr() % 32 or not panels.is_contiguous():
-        raise ValueError("linear: packed panels must be contiguous and 32-byte aligned")
-    rows = _rows(x)
+    align = 64 if dtype == torch.bfloat16 else 32
+    if panels.data_ptr() % align or not panels.is_contiguous():
+        raise ValueError(f"linear: packed panels must be contiguous and {align}-byte aligned")
+    rows = _rows(x, dtype)
     if add_to is None:
-        out = torch.empty(rows.shape[0], p * nr, dtype=torch.float32)
+        out = torch.empty(rows.shape[0], n, dtype=dtype)
     else:
         out = add_to
-        if out.dtype != torch.float32 or out.shape != (rows.shape[0], p * nr) or out.stride(1) != 1:
+        if out.dtype != dtype or out.shape != (rows.shape[0], n) or out.stride(1) != 1:
             raise ValueError(f"linear: cannot add into {out.dtype} {list(out.shape)}")
     if rows.shape[0]:
-        failed = lib.hm_linear(
-            rows.data_ptr(), rows.stride(0), rows.shape[0], panels.data_ptr(), p * nr, k,
+        args = (
+            rows.data_ptr(), rows.stride(0), rows.shape[0], panels.data_ptr(), n, k,
             out.data_ptr(), out.stride(0), add_to is not None, torch.get_num_threads(),
         )  # fmt: skip
+        if dtype == torch.bfloat16:
+            failed = lib.hm_linear_bf16(*args, AMX_MIN_ROWS)
+        else:
+            failed = lib.hm_linear(*args)
         if failed:
-            raise RuntimeError("linear: the kernel was built without AVX2 + FMA")
-    return out if add_to is not None else out.reshape(*x.shape[:-1], p * nr)
+            raise RuntimeError(f"linear: the kernel was built without its {dtype} path")
+    return out if add_to is not None else out.reshape(*x.shape[:-1], n)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm of fp32 rows x [..., D] by `weight` [D] (fp32), in one pass."""
+    """RMSNorm of rows x [..., D] by `weight` [D], in one pass: fp32 (weight fp32), or bf16
+    (weight bf16; rounded where the reference rounds: the normalised row, then the product)."""
     lib, _ = _library()
-    rows, w = _rows(x), weight.contiguous()
-    out = torch.empty(rows.shape, dtype=torch.float32)
+    dtype = x.dtype if x.dtype == torch.bfloat16 else torch.float32
+    rows, w = _rows(x, dtype), weight.to(dtype).contiguous()
+    out = torch.empty(rows.shape, dtype=dtype)
     d = rows.shape[1]
-    lib.hm_rms_norm(rows.data_ptr(), rows.stride(0), rows.shape[0], d, w.data_ptr(), eps,
-                    out.data_ptr(), d)  # fmt: skip
+    kernel = lib.hm_rms_norm_bf16 if dtype == torch.bfloat16 else lib.hm_rms_norm
+    kernel(rows.data_ptr(), rows.stride(0), rows.shape[0], d, w.data_ptr(), eps,
+           out.data_ptr(), d, torch.get_num_threads())  # fmt: skip
     return out.reshape(x.shape)
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """SwiGLU's silu(gate) * up of fp32 rows [..., 2I] (gate then up): [..., I], in one pass."""
+    """SwiGLU's silu(gate) * up of rows [..., 2I] (gate then up), fp32 or bf16: [..., I], in one
+    pass (bf16: silu rounded, then the product, as the reference's two ops)."""
     lib, _ = _library()
-    rows = _rows(gate_up)
+    dtype = gate_up.dtype if gate_up.dtype == torch.bfloat16 else torch.float32
+    rows = _rows(gate_up, dtype)
     inter = rows.shape[1] // 2
-    out = torch.empty(rows.shape[0], inter, dtype=torch.float32)
-    lib.hm_silu_mul(rows.data_ptr(), rows.stride(0), rows.shape[0], inter, out.data_ptr(), inter)
+    out = torch.empty(rows.shape[0], inter, dtype=dtype)
+    kernel = lib.hm_silu_mul_bf16 if dtype == torch.bfloat16 else lib.hm_silu_mul
+    kernel(rows.data_ptr(), rows.stride(0), rows.shape[0], inter, out.data_ptr(), inter,
+           torch.get_num_threads())  # fmt: skip
     return out.reshape(*gate_up.shape[:-1], inter)

@@ -18,7 +18,10 @@ from model.kv_pool import KVPool
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     """Rotary inverse frequencies [head_dim/2] in fp32, with the checkpoint's scaling applied."""
     d = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    # on the CPU even under a meta-device build: meta arithmetic imports torch._dynamo (and
+    # triton), ~100 MB resident in a server that never compiles
+    steps = torch.arange(0, d, 2, dtype=torch.int64, device="cpu").float()
+    inv_freq = 1.0 / (config.rope_theta ** (steps / d))
     scaling = config.rope_scaling or {}
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     if kind == "default":
@@ -42,12 +45,7 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    if x.dtype == torch.float32:
-        return kernels.rms_norm(x, weight, eps)
-    # Low-precision activations: normalise in fp32 as the reference implementation does.
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
+    return kernels.rms_norm(x, weight, eps)
 
 
 def _heads_first(x: torch.Tensor) -> torch.Tensor:

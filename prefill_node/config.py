@@ -21,9 +21,9 @@ class PrefillConfig:
     dtype: str = "float32"  # float32 | bfloat16 | float16 (weights and KV pool)
     device: str = "auto"  # auto | cpu | cuda | cuda:N (auto: CUDA when present)
     # CPU: the linear weights' packed form (kernels/linear.py; same values, faster matmuls),
-    # panels | onednn | none (onednn: prefills 6-10% faster than panels); dtypes without
-    # a packed path stay plain
-    prepack_weights: str = "onednn"
+    # panels | onednn | auto | none (auto: the faster at prefill sizes, bf16 panels on AMX
+    # tiles, else oneDNN's); dtypes without a packed path stay plain
+    prepack_weights: str = "auto"
     host: str = "127.0.0.1"  # address the gRPC server binds and advertises
     port: int = 0  # 0 = a free port
     metrics_port: int = 0  # Prometheus exporter on this port; 0 = off

@@ -15,7 +15,7 @@ from prefill_node.job import Failure, PrefillJob
 from prefill_node.metrics import PrefillMetrics
 from prefill_node.runner import PrefillRunner
 from protos import halfmoon_pb2 as pb
-from servekit import PrefillTimeModel
+from servekit import IDLE_TRIM_S, PrefillTimeModel, release_freed_heap
 
 log = logging.getLogger(__name__)
 
@@ -129,7 +129,7 @@ class PrefillScheduler:
         waiting: list[PrefillJob] = []  # jobs put off to the next round
         while True:
             if not waiting:
-                job = self._queue.get()
+                job = self._next_job()
                 if job is None:
                     return
                 waiting = [job]
@@ -150,6 +150,15 @@ class PrefillScheduler:
                 batch.append(nxt)
                 tokens += len(nxt.ids)
             waiting = self._round(batch)
+
+    def _next_job(self) -> PrefillJob | None:
+        """The next queued job (None: stop). A queue empty for IDLE_TRIM_S first gets the heap
+        the last rounds freed returned to the system."""
+        try:
+            return self._queue.get(timeout=IDLE_TRIM_S)
+        except queue.Empty:
+            release_freed_heap()
+            return self._queue.get()
 
     def _round(self, batch: list[PrefillJob]) -> list[PrefillJob]:
         """Prepare each job, compute them all together, answer each; the jobs put off."""

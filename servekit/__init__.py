@@ -25,6 +25,7 @@ from servekit.kv_cache import (
 )
 from servekit.cpus import parse_cpu_list, pin_process
 from servekit.memory import (
+    IDLE_TRIM_S,
     MemoryUsage,
     memory_usage,
     release_freed_heap,
@@ -82,6 +83,7 @@ __all__ = [
     "server_interceptors",
     "tenant_salt",
     "Tokens",
+    "IDLE_TRIM_S",
     "MemoryUsage",
     "parse_cpu_list",
     "pin_process",

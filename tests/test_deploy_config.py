@@ -140,7 +140,7 @@ def test_cachegen_and_link_settings_are_checked():
 
 def test_packed_weight_forms_are_checked():
     cfg = load_cluster_config(None, ["decode.prepack_weights=onednn"])
-    assert cfg.decode.prepack_weights == "onednn" and cfg.prefill.prepack_weights == "onednn"
+    assert cfg.decode.prepack_weights == "onednn" and cfg.prefill.prepack_weights == "auto"
     assert load_cluster_config(None, []).decode.prepack_weights == "panels"
     with pytest.raises(ValueError, match=r"PrefillConfig: prepack_weights must be one of none"):
         load_cluster_config(None, ["prefill.prepack_weights=fast"])

@@ -58,6 +58,10 @@ def test_prepack_picks_the_form_each_weight_fits():
     assert kernels.prepack(torch.randn(32, 8)).dim() == (3 if panels_here else 2)
     assert kernels.prepack(torch.randn(30, 8)).is_mkldnn  # outputs no multiple of 16: oneDNN
     assert kernels.prepack(torch.randn(32, 8), "onednn").is_mkldnn  # asked for by name
+    # auto: fp32 takes oneDNN's layout (it prefills faster); bf16 panels only on AMX tiles
+    assert kernels.prepack(torch.randn(32, 8), "auto").is_mkldnn
+    bf16 = kernels.prepack(torch.randn(32, 8, dtype=torch.bfloat16), "auto")
+    assert (bf16.dim() == 3) == native.amx_supported()
     with pytest.raises(ValueError, match="unknown packed form"):
         kernels.prepack(torch.randn(32, 8), "fast")
     half = torch.randn(32, 8, dtype=torch.float16)
@@ -153,3 +157,85 @@ def test_residual_add_and_the_element_wise_steps_equal_torch(rows, pack):
     assert got.shape == (rows, 52)
     assert (got - want).abs().max().item() <= 1e-5 * want.abs().max()
     assert (kernels.silu_mul(gu.t().contiguous().t()) - want).abs().max() <= 1e-5 * want.abs().max()
+
+
+_BF16_PANELS = native.panels_supported(torch.ones(16, 2, dtype=torch.bfloat16))
+
+
+@pytest.mark.skipif(not _BF16_PANELS, reason="no C compiler or no AVX-512 BF16")
+@pytest.mark.parametrize("amx", [True, False], ids=["amx", "vdpbf16ps"])
+@pytest.mark.parametrize("rows", [1, 7, 16, 17, 40])
+def test_bf16_panels_equal_a_bf16_matmul_rounded_once(rows, amx, monkeypatch):
+    """bf16 panels (csrc/linear_bf16.c): products of bf16 values summed in fp32, rounded to bf16
+    once, so each output is the exact product's bf16 rounding or its neighbour; the residual
+    form adds in fp32 before that rounding. Both paths: AMX tiles (where the CPU has them) and
+    `vdpbf16ps`. 80 outputs = 5 panels: an odd panel out of the AMX path's pairs."""
+    if amx and not native._library()[0].hm_linear_bf16_amx_available():
+        pytest.skip("no AMX here")
+    monkeypatch.setattr(native, "AMX_MIN_ROWS", 1 if amx else 1 << 30)
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(80, 64, generator=g).bfloat16()
+    x = torch.randn(rows, 64, generator=g).bfloat16()
+    packed = kernels.prepack(w)
+    assert packed.dtype == torch.bfloat16 and packed.shape == (5, 32, 32)
+    assert torch.equal(kernels.unpack(packed), w)  # the values come back exactly
+    exact = x.double() @ w.double().T
+    out = kernels.linear(x, packed)
+    assert out.dtype == torch.bfloat16 and out.shape == (rows, 80)
+    ulp = exact.abs().clamp_min(1e-3) * 2.0**-7  # one bf16 step at each value
+    assert ((out.double() - exact).abs() <= ulp).all()
+    res = torch.randn(rows, 80, generator=g).bfloat16()
+    summed = res.clone()
+    assert kernels.linear_add_(summed, x, packed) is summed
+    want = res.double() + exact
+    assert ((summed.double() - want).abs() <= want.abs().clamp_min(1e-3) * 2.0**-7).all()
+    # a strided view of x is read right
+    xt = x.t().contiguous().t()
+    assert torch.equal(kernels.linear(xt, packed), out)
+
+
+@pytest.mark.skipif(not _BF16_PANELS, reason="no C compiler or no AVX-512 BF16")
+def test_bf16_packed_model_gives_the_dense_models_tokens():
+    """The bf16 model over panels against the same model unpacked (oneDNN's or torch's bf16
+    matmul): logits within bf16 rounding's reach, the same greedy tokens."""
+    dense = load_model("tiny-random", dtype=torch.bfloat16, prepack="none")
+    packed = load_model("tiny-random", dtype=torch.bfloat16)
+    assert packed.model.layers[0].gate_up_proj.dtype == torch.bfloat16
+    assert packed.model.layers[0].gate_up_proj.dim() == 3  # in panels
+    c = dense.config
+    prompt = torch.randint(3, c.vocab_size, (21,), generator=torch.Generator().manual_seed(3))
+    runs = []
+    for lm in (dense, packed):
+        pool = KVPool(c, 16, 16, dtype=torch.bfloat16)
+        table = pool.allocate(3)
+        logits = [lm.model.prefill(prompt, pool, table, last_only=True)[0]]
+        tok, pos = logits[0].argmax()[None], torch.tensor([21])
+        table_t = torch.tensor([table], dtype=torch.int32)
+        for _ in range(6):
+            logits.append(lm.model.decode(tok, pool, table_t, pos)[0])
+            tok, pos = logits[-1].argmax()[None], pos + 1
+        runs.append(torch.stack(logits))
+    assert (runs[0] - runs[1]).abs().max().item() <= 0.05 * runs[0].abs().max().item()
+    assert torch.equal(runs[0].argmax(-1), runs[1].argmax(-1))
+
+
+@pytest.mark.skipif(not _BF16_PANELS, reason="no C compiler or no AVX-512 BF16")
+@pytest.mark.parametrize("rows,dim", [(1, 576), (16, 64), (3, 17)])
+def test_bf16_element_wise_steps_round_where_the_reference_rounds(rows, dim):
+    """bf16 RMSNorm and SiLU-and-mul in one C pass each give the reference's bf16 results (HF
+    over torch's bf16 ops: normalise in fp32, round, times the weight, round; silu rounded,
+    times up, rounded): equal, but for a sum of squares taken in another order, which may move
+    a value by one bf16 step. A 17-wide row takes the kernels' scalar tails."""
+    g = torch.Generator().manual_seed(dim)
+    x = (3 * torch.randn(rows, dim, generator=g)).bfloat16()
+    w = torch.randn(dim, generator=g).bfloat16()
+    xf = x.float()
+    want = w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5)).bfloat16()
+    got = kernels.rms_norm(x, w, 1e-5)
+    assert got.dtype == torch.bfloat16
+    step = want.float().abs().clamp_min(1e-30) * 2.0**-7
+    assert ((got.float() - want.float()).abs() <= step).all()
+    assert (got == want).float().mean().item() >= 0.99
+    gu = (4 * torch.randn(rows, 2 * dim, generator=g)).bfloat16()
+    gate, up = gu.chunk(2, dim=-1)
+    assert torch.equal(kernels.silu_mul(gu), F.silu(gate) * up)

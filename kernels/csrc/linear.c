@@ -27,6 +27,9 @@
 
 #define HM_NR 16 /* outputs per panel */
 #define HM_MR 6  /* rows of x per micro-kernel call */
+/* Element-wise steps split rows among threads from this many rows up (a prefill chunk); a decode
+ * batch's few rows cost less than waking the threads. */
+#define HM_PARALLEL_ROWS 64
 #ifndef HM_X_BLOCK_BYTES
 #define HM_X_BLOCK_BYTES (192 * 1024) /* rows of x worked on at once: about half an L2 */
 #endif
@@ -146,7 +149,8 @@ int hm_linear_available(void) {
 /* out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * w, for `rows` rows of `dim` (row strides ldx,
  * ldo). */
 void hm_rms_norm(const float *x, int64_t ldx, int rows, int dim, const float *w, float eps,
-                 float *out, int64_t ldo) {
+                 float *out, int64_t ldo, int threads) {
+#pragma omp parallel for num_threads(threads) if (rows >= HM_PARALLEL_ROWS) schedule(static)
   for (int r = 0; r < rows; r++) {
     const float *xr = x + r * ldx;
     float *o = out + r * ldo;
@@ -160,7 +164,9 @@ void hm_rms_norm(const float *x, int64_t ldx, int rows, int dim, const float *w,
 }
 
 /* out[r][i] = silu(gu[r][i]) * gu[r][inter + i]: SwiGLU's gate and up halves of one matmul. */
-void hm_silu_mul(const float *gu, int64_t ldg, int rows, int inter, float *out, int64_t ldo) {
+void hm_silu_mul(const float *gu, int64_t ldg, int rows, int inter, float *out, int64_t ldo,
+                 int threads) {
+#pragma omp parallel for num_threads(threads) if (rows >= HM_PARALLEL_ROWS) schedule(static)
   for (int r = 0; r < rows; r++) {
     const float *g = gu + r * ldg, *u = g + inter;
     float *o = out + r * ldo;

@@ -1,0 +1,357 @@
+/* y = x W^T on the CPU in bf16 (AVX-512 BF16), against a weight packed into panels of 16
+ * outputs: linear.c's panels, for the CPUs whose fast dtype is bf16.
+ *
+ * Why: at decode batch sizes (1-32 rows) oneDNN's packed bf16 path runs well below the memory
+ * bound at one row and below the arithmetic bound at sixteen (kernels/linear.py has the
+ * figures); this kernel streams each weight once and spends one `vdpbf16ps` (32 multiply-adds)
+ * per row per 64-byte line.
+ *
+ * Layout: W [N, K] (N a multiple of 16, K even) is held as panels P[N/16][K/2][16][2]: panel p,
+ * line kp holds W[16p + j][2kp + t] at [j][t], 64 bytes. `vdpbf16ps` multiplies a line by one
+ * pair (x[r][2kp], x[r][2kp + 1]) broadcast to every lane and adds both products into 16 fp32
+ * accumulators, so x stays bf16 and the sums are fp32 (as oneDNN's bf16 matmul). The output is
+ * rounded to bf16 once, after the residual (if any) is added in fp32.
+ */
+
+#define _GNU_SOURCE /* syscall(): asking the kernel for the AMX tile state */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
+#include "hm_exp.h"
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
+#define HM_NR 16 /* outputs per panel */
+/* Element-wise steps split rows among threads from this many rows up (a prefill chunk); a decode
+ * batch's few rows cost less than waking the threads. */
+#define HM_PARALLEL_ROWS 64
+#define HM_MR 8  /* rows of x per micro-kernel call */
+#ifndef HM_X_BLOCK_BYTES
+#define HM_X_BLOCK_BYTES (192 * 1024) /* rows of x worked on at once: about half an L2 */
+#endif
+
+/* panels[N/16][K/2][16][2] from w [N, K] (row-major bf16 bits). */
+void hm_linear_bf16_pack(const uint16_t *w, int n, int k, uint16_t *panels, int threads) {
+  const int kh = k / 2;
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int p = 0; p < n / HM_NR; p++)
+    for (int kp = 0; kp < kh; kp++)
+      for (int j = 0; j < HM_NR; j++)
+        for (int t = 0; t < 2; t++)
+          panels[(((int64_t)p * kh + kp) * HM_NR + j) * 2 + t] =
+              w[((int64_t)p * HM_NR + j) * k + 2 * kp + t];
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+static inline __m512 hm_bf16_to_ps(const uint16_t *src) {
+  const __m256i v = _mm256_loadu_si256((const __m256i *)src);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
+}
+
+/* The pair x[r][2kp], x[r][2kp + 1] in every 32-bit lane. */
+static inline __m512bh hm_pair(const uint16_t *xr, int kp) {
+  int32_t pair;
+  memcpy(&pair, xr + 2 * kp, sizeof pair);
+  return (__m512bh)_mm512_set1_epi32(pair);
+}
+
+#define HM_ROW_LOAD(MR, r) \
+  if ((MR) > (r) && add) a##r = hm_bf16_to_ps(out + (r) * ldo);
+#define HM_ROW_STEP(MR, r) \
+  if ((MR) > (r)) a##r = _mm512_dpbf16_ps(a##r, hm_pair(x + (r) * ldx, kp), wv);
+#define HM_ROW_STORE(MR, r)                                                  \
+  if ((MR) > (r)) {                                                          \
+    const __m256bh o = _mm512_cvtneps_pbh(a##r);                             \
+    memcpy(out + (r) * ldo, &o, sizeof o);                                   \
+  }
+/* MR rows of x [.., K] (row stride ldx) times one panel into out (row stride ldo), added to
+ * what out holds when `add`; `next`: the panel to prefetch a line of per kp, or NULL. Named
+ * accumulators, so that they stay in registers. */
+#define HM_MICRO(MR)                                                                          \
+  static void hm_micro_bf16_##MR(const uint16_t *x, int64_t ldx, const uint16_t *panel,       \
+                                 int kh, uint16_t *out, int64_t ldo, const uint16_t *next,    \
+                                 int add) {                                                   \
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0;    \
+    __m512 a7 = a0;                                                                           \
+    HM_ROW_LOAD(MR, 0) HM_ROW_LOAD(MR, 1) HM_ROW_LOAD(MR, 2) HM_ROW_LOAD(MR, 3)               \
+    HM_ROW_LOAD(MR, 4) HM_ROW_LOAD(MR, 5) HM_ROW_LOAD(MR, 6) HM_ROW_LOAD(MR, 7)               \
+    for (int kp = 0; kp < kh; kp++) {                                                         \
+      const __m512bh wv = (__m512bh)_mm512_load_si512(panel + (int64_t)kp * 2 * HM_NR);       \
+      if (next) _mm_prefetch((const char *)(next + (int64_t)kp * 2 * HM_NR), _MM_HINT_T0);    \
+      HM_ROW_STEP(MR, 0) HM_ROW_STEP(MR, 1) HM_ROW_STEP(MR, 2) HM_ROW_STEP(MR, 3)             \
+      HM_ROW_STEP(MR, 4) HM_ROW_STEP(MR, 5) HM_ROW_STEP(MR, 6) HM_ROW_STEP(MR, 7)             \
+    }                                                                                         \
+    HM_ROW_STORE(MR, 0) HM_ROW_STORE(MR, 1) HM_ROW_STORE(MR, 2) HM_ROW_STORE(MR, 3)           \
+    HM_ROW_STORE(MR, 4) HM_ROW_STORE(MR, 5) HM_ROW_STORE(MR, 6) HM_ROW_STORE(MR, 7)           \
+  }
+HM_MICRO(1)
+HM_MICRO(2)
+HM_MICRO(3)
+HM_MICRO(4)
+HM_MICRO(5)
+HM_MICRO(6)
+HM_MICRO(7)
+HM_MICRO(8)
+
+typedef void (*hm_micro_bf16_fn)(const uint16_t *, int64_t, const uint16_t *, int, uint16_t *,
+                                 int64_t, const uint16_t *, int);
+static const hm_micro_bf16_fn hm_micros_bf16[HM_MR + 1] = {
+    NULL,           hm_micro_bf16_1, hm_micro_bf16_2, hm_micro_bf16_3, hm_micro_bf16_4,
+    hm_micro_bf16_5, hm_micro_bf16_6, hm_micro_bf16_7, hm_micro_bf16_8};
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+/* AMX: a panel's lines are already the B operand of `tdpbf16ps` (16 lines of 64 bytes: 32
+ * inputs' pairs for 16 outputs), and 16 rows of x, 32 inputs each, read in place, the A operand.
+ * One instruction does 16 x 16 x 32 multiply-adds, ~16x a `vdpbf16ps`: at 8 or more rows the
+ * dot-product path above is bound by its arithmetic, the tiles are not. Two panels share each
+ * A tile. Tiles: 0, 1 accumulate (fp32 16 x 16), 2 holds x, 3 and 4 the two panels' lines.
+ * (Two A tiles against the same two panels, four accumulators, measured slower: 700 against
+ * 1,050 GFLOP/s at 512 rows.) */
+#define HM_AMX_K 32 /* inputs per tile step */
+
+typedef struct {
+  uint8_t palette, start_row, reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+} hm_tilecfg;
+
+static int hm_amx_ready = -1; /* -1 unknown, 0 refused, 1 granted (per process) */
+
+/* Ask the kernel (Linux >= 5.16) for this process's AMX tile state; 1 when granted. */
+static int hm_amx_request(void) {
+  if (hm_amx_ready < 0) {
+    const long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+    hm_amx_ready = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+  }
+  return hm_amx_ready;
+}
+
+static void hm_amx_config(int rows) {
+  hm_tilecfg cfg;
+  memset(&cfg, 0, sizeof cfg);
+  cfg.palette = 1;
+  for (int t = 0; t < 5; t++) cfg.colsb[t] = 64;
+  cfg.rows[0] = cfg.rows[1] = cfg.rows[2] = (uint8_t)rows; /* accumulators and x: `rows` */
+  cfg.rows[3] = cfg.rows[4] = 16;                          /* a panel's 16 lines */
+  _tile_loadconfig(&cfg);
+}
+
+/* acc (rows x 16 fp32, row stride 16) into out's 16 columns (row stride ldo), added to what out
+ * holds when `add`, rounded to bf16 once. */
+static void hm_amx_store(const float *acc, int rows, uint16_t *out, int64_t ldo, int add) {
+  for (int r = 0; r < rows; r++) {
+    __m512 v = _mm512_loadu_ps(acc + r * 16);
+    if (add) v = _mm512_add_ps(v, hm_bf16_to_ps(out + r * ldo));
+    const __m256bh o = _mm512_cvtneps_pbh(v);
+    memcpy(out + r * ldo, &o, sizeof o);
+  }
+}
+
+static void hm_linear_bf16_amx(const uint16_t *x, int64_t ldx, int m, const uint16_t *panels,
+                               int np, int k, uint16_t *out, int64_t ldo, int add, int threads) {
+  const int kh = k / 2, pairs = (np + 1) / 2;
+  const int64_t panel_elems = (int64_t)kh * 2 * HM_NR;
+#pragma omp parallel num_threads(threads)
+  {
+    float acc[2][16 * 16] __attribute__((aligned(64)));
+    int configured = 0;
+#pragma omp for schedule(static)
+    for (int g = 0; g < pairs; g++) {
+      const int p0 = 2 * g, two = p0 + 1 < np;
+      const uint16_t *b0 = panels + p0 * panel_elems, *b1 = b0 + panel_elems;
+      /* the next pair lies right after this one: its first panel's lines kk.. are prefetched
+       * with this pair's step kk, the second's as the first's next 2 KB (the pairs' panels are
+       * contiguous, so a step covers 2 KB of the pair that follows, from both of its panels) */
+      const uint16_t *next = b0 + 2 * panel_elems;
+      int prefetch = p0 + 2 < np;
+      for (int r0 = 0; r0 < m; r0 += 16, prefetch = 0) {
+        const int rows = m - r0 < 16 ? m - r0 : 16;
+        if (configured != rows) {
+          hm_amx_config(rows);
+          configured = rows;
+        }
+        const uint16_t *xr = x + (int64_t)r0 * ldx;
+        _tile_zero(0);
+        _tile_zero(1);
+        for (int kk = 0; kk < k; kk += HM_AMX_K) {
+          if (prefetch) /* the next pair's lines of this step: 2 KB, in flight while these work */
+            for (int line = 0; line < 2 * 16 * 64; line += 64)
+              _mm_prefetch((const char *)(next + (int64_t)kk * 2 * HM_NR) + line, _MM_HINT_T0);
+          _tile_loadd(2, xr + kk, ldx * 2);
+          _tile_loadd(3, b0 + (int64_t)kk * HM_NR, 64);
+          _tile_dpbf16ps(0, 2, 3);
+          if (two) {
+            _tile_loadd(4, b1 + (int64_t)kk * HM_NR, 64);
+            _tile_dpbf16ps(1, 2, 4);
+          }
+        }
+        _tile_stored(0, acc[0], 64);
+        hm_amx_store(acc[0], rows, out + (int64_t)r0 * ldo + p0 * HM_NR, ldo, add);
+        if (two) {
+          _tile_stored(1, acc[1], 64);
+          hm_amx_store(acc[1], rows, out + (int64_t)r0 * ldo + (p0 + 1) * HM_NR, ldo, add);
+        }
+      }
+    }
+    if (configured) _tile_release();
+  }
+}
+#endif
+
+/* out [M, N] bf16 (row stride ldo) = x [M, K] bf16 (row stride ldx) times the panels' W^T, or
+ * out += that when `add` (a residual connection in the same pass). The panels must be 64-byte
+ * aligned. AMX tiles where the CPU has them and K is a multiple of 32 (from `amx_min_rows` rows
+ * up), else `vdpbf16ps`. Returns 0 (1: built without AVX-512 BF16, nothing written). */
+int hm_linear_bf16(const uint16_t *x, int64_t ldx, int m, const uint16_t *panels, int n, int k,
+                   uint16_t *out, int64_t ldo, int add, int threads, int amx_min_rows) {
+  const int np = n / HM_NR, kh = k / 2;
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  if (m >= amx_min_rows && k % HM_AMX_K == 0 && hm_amx_request()) {
+    hm_linear_bf16_amx(x, ldx, m, panels, np, k, out, ldo, add, threads);
+    return 0;
+  }
+#else
+  (void)amx_min_rows;
+#endif
+  int mb = (int)(HM_X_BLOCK_BYTES / ((int64_t)k * 2)) / HM_MR * HM_MR;
+  mb = mb < HM_MR ? HM_MR : mb;
+  for (int m0 = 0; m0 < m; m0 += mb) {
+    const int rows = m - m0 < mb ? m - m0 : mb;
+    const uint16_t *xb = x + (int64_t)m0 * ldx;
+    uint16_t *ob = out + (int64_t)m0 * ldo;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int p = 0; p < np; p++) {
+      const uint16_t *panel = panels + (int64_t)p * kh * 2 * HM_NR;
+      const uint16_t *next = p + 1 < np ? panel + (int64_t)kh * 2 * HM_NR : NULL;
+      uint16_t *o = ob + (int64_t)p * HM_NR;
+      for (int r = 0; r < rows; r += HM_MR, next = NULL) { /* the first pass prefetches */
+        const int mr = rows - r < HM_MR ? rows - r : HM_MR;
+        hm_micros_bf16[mr](xb + r * ldx, ldx, panel, kh, o + r * ldo, ldo, next, add);
+      }
+    }
+  }
+  return 0;
+}
+
+/* 1 when hm_linear_bf16 can use AMX tiles here (built with them, and the kernel grants them). */
+int hm_linear_bf16_amx_available(void) {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  return hm_amx_request();
+#else
+  return 0;
+#endif
+}
+
+
+/* ---- the element-wise steps around the matmuls, for bf16 rows (linear.c has the fp32 ones) ----
+ * Each value is rounded to bf16 where the reference implementation (HF, over torch's bf16 ops)
+ * rounds it, so that the results are the same bits up to the order of a sum. */
+
+static inline float hm_bf16_scalar(uint16_t h) {
+  const uint32_t bits = (uint32_t)h << 16;
+  float f;
+  memcpy(&f, &bits, 4);
+  return f;
+}
+
+/* fp32 -> bf16, round to nearest even (as torch's conversion; NaN kept a NaN). */
+static inline uint16_t hm_round_bf16(float f) {
+  uint32_t bits;
+  memcpy(&bits, &f, 4);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40);
+  return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+
+static inline __m512 hm_round_ps(__m512 v) { /* v rounded to bf16, back in fp32 */
+  const __m256bh h = _mm512_cvtneps_pbh(v);
+  __m256i bits;
+  memcpy(&bits, &h, sizeof bits);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+
+static inline void hm_store_bf16(uint16_t *dst, __m512 v) {
+  const __m256bh h = _mm512_cvtneps_pbh(v);
+  memcpy(dst, &h, sizeof h);
+}
+
+/* out[r] = w * bf16(x[r] / sqrt(mean(x[r]^2) + eps)), the sum of squares in fp32. */
+void hm_rms_norm_bf16(const uint16_t *x, int64_t ldx, int rows, int dim, const uint16_t *w,
+                      float eps, uint16_t *out, int64_t ldo, int threads) {
+#pragma omp parallel for num_threads(threads) if (rows >= HM_PARALLEL_ROWS) schedule(static)
+  for (int r = 0; r < rows; r++) {
+    const uint16_t *xr = x + r * ldx;
+    uint16_t *o = out + r * ldo;
+    __m512 acc = _mm512_setzero_ps();
+    int i = 0;
+    for (; i + 16 <= dim; i += 16) {
+      const __m512 v = hm_bf16_to_ps(xr + i);
+      acc = _mm512_fmadd_ps(v, v, acc);
+    }
+    float ss = _mm512_reduce_add_ps(acc);
+    for (int j = i; j < dim; j++) ss += hm_bf16_scalar(xr[j]) * hm_bf16_scalar(xr[j]);
+    const float inv = 1.0f / sqrtf(ss / (float)dim + eps);
+    const __m512 vinv = _mm512_set1_ps(inv);
+    for (i = 0; i + 16 <= dim; i += 16) {
+      const __m512 n = hm_round_ps(_mm512_mul_ps(hm_bf16_to_ps(xr + i), vinv));
+      hm_store_bf16(o + i, _mm512_mul_ps(n, hm_bf16_to_ps(w + i)));
+    }
+    for (; i < dim; i++) {
+      const float n = hm_bf16_scalar(hm_round_bf16(hm_bf16_scalar(xr[i]) * inv));
+      o[i] = hm_round_bf16(n * hm_bf16_scalar(w[i]));
+    }
+  }
+}
+
+/* out[r][i] = bf16(bf16(silu(g)) * u) for g = gu[r][i], u = gu[r][inter + i]. */
+void hm_silu_mul_bf16(const uint16_t *gu, int64_t ldg, int rows, int inter, uint16_t *out,
+                      int64_t ldo, int threads) {
+#pragma omp parallel for num_threads(threads) if (rows >= HM_PARALLEL_ROWS) schedule(static)
+  for (int r = 0; r < rows; r++) {
+    const uint16_t *g = gu + r * ldg, *u = g + inter;
+    uint16_t *o = out + r * ldo;
+    int i = 0;
+    const __m512 one = _mm512_set1_ps(1.0f);
+    for (; i + 16 <= inter; i += 16) {
+      const __m512 gv = hm_bf16_to_ps(g + i);
+      const __m512 e = hm_exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv));
+      const __m512 sv = hm_round_ps(_mm512_div_ps(gv, _mm512_add_ps(one, e)));
+      hm_store_bf16(o + i, _mm512_mul_ps(sv, hm_bf16_to_ps(u + i)));
+    }
+    for (; i < inter; i++) {
+      const float gf = hm_bf16_scalar(g[i]);
+      const float sf = hm_bf16_scalar(hm_round_bf16(gf / (1.0f + expf(-gf))));
+      o[i] = hm_round_bf16(sf * hm_bf16_scalar(u[i]));
+    }
+  }
+}
+
+int hm_linear_bf16_available(void) { return 1; }
+#else
+int hm_linear_bf16(const uint16_t *x, int64_t ldx, int m, const uint16_t *panels, int n, int k,
+                   uint16_t *out, int64_t ldo, int add, int threads, int amx_min_rows) {
+  (void)x, (void)ldx, (void)m, (void)panels, (void)n, (void)k, (void)out, (void)ldo, (void)add;
+  (void)threads, (void)amx_min_rows;
+  return 1;
+}
+
+int hm_linear_bf16_amx_available(void) { return 0; }
+
+void hm_rms_norm_bf16(const uint16_t *x, int64_t ldx, int rows, int dim, const uint16_t *w,
+                      float eps, uint16_t *out, int64_t ldo, int threads) {
+  (void)x, (void)ldx, (void)rows, (void)dim, (void)w, (void)eps, (void)out, (void)ldo;
+  (void)threads;
+}
+
+void hm_silu_mul_bf16(const uint16_t *gu, int64_t ldg, int rows, int inter, uint16_t *out,
+                      int64_t ldo, int threads) {
+  (void)gu, (void)ldg, (void)rows, (void)inter, (void)out, (void)ldo, (void)threads;
+}
+
+/* 1 when hm_linear_bf16 was built with its AVX-512 BF16 path. */
+int hm_linear_bf16_available(void) { return 0; }
+#endif
