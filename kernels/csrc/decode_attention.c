@@ -63,7 +63,14 @@ static inline const float *hm_row(const void *src, int dtype, int n, float *buf)
   if (dtype == HM_F32) return (const float *)src;
   const uint16_t *s = (const uint16_t *)src;
   if (dtype == HM_BF16) {
-    for (int i = 0; i < n; i++) {
+    int i0 = 0;
+#ifdef __AVX512F__
+    for (; i0 + 16 <= n; i0 += 16) { /* bf16 is fp32's top half: widen by a shift */
+      const __m256i h = _mm256_loadu_si256((const __m256i *)(s + i0));
+      _mm512_storeu_ps(buf + i0, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
+    }
+#endif
+    for (int i = i0; i < n; i++) {
       uint32_t bits = (uint32_t)s[i] << 16;
       memcpy(buf + i, &bits, 4);
     }
@@ -221,11 +228,21 @@ typedef struct {
   float *scratch;     /* [2][d] (KIVI scales and zeros) */
 } hm_state;
 
+/* Each thread's scratch, kept from call to call: a decode step calls the kernel once per layer,
+ * and a fresh ~150 KB per work item (past malloc's mmap threshold) cost page faults every time. */
+static _Thread_local float *hm_scratch;
+static _Thread_local size_t hm_scratch_floats;
+
 static int hm_begin(hm_state *st, const float *q, int rows, int group, int d, float scale) {
   const size_t n = (size_t)rows * d * 2 + (size_t)rows * (2 + HM_MAX_BS) +
                    (size_t)HM_MAX_BS * d * 2 + (size_t)group * d + 2 * (size_t)d;
-  float *mem = (float *)malloc(n * sizeof(float));
-  if (!mem) return 0;
+  if (n > hm_scratch_floats) {
+    float *grown = (float *)realloc(hm_scratch, n * sizeof(float));
+    if (!grown) return 0;
+    hm_scratch = grown;
+    hm_scratch_floats = n;
+  }
+  float *mem = hm_scratch;
   st->rows = rows;
   st->d = d;
   st->q = mem;
@@ -293,7 +310,6 @@ static void hm_finish(hm_state *st, float *out, float *lse) {
     for (int i = 0; i < st->d; i++) out[(size_t)r * st->d + i] = acc[i] * inv;
     lse[r] = st->l[r] > 0.0f ? st->m[r] + logf(st->l[r]) : -INFINITY;
   }
-  free(st->q);
 }
 
 /* Softmax and values of one block-head: rows [h*g, h*g + g) over n value rows v. */
@@ -322,10 +338,10 @@ typedef struct {
   int bits, gk, vg, gv;
 } hm_kivi_pool;
 
-/* Sequence b's `len` tokens of a full pool, block by block, all heads per block (a block is read
- * whole while it is in cache). 0, or 1 if its table names a block outside the pool. */
+/* KV head h of sequence b's `len` tokens of a full pool, block by block; the state holds that
+ * head's g query rows. 0, or 1 if the table names a block outside the pool. */
 static int hm_full_blocks(hm_state *st, const hm_full_pool *p, const int32_t *table, int len,
-                          int kv_heads, int g, int block_size) {
+                          int h, int g, int block_size) {
   const int d = st->d;
   const int64_t esize = p->dtype == HM_F32 ? 4 : 2;
   const float *krow[HM_MAX_BS], *vrow[HM_MAX_BS];
@@ -334,23 +350,23 @@ static int hm_full_blocks(hm_state *st, const hm_full_pool *p, const int32_t *ta
     if (blk < 0 || blk >= p->num_blocks) return 1;
     const int n = len - j * block_size < block_size ? len - j * block_size : block_size;
     if ((j + 1) * block_size < len && table[j + 1] >= 0 && table[j + 1] < p->num_blocks) {
-      const int64_t next = table[j + 1] * p->blk_stride * esize;
-      const int64_t span = ((int64_t)(block_size - 1) * p->tok_stride +
-                            (int64_t)(kv_heads - 1) * p->head_stride + d) * esize;
-      hm_prefetch((const char *)p->k + next, span);
-      hm_prefetch((const char *)p->v + next, span);
-    }
-    for (int h = 0; h < kv_heads; h++) {
-      const int64_t base = blk * p->blk_stride + (int64_t)h * p->head_stride;
-      for (int t = 0; t < n; t++) {
-        const int64_t off = (base + t * p->tok_stride) * esize;
-        krow[t] = hm_row((const char *)p->k + off, p->dtype, d, st->kbuf + (size_t)t * d);
-        vrow[t] = hm_row((const char *)p->v + off, p->dtype, d, st->vbuf + (size_t)t * d);
+      /* the next block's rows of this head only (a row is d values; the other heads' rows
+       * between them are other work items') */
+      const int64_t next = (table[j + 1] * p->blk_stride + (int64_t)h * p->head_stride) * esize;
+      for (int t = 0; t < block_size; t++) {
+        hm_prefetch((const char *)p->k + next + t * p->tok_stride * esize, d * esize);
+        hm_prefetch((const char *)p->v + next + t * p->tok_stride * esize, d * esize);
       }
-      for (int r = h * g; r < h * g + g; r++)
-        hm_scores(st->q + (size_t)r * d, krow, n, d, 0.0f, st->s + (size_t)r * HM_MAX_BS);
-      hm_block_values(st, h, g, n, vrow);
     }
+    const int64_t base = blk * p->blk_stride + (int64_t)h * p->head_stride;
+    for (int t = 0; t < n; t++) {
+      const int64_t off = (base + t * p->tok_stride) * esize;
+      krow[t] = hm_row((const char *)p->k + off, p->dtype, d, st->kbuf + (size_t)t * d);
+      vrow[t] = hm_row((const char *)p->v + off, p->dtype, d, st->vbuf + (size_t)t * d);
+    }
+    for (int r = 0; r < g; r++)
+      hm_scores(st->q + (size_t)r * d, krow, n, d, 0.0f, st->s + (size_t)r * HM_MAX_BS);
+    hm_block_values(st, 0, g, n, vrow);
   }
   return 0;
 }
@@ -358,7 +374,7 @@ static int hm_full_blocks(hm_state *st, const hm_full_pool *p, const int32_t *ta
 /* Sequence b's `len` tokens of a KIVI pool. Keys: q . k = (q * scale) . code + q . zero, per
  * key group, so keys are never dequantized; values are rebuilt a row at a time. */
 static int hm_kivi_blocks(hm_state *st, const hm_kivi_pool *p, const int32_t *table, int len,
-                          int kv_heads, int g, int block_size) {
+                          int kv_heads, int h, int g, int block_size) {
   const int d = st->d, packed = d * p->bits / 8, gk = p->gk, vg = p->vg;
   const float *krow[HM_MAX_BS], *vrow[HM_MAX_BS];
   float *sc = st->scratch, *zr = st->scratch + d;
@@ -381,7 +397,7 @@ static int hm_kivi_blocks(hm_state *st, const hm_kivi_pool *p, const int32_t *ta
       for (int f = 0; f < 6; f++) /* this layer's part of the field, C-contiguous in a block (the
                                      block stride may span every layer of a packed record) */
         hm_prefetch((const char *)p->ptr[f] + table[j + 1] * p->blk_bytes[f], field_bytes[f]);
-    for (int h = 0; h < kv_heads; h++) {
+    {
       for (int t = 0; t < n; t++) {
         float *kr = st->kbuf + (size_t)t * d, *vr = st->vbuf + (size_t)t * d;
         hm_unpack(kc + ((int64_t)t * kv_heads + h) * packed, p->bits, d, kr);
@@ -398,14 +414,14 @@ static int hm_kivi_blocks(hm_state *st, const hm_kivi_pool *p, const int32_t *ta
         const int m = n - t0 < gk ? n - t0 : gk;
         hm_halves(ks + off, d, sc);
         hm_halves(kz + off, d, zr);
-        for (int r = h * g; r < h * g + g; r++) {
+        for (int r = 0; r < g; r++) {
           const float *qr = st->q + (size_t)r * d;
-          float *qs = st->qs + (size_t)(r - h * g) * d;
+          float *qs = st->qs + (size_t)r * d;
           for (int i = 0; i < d; i++) qs[i] = qr[i] * sc[i];
           hm_scores(qs, krow + t0, m, d, hm_dot(qr, zr, d), st->s + (size_t)r * HM_MAX_BS + t0);
         }
       }
-      hm_block_values(st, h, g, n, vrow);
+      hm_block_values(st, 0, g, n, vrow);
     }
   }
   return 0;
@@ -413,15 +429,18 @@ static int hm_kivi_blocks(hm_state *st, const hm_kivi_pool *p, const int32_t *ta
 
 /* The three entry points: over a full pool, a KIVI pool, or a KIVI pool then each sequence's
  * full-precision window (one online softmax over both: the exact merge, in place). One work item
- * is one sequence with all its heads. Outputs out [B, QH, D], lse [B, QH] fp32. Returns 0, 1 + the
- * index of a sequence whose table names a block outside its pool, or -1 when out of memory. */
+ * is one (sequence b, KV head h) with that head's g query rows: a single sequence still keeps
+ * every thread busy. Outputs out [B, QH, D], lse [B, QH] fp32. Returns 0, 1 + the index of a
+ * sequence whose table names a block outside its pool, or -1 when out of memory. */
 #define HM_SEQUENCES(BODY)                                                                   \
   const int g = q_heads / kv_heads;                                                          \
   int bad = 0;                                                                               \
   _Pragma("omp parallel for num_threads(threads) schedule(dynamic)")                         \
-  for (int b = 0; b < batch; b++) {                                                          \
+  for (int item = 0; item < batch * kv_heads; item++) {                                      \
+    const int b = item / kv_heads, h = item % kv_heads;                                      \
+    const int64_t row0 = (int64_t)b * q_heads + (int64_t)h * g; /* its first query row */     \
     hm_state st;                                                                             \
-    if (!hm_begin(&st, q + (int64_t)b * q_heads * head_dim, q_heads, g, head_dim, scale)) {  \
+    if (!hm_begin(&st, q + row0 * head_dim, g, g, head_dim, scale)) {                        \
       _Pragma("omp atomic write") bad = -1;                                                  \
       continue;                                                                              \
     }                                                                                        \
@@ -430,7 +449,7 @@ static int hm_kivi_blocks(hm_state *st, const hm_kivi_pool *p, const int32_t *ta
     if (fail) {                                                                              \
       _Pragma("omp atomic write") bad = b + 1;                                               \
     }                                                                                        \
-    hm_finish(&st, out + (int64_t)b * q_heads * head_dim, lse + (int64_t)b * q_heads);       \
+    hm_finish(&st, out + row0 * head_dim, lse + row0);                                       \
   }                                                                                          \
   return bad;
 
@@ -441,8 +460,8 @@ int hm_paged_attention_full(const float *q, const void *k, const void *v, int dt
                             int head_dim, int block_size, float scale, int threads, float *out,
                             float *lse) {
   const hm_full_pool pool = {k, v, dtype, num_blocks, blk_stride, tok_stride, head_stride};
-  HM_SEQUENCES(fail = hm_full_blocks(&st, &pool, tables + (int64_t)b * table_stride, lens[b],
-                                     kv_heads, g, block_size);)
+  HM_SEQUENCES(fail = hm_full_blocks(&st, &pool, tables + (int64_t)b * table_stride, lens[b], h,
+                                     g, block_size);)
 }
 
 int hm_paged_attention_kivi(const float *q, const void *const *ptr, const int64_t *blk_bytes,
@@ -452,7 +471,7 @@ int hm_paged_attention_kivi(const float *q, const void *const *ptr, const int64_
                             float scale, int threads, float *out, float *lse) {
   const hm_kivi_pool pool = {ptr, blk_bytes, num_blocks, bits, gk, vg, gv};
   HM_SEQUENCES(fail = hm_kivi_blocks(&st, &pool, tables + (int64_t)b * table_stride, lens[b],
-                                     kv_heads, g, block_size);)
+                                     kv_heads, h, g, block_size);)
 }
 
 int hm_paged_attention_kivi_window(
@@ -466,8 +485,8 @@ int hm_paged_attention_kivi_window(
   const hm_full_pool window = {wk,           wv,           wdtype,       w_num_blocks,
                                w_blk_stride, w_tok_stride, w_head_stride};
   HM_SEQUENCES(
-      fail = hm_kivi_blocks(&st, &pool, tables + (int64_t)b * table_stride, lens[b], kv_heads, g,
-                            block_size) ||
-             hm_full_blocks(&st, &window, w_tables + (int64_t)b * w_table_stride, w_lens[b],
-                            kv_heads, g, w_block_size);)
+      fail = hm_kivi_blocks(&st, &pool, tables + (int64_t)b * table_stride, lens[b], kv_heads, h,
+                            g, block_size) ||
+             hm_full_blocks(&st, &window, w_tables + (int64_t)b * w_table_stride, w_lens[b], h, g,
+                            w_block_size);)
 }
