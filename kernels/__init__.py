@@ -33,6 +33,7 @@ from kernels.linear import (
     prepack_supported,
     tensor_nbytes,
     rms_norm,
+    rope_,
     silu_mul,
     unpack,
 )
@@ -75,6 +76,7 @@ __all__ = [
     "prepack",
     "prepack_supported",
     "rms_norm",
+    "rope_",
     "scatter_blocks",
     "silu_mul",
     "tensor_nbytes",

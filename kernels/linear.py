@@ -133,6 +133,17 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding of x [N, heads, D] in place (rotate-half layout, as HF) by cos/sin
+    [N, 1, D/2] of x's dtype: one C pass where the kernels take it (fp32, or bf16 with the
+    library's AVX-512 BF16 path, unit stride along D), else torch's ops. Returns x."""
+    ok = cos.dtype == sin.dtype == x.dtype and x.stride(-1) == 1 and x.dim() == 3
+    if ok and _native_rows(x, cos, sin):
+        return native.rope_(x, cos, sin)
+    x1, x2 = x.chunk(2, dim=-1)
+    return x.copy_(torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1))
+
+
 def unpack(weight: torch.Tensor) -> torch.Tensor:
     """A plain [N, K] tensor with the weight's values (the weight itself when it is plain)."""
     if weight.is_mkldnn:

@@ -42,8 +42,10 @@ log = logging.getLogger("halfmoon.kernels")
 # One library of both: the decode attention, and the small-batch linear of packed panels (with
 # the element-wise steps around it); the headers they include count towards the cache key.
 _CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = (_CSRC / "decode_attention.c", _CSRC / "linear.c", _CSRC / "linear_bf16.c")
-HEADERS = (_CSRC / "hm_exp.h",)
+SOURCES = tuple(
+    _CSRC / name for name in ("decode_attention.c", "linear.c", "linear_bf16.c", "rope.c")
+)
+HEADERS = (_CSRC / "hm_exp.h", _CSRC / "hm_bf16.h")
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 # The C kernel's per-block arrays (csrc/decode_attention.c HM_MAX_BS)
 MAX_BLOCK_SIZE = 256
@@ -131,6 +133,8 @@ def _library() -> tuple[ctypes.CDLL | None, str]:
     lib.hm_linear_bf16.restype = ctypes.c_int
     lib.hm_linear_bf16.argtypes = [_ptr, _i64, _i32, _ptr, _i32, _i32, _ptr, _i64, _i32, _i32, _i32]
     lib.hm_linear_bf16_amx_available.restype = ctypes.c_int
+    lib.hm_rope.restype = None
+    lib.hm_rope.argtypes = [_ptr, _i64, _i64, _i32, _i32, _i32, _ptr, _ptr, _i32, _i32]
     lib.hm_rms_norm_bf16.restype = None
     lib.hm_rms_norm_bf16.argtypes = [_ptr, _i64, _i32, _i32, _ptr, _f32, _ptr, _i64, _i32]
     lib.hm_silu_mul_bf16.restype = None
@@ -541,3 +545,16 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     kernel(rows.data_ptr(), rows.stride(0), rows.shape[0], inter, out.data_ptr(), inter,
            torch.get_num_threads())  # fmt: skip
     return out.reshape(*gate_up.shape[:-1], inter)
+
+
+def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [N, heads, D] in place (rotate-half layout) by cos/sin [N, 1, D/2] (or [N, D/2])
+    of x's dtype, fp32 or bf16; unit stride along D. Returns x."""
+    lib, _ = _library()
+    n, heads, d = x.shape
+    c = cos.reshape(n, d // 2).contiguous()
+    s = sin.reshape(n, d // 2).contiguous()
+    code = 1 if x.dtype == torch.bfloat16 else 0
+    lib.hm_rope(x.data_ptr(), x.stride(0), x.stride(1), n, heads, d, c.data_ptr(), s.data_ptr(),
+                code, torch.get_num_threads())  # fmt: skip
+    return x

@@ -232,18 +232,13 @@ class LlamaModel(nn.Module):
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
         return freqs.cos().to(self.dtype)[:, None, :], freqs.sin().to(self.dtype)[:, None, :]
 
-    @staticmethod
-    def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """Rotate x [N, heads, head_dim] (rotate-half layout, as HF)."""
-        x1, x2 = x.chunk(2, dim=-1)
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-
     def _qkv(self, layer: LlamaLayer, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]):
         c = self.config
         h = _rms_norm(x, layer.input_norm, c.rms_norm_eps)
         qkv = kernels.linear(h, layer.qkv_proj)
         n = x.shape[0]
-        qk = self._rope(
+        # q and k rotated in place, in the projection's own output
+        qk = kernels.rope_(
             qkv[:, : c.q_size + c.kv_size].view(n, c.num_heads + c.num_kv_heads, c.head_dim), *rope
         )
         q, k = qk.split([c.num_heads, c.num_kv_heads], dim=1)

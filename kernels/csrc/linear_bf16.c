@@ -20,6 +20,7 @@
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #include <immintrin.h>
 #endif
+#include "hm_bf16.h"
 #include "hm_exp.h"
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #include <sys/syscall.h>
@@ -251,21 +252,6 @@ int hm_linear_bf16_amx_available(void) {
 /* ---- the element-wise steps around the matmuls, for bf16 rows (linear.c has the fp32 ones) ----
  * Each value is rounded to bf16 where the reference implementation (HF, over torch's bf16 ops)
  * rounds it, so that the results are the same bits up to the order of a sum. */
-
-static inline float hm_bf16_scalar(uint16_t h) {
-  const uint32_t bits = (uint32_t)h << 16;
-  float f;
-  memcpy(&f, &bits, 4);
-  return f;
-}
-
-/* fp32 -> bf16, round to nearest even (as torch's conversion; NaN kept a NaN). */
-static inline uint16_t hm_round_bf16(float f) {
-  uint32_t bits;
-  memcpy(&bits, &f, 4);
-  if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40);
-  return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
-}
 
 static inline __m512 hm_round_ps(__m512 v) { /* v rounded to bf16, back in fp32 */
   const __m256bh h = _mm512_cvtneps_pbh(v);
