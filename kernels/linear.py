@@ -4,10 +4,13 @@ Why: a decode step multiplies its few rows (the batch) by every weight once. tor
 `F.linear` goes to MKL's sgemm, which on this kind of AVX2 CPU runs far below both the memory
 and the arithmetic bounds at 1-32 rows. Two packed forms, each chosen per weight:
 
-- panels (fp32, N a multiple of 16; csrc/linear.c through kernels/native.py): [N/16, K, 16], one
-  cache line of 16 outputs per input, streamed once per call with the next panel prefetched.
+- panels (N a multiple of 16; through kernels/native.py): fp32 [N/16, K, 16] (csrc/linear.c,
+  AVX2), one cache line of 16 outputs per input, streamed once per call with the next panel
+  prefetched; bf16 [N/16, K/2, 32] (csrc/linear_bf16.c), a line of 16 outputs per pair of
+  inputs, the B operand of AMX's `tdpbf16ps` as it lies (or of `vdpbf16ps` without AMX).
 - oneDNN's blocked layout (`torch.ops.mkldnn`), where panels do not apply: bf16 on a CPU with
-  native bf16, or a weight whose outputs are no multiple of 16, or no C compiler.
+  native bf16 but no AVX-512 BF16 path built, a weight whose outputs are no multiple of 16, or no
+  C compiler.
 
 Measured on SmolLM2-135M (fp32, one thread, the other core busy; ms per forward, medians of 7;
 `bench/model_speed.py` has the benchmark):
@@ -18,6 +21,13 @@ Measured on SmolLM2-135M (fp32, one thread, the other core busy; ms per forward,
     decode, batch 16            235.8          202.0       122.7
     decode, batch 32            364.9          351.6       206.9
     prefill, 512 tokens        2088          2226         2142
+
+bf16 on a 2-core Xeon with AMX (SmolLM2's 30 layers of projections, weights streamed from memory;
+`GB/s` of weights read, medians of 7):
+
+    rows                      1       4      16
+    panels (AMX tiles)     20.8    18.6    18.4
+    oneDNN packed           8.6     8.7     8.6
 
 A packed weight is not [N, K] any more (panels are [N/16, K, 16]; a oneDNN one is an opaque
 `is_mkldnn` tensor with no storage), so what needs the plain values (exporting the weights,
