@@ -82,6 +82,9 @@ class _Correction:
         self._mean = 1.0  # EWMA of measured / raw predicted
         self.samples = 0
         self._reference_ms = 0.0  # the worker's model at a reference point, when last observed
+        # Bumped when the model moved past MODEL_CHANGE: estimates made before are no evidence.
+        self.epoch = 0
+        self.stale = 0  # measurements dropped because their estimate was made against an old model
 
     def follow_model(self, reference_ms: float) -> None:
         """The worker reported its model's prediction at a fixed reference point. Ratios learned
@@ -93,15 +96,22 @@ class _Correction:
         self._reference_ms = reference_ms
         if old > 0 and abs(reference_ms - old) > self.MODEL_CHANGE * old:
             self._mean, self.samples = 1.0, 0
+            self.epoch += 1
 
     @property
     def ratio(self) -> float:
         return self._mean if self.samples >= self.MIN_SAMPLES else 1.0
 
-    def observe(self, measured_ms: float, predicted_ms: float, applied: float) -> None:
-        """`predicted_ms` was made with `applied` as the ratio; the raw model said
-        predicted/applied."""
+    def observe(self, measured_ms: float, predicted_ms: float, applied: float, epoch: int) -> None:
+        """`predicted_ms` was made with `applied` as the ratio against the model of `epoch`; the
+        raw model said predicted/applied. A request routed before a refit (a burst judged by the
+        start-up calibration, finishing after the model learned the serving steps) measures the
+        old model, not this one: it is dropped, or the ratio would scale the new model by the old
+        one's error."""
         if predicted_ms <= 0 or measured_ms <= 0 or applied <= 0:
+            return
+        if epoch != self.epoch:
+            self.stale += 1
             return
         sample = measured_ms / (predicted_ms / applied)
         sample = min(max(sample, self.BOUNDS[0]), self.BOUNDS[1])
@@ -187,6 +197,8 @@ class Routed(NamedTuple):
     decode_ratio: float = 1.0
     # the part of predicted_ttft_ms after the prefill's answer (decode admission, KV pull)
     predicted_admission_ms: float = 0.0
+    prefill_epoch: int = 0  # the workers' model epochs the estimates were made against
+    decode_epoch: int = 0
 
 
 class Conductor(GrpcServer, pb_grpc.ConductorServicer):
@@ -472,6 +484,7 @@ class Conductor(GrpcServer, pb_grpc.ConductorServicer):
                         s.elapsed_ms(),
                         routed.predicted_ttft_ms - routed.predicted_admission_ms,
                         routed.prefill_ratio,
+                        routed.prefill_epoch,
                     )
                 return reply
             except grpc.FutureCancelledError:
@@ -542,6 +555,7 @@ class Conductor(GrpcServer, pb_grpc.ConductorServicer):
                                 tbt_of_times(s.times),
                                 s.routed.predicted_tbt_ms,
                                 s.routed.decode_ratio,
+                                s.routed.decode_epoch,
                             )
                     break
         except grpc.RpcError as exc:
@@ -827,6 +841,8 @@ class Conductor(GrpcServer, pb_grpc.ConductorServicer):
             by_id[d.prefill].correction.ratio,
             by_id[d.decode].correction.ratio,
             d.predicted_admission_ms,
+            by_id[d.prefill].correction.epoch,
+            by_id[d.decode].correction.epoch,
         )
 
     # ---- Status ----

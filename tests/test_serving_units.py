@@ -172,9 +172,18 @@ def test_a_refit_worker_model_drops_the_ratios_learned_against_the_old_one():
     c = _Correction()
     c.follow_model(10.0)
     for _ in range(_Correction.MIN_SAMPLES):
-        c.observe(measured_ms=2.0, predicted_ms=10.0, applied=1.0)  # the prior overstated 5x
+        c.observe(measured_ms=2.0, predicted_ms=10.0, applied=1.0, epoch=c.epoch)  # 5x high
     assert c.ratio == pytest.approx(0.2)
     c.follow_model(11.0)  # a small drift keeps what was learned
     assert c.ratio == pytest.approx(0.2)
+    old = c.epoch
     c.follow_model(2.5)  # refit: the model now says what was measured
-    assert c.ratio == 1.0 and c.samples == 0
+    assert c.ratio == 1.0 and c.samples == 0 and c.epoch == old + 1
+    # Requests routed by the old model finish after the refit: their error is the old model's,
+    # and must not scale the new one (a burst judged by the start-up calibration would).
+    for _ in range(2 * _Correction.MIN_SAMPLES):
+        c.observe(measured_ms=2.0, predicted_ms=10.0, applied=1.0, epoch=old)
+    assert c.ratio == 1.0 and c.samples == 0 and c.stale == 2 * _Correction.MIN_SAMPLES
+    for _ in range(_Correction.MIN_SAMPLES):
+        c.observe(measured_ms=3.0, predicted_ms=2.5, applied=1.0, epoch=c.epoch)
+    assert c.ratio == pytest.approx(1.2)
