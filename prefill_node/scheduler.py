@@ -31,7 +31,7 @@ class PrefillScheduler:
         self._queued: list[PrefillJob] = []  # the jobs in _queue, for load reports
         self._queued_lock = threading.Lock()
         self._current: tuple[float, float] | None = None  # (start, predicted ms) of this round
-        self._round_jobs: list[PrefillJob] = []  # the jobs of the round computing now
+        self._round_jobs: list[PrefillJob] = []  # the round being prepared or computing now
         self.max_batch_seen = 0  # the most requests one batched forward has carried
         self.calibration_failures = 0  # start-up calibrations that failed (the prior stood)
         self.requests_done = 0
@@ -167,6 +167,9 @@ class PrefillScheduler:
                 if job in self._queued:
                     self._queued.remove(job)
             self.metrics.queued.set(len(self._queued))
+            # Out of the queue: while they are prepared (a prefix fetched, blocks allocated) the
+            # load report counts their tokens as the round's, not as gone.
+            self._round_jobs = list(batch)
         jobs: list[PrefillJob] = []
         later: list[PrefillJob] = []
         computing: set[bytes] = set()  # keys of the blocks this round computes

@@ -17,7 +17,7 @@ from model import Engine, SamplingParams, load_model
 from prefill_node import PrefillConfig, PrefillWorker
 from protos import halfmoon_pb2 as pb
 from protos import halfmoon_pb2_grpc as pb_grpc
-from tests.serving_cluster import Cluster, request
+from tests.serving_cluster import Cluster, request, wait_for
 
 BS = 16
 
@@ -416,6 +416,20 @@ def _generate_threads(c, prompts: list[list[int]], max_tokens: int):
     return results, threads
 
 
+def _start_behind_a_stalled_round(w, threads) -> None:
+    """With `w`'s pool lock held: start threads[0] and wait until its request is in a round (out
+    of the queue, stalled allocating), then threads[1] and wait until it is queued behind. Started
+    together, two could arrive before the first round begins and share it."""
+    threads[0].start()
+    wait_for(
+        lambda: w.load().running_tokens > 0 and w.load().queued_requests == 0,
+        30,
+        "the first request's round",
+    )
+    threads[1].start()
+    wait_for(lambda: w.load().queued_requests == 1, 30, "the second request queued")
+
+
 def test_waiting_prefills_run_as_one_batched_forward(lm, engine):
     rng = random.Random(8)
     prompts = [rand_ids(rng, n) for n in (9, 70, 33, 16, 51, 24)]  # 1 to 5 chunks of 16 each
@@ -426,12 +440,10 @@ def test_waiting_prefills_run_as_one_batched_forward(lm, engine):
         # Holding the pool lock stalls the first request's round, so the other five queue up behind
         # it.
         with w.runner._pool_lock:
-            for t in threads:
+            _start_behind_a_stalled_round(w, threads)
+            for t in threads[2:]:
                 t.start()
-            deadline = time.monotonic() + 30
-            while w.load().queued_requests < len(prompts) - 1 and time.monotonic() < deadline:
-                time.sleep(0.01)
-            assert w.load().queued_requests == len(prompts) - 1
+            wait_for(lambda: w.load().queued_requests == len(prompts) - 1, 30, "all queued")
         for t in threads:
             t.join(timeout=120)
         for i, p in enumerate(prompts):
@@ -522,11 +534,10 @@ def test_a_prefix_computed_this_round_is_reused_next_round(lm, engine):
         with (
             w.runner._pool_lock
         ):  # the first request's round stalls; the two sharing a prefix queue behind it in order
-            for i, t in enumerate(threads):
-                t.start()
-                deadline = time.monotonic() + 30
-                while w.load().queued_requests < i and time.monotonic() < deadline:
-                    time.sleep(0.01)
+            _start_behind_a_stalled_round(w, threads)
+            # the third only once the second is queued: they stay in order
+            threads[2].start()
+            wait_for(lambda: w.load().queued_requests == 2, 30, "the third request queued")
         for t in threads:
             t.join(timeout=120)
         for i, p in enumerate(prompts):
