@@ -14,6 +14,7 @@ from decode_node.metrics import DecodeMetrics
 from decode_node.runner import DecodeRunner
 from decode_node.seq import Seq
 from protos import halfmoon_pb2 as pb
+from kernels import release_threads
 from servekit import IDLE_TRIM_S, DecodeTimeModel, release_freed_heap
 
 log = logging.getLogger(__name__)
@@ -81,6 +82,9 @@ class DecodeScheduler:
 
     def start(self) -> None:
         self.calibrate()
+        # The loop's thread runs every forward from now on: this one's OpenMP workers go, or
+        # the loop's parallel regions would sleep at their barriers (kernels.release_threads).
+        release_threads()
         self._thread = threading.Thread(
             target=self._loop, daemon=True, name=f"{self.config.worker_id}-step"
         )
@@ -191,6 +195,9 @@ class DecodeScheduler:
         try:
             self.runner.fill(seq)
         finally:
+            # its copies into the pool opened parallel regions on this io thread: their workers
+            # go, or the step thread's regions would sleep at their barriers
+            release_threads()
             self.poke()
 
     def _collect_pulled(self) -> None:

@@ -37,7 +37,7 @@ from kernels.linear import (
     silu_mul,
     unpack,
 )
-from kernels.native import NativeStatus, native_status
+from kernels.native import NativeStatus, native_status, release_threads
 from kernels.paged_attention_ref import paged_decode_attention_ref
 from kernels.paged_attention_torch import merge_attention
 
@@ -74,6 +74,7 @@ __all__ = [
     "paged_decode_attention_ref",
     "paged_mla_decode_attention",
     "prepack",
+    "release_threads",
     "prepack_supported",
     "rms_norm",
     "rope_",

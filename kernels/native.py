@@ -142,7 +142,16 @@ def _library() -> tuple[ctypes.CDLL | None, str]:
     lib.hm_linear_bf16_pack.restype = None
     lib.hm_linear_bf16_pack.argtypes = [_ptr, _i32, _i32, _ptr, _i32]
     lib.hm_linear_bf16_available.restype = ctypes.c_int
+    lib.hm_release_threads.restype = ctypes.c_int
     return lib, str(path)
+
+
+def release_threads() -> bool:
+    """Free the calling thread's OpenMP worker threads (csrc/rope.c says why): a server calls it
+    on the thread that loaded and calibrated its model before its step thread takes over. False
+    where the library is not loaded or the runtime refused."""
+    lib, _ = _library()
+    return lib is not None and lib.hm_release_threads() == 0
 
 
 def native_status() -> NativeStatus:

@@ -158,3 +158,27 @@ def test_an_empty_batch_and_turning_the_kernels_off():
     )
     assert done.stdout.startswith("False turned off by HALFMOON_NATIVE=0")
     assert "using the torch path" in done.stderr
+
+
+def test_released_threads_come_back_for_the_next_parallel_call():
+    """A server frees its loading thread's OpenMP workers before its step thread takes over
+    (kernels.release_threads); a parallel kernel on that thread later still runs, on every
+    thread, to the same result."""
+    import threading
+
+    g = torch.Generator().manual_seed(3)
+    w = kernels.prepack(torch.randn(64, 48, generator=g), "panels")
+    x = torch.randn(300, 48, generator=g)  # enough rows for the element-wise steps' regions
+    before = kernels.linear(x, w)
+    assert kernels.release_threads()
+    assert torch.equal(kernels.linear(x, w), before)
+    got = {}
+
+    def step():
+        got["out"] = kernels.linear(x, w)
+        got["released"] = kernels.release_threads()
+
+    t = threading.Thread(target=step)
+    t.start()
+    t.join()
+    assert torch.equal(got["out"], before) and got["released"]
