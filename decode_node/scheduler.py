@@ -7,14 +7,13 @@ import collections
 import logging
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 from decode_node.config import DecodeConfig
 from decode_node.metrics import DecodeMetrics
 from decode_node.runner import DecodeRunner
 from decode_node.seq import Seq
 from protos import halfmoon_pb2 as pb
-from kernels import release_threads
+from kernels import ReleasingThreadPool, release_threads
 from servekit import IDLE_TRIM_S, DecodeTimeModel, release_freed_heap
 
 log = logging.getLogger(__name__)
@@ -30,7 +29,8 @@ class DecodeScheduler:
         self._waiting: collections.deque[Seq] = collections.deque()
         self._pulling: list[Seq] = []
         self._running: list[Seq] = []
-        self._io = ThreadPoolExecutor(
+        # KV pulls and publishes copy with torch ops: their threads free their OpenMP workers
+        self._io = ReleasingThreadPool(
             max_workers=config.pull_threads, thread_name_prefix=f"{config.worker_id}-io"
         )
         self._thread: threading.Thread | None = None
@@ -195,9 +195,6 @@ class DecodeScheduler:
         try:
             self.runner.fill(seq)
         finally:
-            # its copies into the pool opened parallel regions on this io thread: their workers
-            # go, or the step thread's regions would sleep at their barriers
-            release_threads()
             self.poke()
 
     def _collect_pulled(self) -> None:

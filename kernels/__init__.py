@@ -37,12 +37,13 @@ from kernels.linear import (
     silu_mul,
     unpack,
 )
-from kernels.native import NativeStatus, native_status, release_threads
+from kernels.native import NativeStatus, ReleasingThreadPool, native_status, release_threads
 from kernels.paged_attention_ref import paged_decode_attention_ref
 from kernels.paged_attention_torch import merge_attention
 
 __all__ = [
     "PACK_FORMS",
+    "ReleasingThreadPool",
     "BACKENDS",
     "HAS_TRITON",
     "KIVI_BITS",

@@ -17,6 +17,7 @@ both share one thread pool.
 from __future__ import annotations
 
 import ctypes
+from concurrent.futures import ThreadPoolExecutor
 import functools
 import hashlib
 import logging
@@ -144,6 +145,22 @@ def _library() -> tuple[ctypes.CDLL | None, str]:
     lib.hm_linear_bf16_available.restype = ctypes.c_int
     lib.hm_release_threads.restype = ctypes.c_int
     return lib, str(path)
+
+
+class ReleasingThreadPool(ThreadPoolExecutor):
+    """A ThreadPoolExecutor whose threads free their OpenMP workers after each task
+    (`release_threads`): a task's torch copies open parallel regions on its thread, and a pool
+    left there would make a step thread's barriers sleep."""
+
+    def submit(self, fn, /, *args, **kwargs):
+        return super().submit(_then_release, fn, *args, **kwargs)
+
+
+def _then_release(fn, *args, **kwargs):
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        release_threads()
 
 
 def release_threads() -> bool:

@@ -17,12 +17,13 @@ import socket
 import threading
 import time
 from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Callable, NamedTuple, Sequence
 
 import torch
 from prometheus_client import CollectorRegistry, Counter
 
+from kernels import ReleasingThreadPool
 from kvstore.block_format import (
     BlockCorrupt,
     decode_block,
@@ -228,10 +229,11 @@ class KVConnector:
             sl.store_codec, sl.dtype, tuple(sl.block_shape), fingerprint
         ).total_len
         self._decode_rates: dict[int, float] = {}  # CacheGen level -> pool bytes decoded a second
-        # CacheGen: the next chunk crosses the link on this thread while the last one decodes
-        self._fetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{worker}-fetch")
+        # CacheGen: the next chunk crosses the link on this thread while the last one decodes.
+        # Both pools' tasks copy with torch ops: their threads free their OpenMP workers after each
+        self._fetcher = ReleasingThreadPool(max_workers=1, thread_name_prefix=f"{worker}-fetch")
         self._index = Index(index_url) if index_url else None
-        self._publisher = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{self.worker}-kv")
+        self._publisher = ReleasingThreadPool(max_workers=1, thread_name_prefix=f"{self.worker}-kv")
         self._init_metrics(registry or CollectorRegistry())
         self._local = self.client(store_address)  # fails fast when the host's store is away
         # The device tier as an index node of its own (registered, heartbeats, its changes, its
