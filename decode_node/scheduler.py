@@ -12,8 +12,8 @@ from decode_node.config import DecodeConfig
 from decode_node.metrics import DecodeMetrics
 from decode_node.runner import DecodeRunner
 from decode_node.seq import Seq
+from kernels import ReleasingThreadPool
 from protos import halfmoon_pb2 as pb
-from kernels import ReleasingThreadPool, release_threads
 from servekit import IDLE_TRIM_S, DecodeTimeModel, release_freed_heap
 
 log = logging.getLogger(__name__)
@@ -82,9 +82,6 @@ class DecodeScheduler:
 
     def start(self) -> None:
         self.calibrate()
-        # The loop's thread runs every forward from now on: this one's OpenMP workers go, or
-        # the loop's parallel regions would sleep at their barriers (kernels.release_threads).
-        release_threads()
         self._thread = threading.Thread(
             target=self._loop, daemon=True, name=f"{self.config.worker_id}-step"
         )

@@ -43,7 +43,6 @@ from kernels.paged_attention_torch import merge_attention
 
 __all__ = [
     "PACK_FORMS",
-    "ReleasingThreadPool",
     "BACKENDS",
     "HAS_TRITON",
     "KIVI_BITS",
@@ -54,6 +53,7 @@ __all__ = [
     "KiviPacked",
     "MlaKVLayout",
     "NativeStatus",
+    "ReleasingThreadPool",
     "available_backends",
     "gather_blocks",
     "is_packed",
@@ -75,8 +75,8 @@ __all__ = [
     "paged_decode_attention_ref",
     "paged_mla_decode_attention",
     "prepack",
-    "release_threads",
     "prepack_supported",
+    "release_threads",
     "rms_norm",
     "rope_",
     "scatter_blocks",

@@ -17,7 +17,6 @@ both share one thread pool.
 from __future__ import annotations
 
 import ctypes
-from concurrent.futures import ThreadPoolExecutor
 import functools
 import hashlib
 import logging
@@ -25,6 +24,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import NamedTuple
 
@@ -44,7 +44,8 @@ log = logging.getLogger("halfmoon.kernels")
 # the element-wise steps around it); the headers they include count towards the cache key.
 _CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = tuple(
-    _CSRC / name for name in ("decode_attention.c", "linear.c", "linear_bf16.c", "rope.c")
+    _CSRC / name
+    for name in ("decode_attention.c", "linear.c", "linear_bf16.c", "rope.c", "threads.c")
 )
 HEADERS = (_CSRC / "hm_exp.h", _CSRC / "hm_bf16.h")
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
@@ -164,7 +165,7 @@ def _then_release(fn, *args, **kwargs):
 
 
 def release_threads() -> bool:
-    """Free the calling thread's OpenMP worker threads (csrc/rope.c says why): a server calls it
+    """Free the calling thread's OpenMP worker threads (csrc/threads.c says why): a server calls it
     on the thread that loaded and calibrated its model before its step thread takes over. False
     where the library is not loaded or the runtime refused."""
     lib, _ = _library()

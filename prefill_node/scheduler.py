@@ -15,7 +15,6 @@ from prefill_node.job import Failure, PrefillJob
 from prefill_node.metrics import PrefillMetrics
 from prefill_node.runner import PrefillRunner
 from protos import halfmoon_pb2 as pb
-from kernels import release_threads
 from servekit import IDLE_TRIM_S, PrefillTimeModel, release_freed_heap
 
 log = logging.getLogger(__name__)
@@ -73,9 +72,6 @@ class PrefillScheduler:
 
     def start(self) -> None:
         self.calibrate()
-        # The loop's thread runs every forward from now on: this one's OpenMP workers go, or
-        # the loop's parallel regions would sleep at their barriers (kernels.release_threads).
-        release_threads()
         self._thread = threading.Thread(
             target=self._loop, daemon=True, name=f"{self.config.worker_id}-prefill"
         )

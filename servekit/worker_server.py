@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import ClassVar
 
+from kernels import release_threads
 from servekit.cpus import pin_process
 from servekit.grpc_server import GrpcServer
 from servekit.memory import memory_usage, release_freed_heap, tensor_bytes
@@ -56,6 +57,10 @@ class WorkerServer(GrpcServer):
 
     def _on_start(self) -> None:
         self.scheduler.start()
+        # The scheduler's thread runs every forward from now on; this one loaded and calibrated
+        # the model: its OpenMP workers go, or the scheduler's parallel regions would sleep at
+        # their barriers (kernels/csrc/threads.c).
+        release_threads()
 
     def _on_stop(self) -> None:
         self.scheduler.stop()
