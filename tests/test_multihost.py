@@ -298,27 +298,31 @@ def test_a_second_turn_on_another_host_hits_the_blocks_the_decode_host_published
 
 def test_a_prefix_on_a_decode_host_is_fetched_exactly_when_the_threshold_says(multi, engine):
     """Prefixes long enough that moving them beats computing them on an unshaped link: what
-    decides is Mooncake's kvcache_balancing_threshold (1.5)."""
+    decides is Mooncake's kvcache_balancing_threshold (1.5). They are 1,920 tokens (120 blocks),
+    so that whatever this machine's speeds the fetch wins by a wide margin: prefill time grows
+    with the square of the prompt, a transfer only with its bytes (at 768 tokens tiny-random's
+    prefill and a fetch over a busy 2-core host's TLS link were within 20% of each other, and the
+    policy rightly computed)."""
     rng = random.Random(2)
-    # The prefill host holds none of it: a prefix of 48 blocks on a decode host is fetched.
-    held, _ = _on_a_decode_host_only(multi, engine, rng, 48)
+    # The prefill host holds none of it: a prefix of 120 blocks on a decode host is fetched.
+    held, _ = _on_a_decode_host_only(multi, engine, rng, 120)
     u = turn(multi, engine, held + rand_ids(rng, 7))
-    assert u.cached_remote_tokens == 48 * BS and u.computed_prompt_tokens == 7
+    assert u.cached_remote_tokens == 120 * BS and u.computed_prompt_tokens == 7
 
-    # It holds 32 of 48 blocks (load_balance computed them there): 48 <= 1.5 x 32, not beyond
-    # the threshold, nothing moves; the 32 are reused and the rest computed.
-    held, _ = _on_a_decode_host_only(multi, engine, rng, 48)
-    u = turn(multi, engine, held[: 32 * BS] + rand_ids(rng, 3), policy="load_balance")
-    assert u.cached_remote_tokens == 0 and u.computed_prompt_tokens == 32 * BS + 3
+    # It holds 80 of 120 blocks (load_balance computed them there): 120 <= 1.5 x 80, not beyond
+    # the threshold, nothing moves; the 80 are reused and the rest computed.
+    held, _ = _on_a_decode_host_only(multi, engine, rng, 120)
+    u = turn(multi, engine, held[: 80 * BS] + rand_ids(rng, 3), policy="load_balance")
+    assert u.cached_remote_tokens == 0 and u.computed_prompt_tokens == 80 * BS + 3
     u = turn(multi, engine, held + rand_ids(rng, 5))
-    assert u.cached_remote_tokens == 0 and u.cached_dram_tokens == 32 * BS
-    assert u.computed_prompt_tokens == 16 * BS + 5
+    assert u.cached_remote_tokens == 0 and u.cached_dram_tokens == 80 * BS
+    assert u.computed_prompt_tokens == 40 * BS + 5
 
-    # It holds 16 of 48: 48 > 1.5 x 16, beyond it: the 32 it lacks cross the link.
-    held, _ = _on_a_decode_host_only(multi, engine, rng, 48)
-    turn(multi, engine, held[: 16 * BS] + rand_ids(rng, 3), policy="load_balance")
+    # It holds 40 of 120: 120 > 1.5 x 40, beyond it: the 80 it lacks cross the link.
+    held, _ = _on_a_decode_host_only(multi, engine, rng, 120)
+    turn(multi, engine, held[: 40 * BS] + rand_ids(rng, 3), policy="load_balance")
     u = turn(multi, engine, held + rand_ids(rng, 2))
-    assert u.cached_dram_tokens == 16 * BS and u.cached_remote_tokens == 32 * BS
+    assert u.cached_dram_tokens == 40 * BS and u.cached_remote_tokens == 80 * BS
     assert u.computed_prompt_tokens == 2
 
 
