@@ -39,6 +39,7 @@ from kernels.linear import (
 )
 from kernels.native import NativeStatus, ReleasingThreadPool, native_status, release_threads
 from kernels.paged_attention_ref import paged_decode_attention_ref
+from kernels.prefill_attention import prefill_attention
 from kernels.paged_attention_torch import merge_attention
 
 __all__ = [
@@ -74,6 +75,7 @@ __all__ = [
     "paged_decode_attention_kivi_window",
     "paged_decode_attention_ref",
     "paged_mla_decode_attention",
+    "prefill_attention",
     "prepack",
     "prepack_supported",
     "release_threads",

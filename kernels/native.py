@@ -45,7 +45,14 @@ log = logging.getLogger("halfmoon.kernels")
 _CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = tuple(
     _CSRC / name
-    for name in ("decode_attention.c", "linear.c", "linear_bf16.c", "rope.c", "threads.c")
+    for name in (
+        "decode_attention.c",
+        "linear.c",
+        "linear_bf16.c",
+        "prefill_attention.c",
+        "rope.c",
+        "threads.c",
+    )
 )
 HEADERS = (_CSRC / "hm_exp.h", _CSRC / "hm_bf16.h")
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
@@ -145,6 +152,12 @@ def _library() -> tuple[ctypes.CDLL | None, str]:
     lib.hm_linear_bf16_pack.argtypes = [_ptr, _i32, _i32, _ptr, _i32]
     lib.hm_linear_bf16_available.restype = ctypes.c_int
     lib.hm_release_threads.restype = ctypes.c_int
+    lib.hm_prefill_attention_bf16_available.restype = ctypes.c_int
+    lib.hm_prefill_attention_bf16.restype = ctypes.c_int
+    lib.hm_prefill_attention_bf16.argtypes = [
+        _ptr, _i64, _i64, _ptr, _ptr, _i64, _i64, _i64, _ptr, _i64,
+        _i32, _i32, _i32, _i32, _i32, _f32, _ptr, _i64, _i32,
+    ]  # fmt: skip
     return lib, str(path)
 
 
@@ -585,3 +598,32 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     lib.hm_rope(x.data_ptr(), x.stride(0), x.stride(1), n, heads, d, c.data_ptr(), s.data_ptr(),
                 code, torch.get_num_threads())  # fmt: skip
     return x
+
+
+# ---- causal prefill attention in bf16 (csrc/prefill_attention.c) ----
+
+
+def prefill_attention_available() -> bool:
+    """Whether the library has its AVX-512 BF16 prefill attention."""
+    lib, _ = _library()
+    return lib is not None and bool(lib.hm_prefill_attention_bf16_available())
+
+
+def prefill_attention_bf16(q, k_blocks, v_blocks, table, start, scale, out) -> None:
+    """Write into `out` [T, QH, D] (bf16, contiguous) the causal attention of q [T, QH, D] at
+    positions start.. over the keys in k_blocks/v_blocks [num_blocks, bs, KVH, D] named by
+    `table` (int64, contiguous, ids checked by the caller); all bf16, unit stride along D, K and
+    V with equal strides (kernels/prefill_attention.py checks)."""
+    lib, _ = _library()
+    t, q_heads, d = q.shape
+    _, block_size, kv_heads, _ = k_blocks.shape
+    s = k_blocks.stride()
+    failed = lib.hm_prefill_attention_bf16(
+        q.data_ptr(), q.stride(0), q.stride(1), k_blocks.data_ptr(), v_blocks.data_ptr(),
+        s[0], s[1], s[2], table.data_ptr(), block_size, t, start, q_heads, kv_heads, d, scale,
+        out.data_ptr(), out.stride(0), torch.get_num_threads(),
+    )  # fmt: skip
+    if failed == -1:
+        raise MemoryError("prefill attention could not allocate its packed keys")
+    if failed:
+        raise ValueError(f"prefill attention refused its arguments (code {failed})")

@@ -7,7 +7,6 @@ import math
 from typing import Callable, NamedTuple, Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import kernels
@@ -46,6 +45,10 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return kernels.rms_norm(x, weight, eps)
+
+
+# The table of a fresh K/V passed as one block
+_ONE_BLOCK = torch.zeros(1, dtype=torch.long)
 
 
 def _heads_first(x: torch.Tensor) -> torch.Tensor:
@@ -303,30 +306,16 @@ class LlamaModel(nn.Module):
     def _attend(
         self, plan: _SeqPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache, v_cache
     ) -> torch.Tensor:
-        """One sequence's attention output [T, q_size], its new KV being in the pool already."""
-        c = self.config
+        """One sequence's attention output [T, q_size], its new KV being in the pool already:
+        over the fresh K/V when nothing precedes them (and the pool keeps the model's dtype),
+        else over the pool's blocks of the sequence."""
+        t = q.shape[0]
         if plan.mask is None:
-            attn = F.scaled_dot_product_attention(
-                _heads_first(q),
-                _heads_first(k),
-                _heads_first(v),
-                is_causal=True,
-                scale=self.scale,
-                enable_gqa=True,
-            )
+            keys, values, table = k[None], v[None], _ONE_BLOCK
         else:
-            n = plan.table.numel() * k_cache.shape[1]
-            ks = k_cache[plan.table].reshape(n, c.num_kv_heads, c.head_dim)[: plan.end].to(q.dtype)
-            vs = v_cache[plan.table].reshape(n, c.num_kv_heads, c.head_dim)[: plan.end].to(q.dtype)
-            attn = F.scaled_dot_product_attention(
-                _heads_first(q),
-                _heads_first(ks),
-                _heads_first(vs),
-                attn_mask=plan.mask,
-                scale=self.scale,
-                enable_gqa=True,
-            )
-        return attn[0].transpose(0, 1).reshape(q.shape[0], c.q_size)
+            keys, values, table = k_cache, v_cache, plan.table
+        attn = kernels.prefill_attention(q, keys, values, table, plan.end - t, self.scale)
+        return attn.reshape(t, self.config.q_size)
 
     # ---- entry points ----
 

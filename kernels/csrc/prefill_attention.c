@@ -1,0 +1,266 @@
+/* Causal prefill attention on the CPU in bf16 (AVX-512 BF16): flash attention's online softmax
+ * with both matmuls on `vdpbf16ps`, over keys read where they lie in the KV pool.
+ *
+ * Why: torch's CPU flash attention widens bf16 to fp32 and runs fp32 GEMMs, so on a CPU whose
+ * fast dtype is bf16 a 1,024-token prefill of SmolLM2 spent 36% of its time in attention at
+ * ~80 GFLOP/s, against ~400 for the layer's bf16 projections. Here Q.K^T and P.V take bf16
+ * operands and sum in fp32 (P rounded to bf16 before P.V, as GPU flash attention does).
+ *
+ * Layout: key position p of a sequence lies at k + table[p / block_size] * block_stride +
+ * (p % block_size) * tok_stride + head * head_stride (the pool's blocks; a fresh, contiguous K
+ * is one block as long as the sequence), V the same. Query i sits at position start + i and
+ * sees keys 0..start + i. The call first packs each KV head's keys and values for the dot
+ * products (an O(S D) pass against the O(S^2 D) attention):
+ *  - keys in chunks of 16, each a [D/2][16] array of 32-bit pairs (k[j][2p], k[j][2p + 1]), so
+ *    one `vdpbf16ps` of a broadcast query pair against a line adds one pair's products to 16
+ *    keys' scores;
+ *  - values by pairs of keys, each a [D] array of (v[2j][d], v[2j + 1][d]), so one against a
+ *    broadcast pair of probabilities adds two keys' weighted values to 16 output channels.
+ * Keys past the sequence pack as zeros (their scores are masked, their weight is 0).
+ *
+ * Work items are (KV head, tile of HM_TILE query tokens), the tiles nearest the end (the most
+ * keys) first; a tile's rows are its tokens x the G query heads sharing the KV head, walked in
+ * panels of 4 rows against each block of 32 keys, so a key block is read from cache by every
+ * panel while the tile's output accumulators (fp32) stay in a per-thread buffer.
+ */
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__) && \
+    defined(__AVX512DQ__) && defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define HM_PREFILL_BF16 1
+#endif
+
+#include "hm_exp.h"
+
+#define HM_TILE 32 /* query tokens per work item */
+#define HM_KB 32   /* keys per block of the inner loop: two chunks of 16 */
+#define HM_PR 4    /* rows per panel: 8 score and 8 output accumulators */
+
+int hm_prefill_attention_bf16_available(void) {
+#ifdef HM_PREFILL_BF16
+  return 1;
+#else
+  return 0;
+#endif
+}
+
+#ifdef HM_PREFILL_BF16
+
+typedef struct {
+  const uint16_t *k, *v;
+  int64_t block_stride, tok_stride, head_stride; /* elements */
+  const int64_t *table;
+  int64_t block_size;
+} hm_kv_view;
+
+static inline const uint16_t *hm_kv_row(const hm_kv_view *kv, const uint16_t *base, int64_t p,
+                                        int h) {
+  return base + kv->table[p / kv->block_size] * kv->block_stride +
+         (p % kv->block_size) * kv->tok_stride + (int64_t)h * kv->head_stride;
+}
+
+/* Keys [c*16, c*16 + 16) of head h as kt[D/2][16] pairs; values pairs [c*8, c*8 + 8) as
+ * vp[8][D] pairs. */
+static void hm_pack_chunk(const hm_kv_view *kv, int h, int c, int64_t s, int d, uint32_t *kt,
+                          uint32_t *vp) {
+  const int dh = d / 2;
+  for (int j = 0; j < 16; j++) {
+    const int64_t p = (int64_t)c * 16 + j;
+    if (p < s) {
+      const uint32_t *row = (const uint32_t *)hm_kv_row(kv, kv->k, p, h);
+      for (int q = 0; q < dh; q++) kt[q * 16 + j] = row[q];
+    } else {
+      for (int q = 0; q < dh; q++) kt[q * 16 + j] = 0;
+    }
+  }
+  /* interleave two value rows' bf16 lanes: (a0, b0, a1, b1, ...) */
+  const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40,
+                                      8, 39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+  const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
+  for (int jp = 0; jp < 8; jp++) {
+    const int64_t p = (int64_t)c * 16 + 2 * jp;
+    uint32_t *dst = vp + (int64_t)jp * d;
+    const uint16_t *a = p < s ? hm_kv_row(kv, kv->v, p, h) : NULL;
+    const uint16_t *b = p + 1 < s ? hm_kv_row(kv, kv->v, p + 1, h) : NULL;
+    for (int d0 = 0; d0 < d; d0 += 32) {
+      const __m512i va = a ? _mm512_loadu_si512(a + d0) : _mm512_setzero_si512();
+      const __m512i vb = b ? _mm512_loadu_si512(b + d0) : _mm512_setzero_si512();
+      _mm512_storeu_si512(dst + d0, _mm512_permutex2var_epi16(va, lo, vb));
+      _mm512_storeu_si512(dst + d0 + 16, _mm512_permutex2var_epi16(va, hi, vb));
+    }
+  }
+}
+
+static inline __m512bh hm_bcast_pair(const uint16_t *x) {
+  int32_t pair;
+  memcpy(&pair, x, sizeof pair);
+  return (__m512bh)_mm512_set1_epi32(pair);
+}
+
+/* R rows (R <= HM_PR, a constant where it is inlined) against one key block kb: scores, online
+ * softmax update of m, l and the rows' accumulators o (fp32 [R][D], row stride d). */
+static inline __attribute__((always_inline)) void hm_panel(
+    const int R, const uint16_t *const *qrow, const int64_t *pos, int kb, int masked,
+    const uint32_t *kt, const uint32_t *vp, int d, float scale, float *m, float *l, float *o) {
+  const int dh = d / 2;
+  __m512 s[HM_PR][2];
+  for (int r = 0; r < R; r++) s[r][0] = s[r][1] = _mm512_setzero_ps();
+  const uint32_t *k0 = kt + (int64_t)(2 * kb) * dh * 16, *k1 = k0 + (int64_t)dh * 16;
+  for (int p = 0; p < dh; p++) {
+    const __m512bh a = (__m512bh)_mm512_load_si512(k0 + p * 16);
+    const __m512bh b = (__m512bh)_mm512_load_si512(k1 + p * 16);
+    for (int r = 0; r < R; r++) {
+      const __m512bh qp = hm_bcast_pair(qrow[r] + 2 * p);
+      s[r][0] = _mm512_dpbf16_ps(s[r][0], qp, a);
+      s[r][1] = _mm512_dpbf16_ps(s[r][1], qp, b);
+    }
+  }
+  uint16_t pb[HM_PR][HM_KB] __attribute__((aligned(64)));
+  float alpha[HM_PR];
+  const __m512 vscale = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(-INFINITY);
+  const __m512i iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  for (int r = 0; r < R; r++) {
+    __m512 x0 = _mm512_mul_ps(s[r][0], vscale), x1 = _mm512_mul_ps(s[r][1], vscale);
+    if (masked) { /* keys past the row's position */
+      const __m512i key0 = _mm512_add_epi32(iota, _mm512_set1_epi32(kb * HM_KB));
+      const __m512i key1 = _mm512_add_epi32(key0, _mm512_set1_epi32(16));
+      const __m512i at = _mm512_set1_epi32((int32_t)pos[r]);
+      x0 = _mm512_mask_blend_ps(_mm512_cmpgt_epi32_mask(key0, at), x0, ninf);
+      x1 = _mm512_mask_blend_ps(_mm512_cmpgt_epi32_mask(key1, at), x1, ninf);
+    }
+    const float mx = _mm512_reduce_max_ps(_mm512_max_ps(x0, x1));
+    const float mnew = mx > m[r] ? mx : m[r];
+    /* key 0 is in every row's first block, so mnew is finite from the first block on */
+    alpha[r] = hm_exp(m[r] - mnew); /* 0 on the first block (m = -inf) */
+    m[r] = mnew;
+    const __m512 vm = _mm512_set1_ps(mnew);
+    const __m512 p0 = hm_exp16(_mm512_sub_ps(x0, vm)), p1 = hm_exp16(_mm512_sub_ps(x1, vm));
+    l[r] = l[r] * alpha[r] + _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
+    const __m512bh packed = _mm512_cvtne2ps_pbh(p1, p0);
+    memcpy(pb[r], &packed, sizeof packed);
+  }
+  const uint32_t *v0 = vp + (int64_t)kb * (HM_KB / 2) * d;
+  for (int c = 0; c < d; c += 32) {
+    __m512 acc[HM_PR][2];
+    for (int r = 0; r < R; r++) {
+      const __m512 al = _mm512_set1_ps(alpha[r]);
+      acc[r][0] = _mm512_mul_ps(_mm512_loadu_ps(o + r * d + c), al);
+      acc[r][1] = _mm512_mul_ps(_mm512_loadu_ps(o + r * d + c + 16), al);
+    }
+    for (int jp = 0; jp < HM_KB / 2; jp++) {
+      const __m512bh a = (__m512bh)_mm512_load_si512(v0 + (int64_t)jp * d + c);
+      const __m512bh b = (__m512bh)_mm512_load_si512(v0 + (int64_t)jp * d + c + 16);
+      for (int r = 0; r < R; r++) {
+        const __m512bh pp = hm_bcast_pair(pb[r] + 2 * jp);
+        acc[r][0] = _mm512_dpbf16_ps(acc[r][0], pp, a);
+        acc[r][1] = _mm512_dpbf16_ps(acc[r][1], pp, b);
+      }
+    }
+    for (int r = 0; r < R; r++) {
+      _mm512_storeu_ps(o + r * d + c, acc[r][0]);
+      _mm512_storeu_ps(o + r * d + c + 16, acc[r][1]);
+    }
+  }
+}
+
+static void hm_panel_n(int n, const uint16_t *const *qrow, const int64_t *pos, int kb, int masked,
+                       const uint32_t *kt, const uint32_t *vp, int d, float scale, float *m,
+                       float *l, float *o) {
+  switch (n) {
+    case 4: hm_panel(4, qrow, pos, kb, masked, kt, vp, d, scale, m, l, o); break;
+    case 3: hm_panel(3, qrow, pos, kb, masked, kt, vp, d, scale, m, l, o); break;
+    case 2: hm_panel(2, qrow, pos, kb, masked, kt, vp, d, scale, m, l, o); break;
+    default: hm_panel(1, qrow, pos, kb, masked, kt, vp, d, scale, m, l, o); break;
+  }
+}
+
+#endif
+
+/* out[i, qh*D + :] (bf16, row stride out_stride) = causal attention of query rows q (bf16,
+ * token stride q_tok, head stride q_head) at positions start..start+t-1 over keys 0..start+t-1.
+ * head_dim a multiple of 32 (<= 256), q_heads a multiple of kv_heads. 0 on success, -1 when
+ * memory ran out, -2 when this library was built without AVX-512 BF16, -3 on bad arguments. */
+int hm_prefill_attention_bf16(const uint16_t *q, int64_t q_tok, int64_t q_head, const uint16_t *k,
+                              const uint16_t *v, int64_t block_stride, int64_t tok_stride,
+                              int64_t head_stride, const int64_t *table, int64_t block_size,
+                              int t, int start, int q_heads, int kv_heads, int d, float scale,
+                              uint16_t *out, int64_t out_stride, int threads) {
+#ifndef HM_PREFILL_BF16
+  (void)q; (void)q_tok; (void)q_head; (void)k; (void)v; (void)block_stride; (void)tok_stride;
+  (void)head_stride; (void)table; (void)block_size; (void)t; (void)start; (void)q_heads;
+  (void)kv_heads; (void)d; (void)scale; (void)out; (void)out_stride; (void)threads;
+  return -2;
+#else
+  if (t <= 0 || start < 0 || d % 32 || d > 256 || kv_heads <= 0 || q_heads % kv_heads ||
+      block_size <= 0)
+    return -3;
+  const int g = q_heads / kv_heads;
+  const int64_t s = (int64_t)start + t;
+  const int64_t nkb = (s + HM_KB - 1) / HM_KB, chunks = 2 * nkb;
+  const int64_t kt_head = chunks * (d / 2) * 16, vp_head = chunks * 8 * (int64_t)d; /* uint32s */
+  uint32_t *kt = aligned_alloc(64, (size_t)(kt_head + vp_head) * kv_heads * 4);
+  if (!kt) return -1;
+  uint32_t *vp = kt + kt_head * kv_heads;
+  const hm_kv_view kv = {k, v, block_stride, tok_stride, head_stride, table, block_size};
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int64_t i = 0; i < chunks * kv_heads; i++) {
+    const int h = (int)(i / chunks), c = (int)(i % chunks);
+    hm_pack_chunk(&kv, h, c, s, d, kt + h * kt_head + (int64_t)c * (d / 2) * 16,
+                  vp + h * vp_head + (int64_t)c * 8 * d);
+  }
+  const int tiles = (t + HM_TILE - 1) / HM_TILE, rows_max = HM_TILE * g;
+  int failed = 0;
+#pragma omp parallel num_threads(threads)
+  {
+    float *o = aligned_alloc(64, (size_t)rows_max * (d + 2) * 4);
+    float *m = o ? o + (int64_t)rows_max * d : NULL, *l = m ? m + rows_max : NULL;
+    if (!o) {
+#pragma omp atomic write
+      failed = 1;
+    }
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t item = 0; item < (int64_t)tiles * kv_heads; item++) {
+      if (!o) continue;
+      const int tile = tiles - 1 - (int)(item / kv_heads), h = (int)(item % kv_heads);
+      const int i0 = tile * HM_TILE, i1 = i0 + HM_TILE < t ? i0 + HM_TILE : t;
+      const int rows = (i1 - i0) * g;
+      for (int r = 0; r < rows; r++) m[r] = -INFINITY, l[r] = 0.0f;
+      memset(o, 0, (size_t)rows * d * 4);
+      const uint32_t *hkt = kt + h * kt_head, *hvp = vp + h * vp_head;
+      const int64_t first = (int64_t)start + i0, last = (int64_t)start + i1 - 1;
+      const int blocks = (int)(last / HM_KB) + 1;
+      for (int kb = 0; kb < blocks; kb++) {
+        const int masked = (int64_t)kb * HM_KB + HM_KB - 1 > first;
+        for (int r0 = 0; r0 < rows; r0 += HM_PR) {
+          const int n = rows - r0 < HM_PR ? rows - r0 : HM_PR;
+          const uint16_t *qrow[HM_PR];
+          int64_t pos[HM_PR];
+          for (int r = 0; r < n; r++) { /* row r0 + r: token i0 + (r0+r)/g, head h*g + (r0+r)%g */
+            const int i = i0 + (r0 + r) / g, qh = h * g + (r0 + r) % g;
+            qrow[r] = q + (int64_t)i * q_tok + (int64_t)qh * q_head;
+            pos[r] = (int64_t)start + i;
+          }
+          hm_panel_n(n, qrow, pos, kb, masked, hkt, hvp, d, scale, m + r0, l + r0,
+                     o + (int64_t)r0 * d);
+        }
+      }
+      for (int r = 0; r < rows; r++) {
+        const int i = i0 + r / g, qh = h * g + r % g;
+        const __m512 inv = _mm512_set1_ps(1.0f / l[r]);
+        uint16_t *dst = out + (int64_t)i * out_stride + (int64_t)qh * d;
+        for (int c = 0; c < d; c += 16) {
+          const __m256bh b = _mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(o + r * d + c), inv));
+          memcpy(dst + c, &b, sizeof b);
+        }
+      }
+    }
+    free(o);
+  }
+  free(kt);
+  return failed ? -1 : 0;
+#endif
+}
