@@ -37,8 +37,13 @@
 #include "hm_exp.h"
 
 #define HM_TILE 32 /* query tokens per work item */
-#define HM_KB 32   /* keys per block of the inner loop: two chunks of 16 */
-#define HM_PR 4    /* rows per panel: 8 score and 8 output accumulators */
+/* chunks of 16 keys per key block, even (the softmax converts them by pairs); 4 measured no
+ * faster, and a block on the diagonal wastes more */
+#define HM_NC 2
+#define HM_KB (16 * HM_NC) /* keys per block of the inner loop */
+/* rows per panel: 8 score and 8 output accumulators (6 or 8 rows measured no faster; hm_panel_n
+ * has a case for each count up to it) */
+#define HM_PR 4
 
 int hm_prefill_attention_bf16_available(void) {
 #ifdef HM_PREFILL_BF16
@@ -107,16 +112,17 @@ static inline __attribute__((always_inline)) void hm_panel(
     const int R, const uint16_t *const *qrow, const int64_t *pos, int kb, int masked,
     const uint32_t *kt, const uint32_t *vp, int d, float scale, float *m, float *l, float *o) {
   const int dh = d / 2;
-  __m512 s[HM_PR][2];
-  for (int r = 0; r < R; r++) s[r][0] = s[r][1] = _mm512_setzero_ps();
-  const uint32_t *k0 = kt + (int64_t)(2 * kb) * dh * 16, *k1 = k0 + (int64_t)dh * 16;
+  __m512 s[HM_PR][HM_NC];
+  for (int r = 0; r < R; r++)
+    for (int c = 0; c < HM_NC; c++) s[r][c] = _mm512_setzero_ps();
+  const uint32_t *k0 = kt + (int64_t)(HM_NC * kb) * dh * 16;
   for (int p = 0; p < dh; p++) {
-    const __m512bh a = (__m512bh)_mm512_load_si512(k0 + p * 16);
-    const __m512bh b = (__m512bh)_mm512_load_si512(k1 + p * 16);
+    __m512bh kv[HM_NC];
+    for (int c = 0; c < HM_NC; c++)
+      kv[c] = (__m512bh)_mm512_load_si512(k0 + ((int64_t)c * dh + p) * 16);
     for (int r = 0; r < R; r++) {
       const __m512bh qp = hm_bcast_pair(qrow[r] + 2 * p);
-      s[r][0] = _mm512_dpbf16_ps(s[r][0], qp, a);
-      s[r][1] = _mm512_dpbf16_ps(s[r][1], qp, b);
+      for (int c = 0; c < HM_NC; c++) s[r][c] = _mm512_dpbf16_ps(s[r][c], qp, kv[c]);
     }
   }
   uint16_t pb[HM_PR][HM_KB] __attribute__((aligned(64)));
@@ -124,24 +130,32 @@ static inline __attribute__((always_inline)) void hm_panel(
   const __m512 vscale = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(-INFINITY);
   const __m512i iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
   for (int r = 0; r < R; r++) {
-    __m512 x0 = _mm512_mul_ps(s[r][0], vscale), x1 = _mm512_mul_ps(s[r][1], vscale);
-    if (masked) { /* keys past the row's position */
-      const __m512i key0 = _mm512_add_epi32(iota, _mm512_set1_epi32(kb * HM_KB));
-      const __m512i key1 = _mm512_add_epi32(key0, _mm512_set1_epi32(16));
-      const __m512i at = _mm512_set1_epi32((int32_t)pos[r]);
-      x0 = _mm512_mask_blend_ps(_mm512_cmpgt_epi32_mask(key0, at), x0, ninf);
-      x1 = _mm512_mask_blend_ps(_mm512_cmpgt_epi32_mask(key1, at), x1, ninf);
+    __m512 x[HM_NC];
+    __m512 mxv = ninf;
+    for (int c = 0; c < HM_NC; c++) {
+      x[c] = _mm512_mul_ps(s[r][c], vscale);
+      if (masked) { /* keys past the row's position */
+        const __m512i key = _mm512_add_epi32(iota, _mm512_set1_epi32(kb * HM_KB + 16 * c));
+        const __mmask16 late = _mm512_cmpgt_epi32_mask(key, _mm512_set1_epi32((int32_t)pos[r]));
+        x[c] = _mm512_mask_blend_ps(late, x[c], ninf);
+      }
+      mxv = _mm512_max_ps(mxv, x[c]);
     }
-    const float mx = _mm512_reduce_max_ps(_mm512_max_ps(x0, x1));
+    const float mx = _mm512_reduce_max_ps(mxv);
     const float mnew = mx > m[r] ? mx : m[r];
     /* key 0 is in every row's first block, so mnew is finite from the first block on */
     alpha[r] = hm_exp(m[r] - mnew); /* 0 on the first block (m = -inf) */
     m[r] = mnew;
     const __m512 vm = _mm512_set1_ps(mnew);
-    const __m512 p0 = hm_exp16(_mm512_sub_ps(x0, vm)), p1 = hm_exp16(_mm512_sub_ps(x1, vm));
-    l[r] = l[r] * alpha[r] + _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
-    const __m512bh packed = _mm512_cvtne2ps_pbh(p1, p0);
-    memcpy(pb[r], &packed, sizeof packed);
+    __m512 sum = _mm512_setzero_ps();
+    for (int c = 0; c < HM_NC; c += 2) {
+      const __m512 p0 = hm_exp16(_mm512_sub_ps(x[c], vm));
+      const __m512 p1 = hm_exp16(_mm512_sub_ps(x[c + 1], vm));
+      sum = _mm512_add_ps(sum, _mm512_add_ps(p0, p1));
+      const __m512bh packed = _mm512_cvtne2ps_pbh(p1, p0);
+      memcpy(pb[r] + 16 * c, &packed, sizeof packed);
+    }
+    l[r] = l[r] * alpha[r] + _mm512_reduce_add_ps(sum);
   }
   const uint32_t *v0 = vp + (int64_t)kb * (HM_KB / 2) * d;
   for (int c = 0; c < d; c += 32) {
@@ -170,11 +184,12 @@ static inline __attribute__((always_inline)) void hm_panel(
 static void hm_panel_n(int n, const uint16_t *const *qrow, const int64_t *pos, int kb, int masked,
                        const uint32_t *kt, const uint32_t *vp, int d, float scale, float *m,
                        float *l, float *o) {
-  switch (n) {
-    case 4: hm_panel(4, qrow, pos, kb, masked, kt, vp, d, scale, m, l, o); break;
-    case 3: hm_panel(3, qrow, pos, kb, masked, kt, vp, d, scale, m, l, o); break;
-    case 2: hm_panel(2, qrow, pos, kb, masked, kt, vp, d, scale, m, l, o); break;
+  switch (n) { /* each a copy with its row count a constant, so its accumulators are registers */
+#define HM_PANEL_CASE(R) \
+  case R: hm_panel(R, qrow, pos, kb, masked, kt, vp, d, scale, m, l, o); break;
+    HM_PANEL_CASE(4) HM_PANEL_CASE(3) HM_PANEL_CASE(2)
     default: hm_panel(1, qrow, pos, kb, masked, kt, vp, d, scale, m, l, o); break;
+#undef HM_PANEL_CASE
   }
 }
 
@@ -200,7 +215,7 @@ int hm_prefill_attention_bf16(const uint16_t *q, int64_t q_tok, int64_t q_head, 
     return -3;
   const int g = q_heads / kv_heads;
   const int64_t s = (int64_t)start + t;
-  const int64_t nkb = (s + HM_KB - 1) / HM_KB, chunks = 2 * nkb;
+  const int64_t nkb = (s + HM_KB - 1) / HM_KB, chunks = HM_NC * nkb;
   const int64_t kt_head = chunks * (d / 2) * 16, vp_head = chunks * 8 * (int64_t)d; /* uint32s */
   uint32_t *kt = aligned_alloc(64, (size_t)(kt_head + vp_head) * kv_heads * 4);
   if (!kt) return -1;
