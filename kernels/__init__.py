@@ -37,7 +37,14 @@ from kernels.linear import (
     silu_mul,
     unpack,
 )
-from kernels.native import NativeStatus, ReleasingThreadPool, native_status, release_threads
+from kernels.native import (
+    NativeStatus,
+    ReleasingThreadPool,
+    copy_hashed,
+    copy_hashed_available,
+    native_status,
+    release_threads,
+)
 from kernels.paged_attention_ref import paged_decode_attention_ref
 from kernels.prefill_attention import prefill_attention
 from kernels.paged_attention_torch import merge_attention
@@ -56,6 +63,8 @@ __all__ = [
     "NativeStatus",
     "ReleasingThreadPool",
     "available_backends",
+    "copy_hashed",
+    "copy_hashed_available",
     "gather_blocks",
     "is_packed",
     "kivi_dequantize",

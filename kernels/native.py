@@ -28,6 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from kernels.kivi import KiviPacked
@@ -46,6 +47,7 @@ _CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = tuple(
     _CSRC / name
     for name in (
+        "copy_hashed.c",
         "decode_attention.c",
         "linear.c",
         "linear_bf16.c",
@@ -152,6 +154,8 @@ def _library() -> tuple[ctypes.CDLL | None, str]:
     lib.hm_linear_bf16_pack.argtypes = [_ptr, _i32, _i32, _ptr, _i32]
     lib.hm_linear_bf16_available.restype = ctypes.c_int
     lib.hm_release_threads.restype = ctypes.c_int
+    lib.hm_copy_hashed.restype = None
+    lib.hm_copy_hashed.argtypes = [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _ptr, _ptr]
     lib.hm_prefill_attention_bf16_available.restype = ctypes.c_int
     lib.hm_prefill_attention_bf16.restype = ctypes.c_int
     lib.hm_prefill_attention_bf16.argtypes = [
@@ -627,3 +631,59 @@ def prefill_attention_bf16(q, k_blocks, v_blocks, table, start, scale, out) -> N
         raise MemoryError("prefill attention could not allocate its packed keys")
     if failed:
         raise ValueError(f"prefill attention refused its arguments (code {failed})")
+
+
+# ---- a block's copy with its layers' checksums (csrc/copy_hashed.c) ----
+
+
+@functools.cache
+def _xxh3_64() -> int | None:
+    """The address of XXH3-64 in the `xxhash` package's extension (its runtime-dispatched
+    build where it exports one), or None where it exports neither."""
+    try:
+        from xxhash import _xxhash
+
+        ext = ctypes.CDLL(_xxhash.__file__)
+    except (ImportError, OSError):
+        return None
+    for name in ("XXH3_64bits_dispatch", "XXH3_64bits"):
+        fn = getattr(ext, name, None)
+        if fn is not None:
+            return ctypes.cast(fn, ctypes.c_void_p).value
+    return None
+
+
+def copy_hashed_available() -> bool:
+    lib, _ = _library()
+    return lib is not None and _xxh3_64() is not None
+
+
+def copy_hashed(
+    dst: np.ndarray,
+    dst_offsets: list[int],
+    src: np.ndarray,
+    src_offsets: list[int],
+    nbytes: int,
+    layer_bytes: int,
+) -> np.ndarray:
+    """For each i: dst[dst_offsets[i]:][:nbytes] = src[src_offsets[i]:][:nbytes] (flat uint8
+    arrays), and the XXH3-64 of each `layer_bytes` layer of each copy, hashed while it is in
+    cache: uint64 [len(offsets), layers]. Call only where copy_hashed_available()."""
+    lib, _ = _library()
+    flat = all(a.dtype == np.uint8 and a.ndim == 1 and a.flags.c_contiguous for a in (dst, src))
+    if not flat or len(dst_offsets) != len(src_offsets):
+        raise ValueError("copy_hashed: flat contiguous uint8 arrays, one offset each per block")
+    d_off = np.asarray(dst_offsets, dtype=np.int64)
+    s_off = np.asarray(src_offsets, dtype=np.int64)
+    layers = -(-nbytes // layer_bytes)
+    sums = np.empty((len(d_off), layers), dtype=np.uint64)
+    if len(d_off) == 0:
+        return sums
+    low = min(d_off.min(), s_off.min())
+    if low < 0 or d_off.max() + nbytes > len(dst) or s_off.max() + nbytes > len(src):
+        raise ValueError("copy_hashed: a block lies outside its array")
+    lib.hm_copy_hashed(
+        dst.ctypes.data, d_off.ctypes.data, src.ctypes.data, s_off.ctypes.data, len(d_off),
+        nbytes, layer_bytes, _xxh3_64(), sums.ctypes.data,
+    )  # fmt: skip
+    return sums

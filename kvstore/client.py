@@ -17,6 +17,7 @@ import grpc
 import numpy as np
 import torch
 
+import kernels
 from kvstore.block_format import (
     BlockCorrupt,
     BlockHeader,
@@ -44,17 +45,28 @@ PUT_STREAM_DEADLINE_S = 600.0
 _FUSED_COPY_BYTES = 2 << 20  # blocks up to this are copied whole before their layers are checked
 
 
-def _copy_hashed(dst: np.ndarray, src: np.ndarray, layer_bytes: int) -> list[int]:
-    """dst[:] = src (flat uint8 payloads of one block); the checksum of each layer of the copy,
-    taken while it is still in cache (one pass over memory instead of two)."""
-    n = len(dst)
-    step = n if n <= _FUSED_COPY_BYTES else layer_bytes  # a big block: copy and hash by layer
-    mv = memoryview(dst)
-    sums = []
-    for o in range(0, n, step):
-        np.copyto(dst[o : o + step], src[o : o + step])
-        sums += [checksum(mv[a : a + layer_bytes]) for a in range(o, o + step, layer_bytes)]
-    return sums
+def _copy_hashed(
+    dst: np.ndarray, dst_offsets: list[int], src: np.ndarray, src_offsets: list[int], nbytes: int,
+    layer_bytes: int,
+) -> list[list[int]]:  # fmt: skip
+    """dst[dst_offsets[i]:][:nbytes] = src[src_offsets[i]:][:nbytes] for each block i (flat
+    uint8 arrays); the checksum of each layer of each copy, taken while it is still in cache (one
+    pass over memory instead of two): one C call for the batch where the kernels are built
+    (kernels/csrc/copy_hashed.c), else block by block here."""
+    if kernels.copy_hashed_available():
+        sums = kernels.copy_hashed(dst, dst_offsets, src, src_offsets, nbytes, layer_bytes)
+        return sums.tolist()
+    step = nbytes if nbytes <= _FUSED_COPY_BYTES else layer_bytes  # big: copy, hash by layer
+    mv, out = memoryview(dst), []
+    for d, s in zip(dst_offsets, src_offsets):
+        sums = []
+        for o in range(0, nbytes, step):
+            np.copyto(dst[d + o : d + o + step], src[s + o : s + o + step])
+            sums += [
+                checksum(mv[a : a + layer_bytes]) for a in range(d + o, d + o + step, layer_bytes)
+            ]
+        out.append(sums)
+    return out
 
 
 def _byte_rows(data: torch.Tensor) -> np.ndarray | None:
@@ -293,9 +305,28 @@ class StoreClient:
         got, corrupt = 0, []
         shape, dtype = tuple(out.shape[1:]), out.dtype
         block_bytes = out[0].numel() * out.element_size()
-        # unpadded raw blocks are the block tensor's bytes: copied as plain bytes into out
+        # unpadded raw blocks are the block tensor's bytes: copied as plain bytes into out, those
+        # in the slab in one call per run of them
         out_bytes = out.view(-1).view(torch.uint8).numpy() if out.device.type == "cpu" else None
-        slab_view = self.slab.view
+        slab_view, slab_array = self.slab.view, self.slab.array
+        run: list[tuple[int, int, tuple[int, ...]]] = []  # (key index, payload offset, checksums)
+        layer_bytes = 0
+
+        def copy_run() -> bool:
+            """The run into out's next rows; False (the key counted corrupt) at a bad one."""
+            nonlocal got
+            sums = _copy_hashed(
+                out_bytes, [(got + i) * block_bytes for i in range(len(run))], slab_array,
+                [off for _, off, _ in run], block_bytes, layer_bytes,
+            )  # fmt: skip
+            for (index, _, want), have in zip(run, sums):
+                if have != list(want):
+                    corrupt.append(keys[index])
+                    return False
+                got += 1
+            run.clear()
+            return True
+
         for index, off, length, data in slots:
             view = slab_view[off : off + length] if off >= 0 else memoryview(data)
             try:
@@ -307,10 +338,19 @@ class StoreClient:
                 break
             if not self._fits(h, shape, dtype):
                 break
-            if out_bytes is not None and h.codec == "raw" and h.payload_len == block_bytes:
+            raw = out_bytes is not None and h.codec == "raw" and h.payload_len == block_bytes
+            if raw and off >= 0:
+                run.append((index, off + h.header_len, h.checksums))
+                layer_bytes = h.layer_bytes
+                continue
+            if run and not copy_run():
+                break
+            if raw:  # inline
                 payload = np.frombuffer(view, np.uint8, block_bytes, h.header_len)
-                dst = out_bytes[got * block_bytes : (got + 1) * block_bytes]
-                ok = _copy_hashed(dst, payload, h.layer_bytes) == list(h.checksums)
+                sums = _copy_hashed(
+                    out_bytes, [got * block_bytes], payload, [0], block_bytes, h.layer_bytes
+                )
+                ok = sums[0] == list(h.checksums)
             else:
                 ok = all(
                     checksum(view[o : o + h.layer_bytes]) == h.checksums[layer]
@@ -322,6 +362,8 @@ class StoreClient:
                 corrupt.append(keys[index])
                 break
             got += 1
+        if run and not corrupt:
+            copy_run()
         if reply.lease_id or corrupt:
             self._release_later(reply.lease_id, corrupt)
         return got
@@ -679,11 +721,13 @@ class _ShmWriter(BlockWriter):
         src = blocks.reshape(-1).view(torch.uint8)
         src = (src if src.device.type == "cpu" else src.cpu()).numpy()  # one copy off a device
         n = h.payload_len
-        for i, off in self.slots:
-            start = off + h.header_len
-            self.sums[i] = _copy_hashed(
-                slab.array[start : start + n], src[i * n : (i + 1) * n], h.layer_bytes
-            )
+        slots = list(self.slots)
+        sums = _copy_hashed(
+            slab.array, [off + h.header_len for _, off in slots], src, [i * n for i, _ in slots],
+            n, h.layer_bytes,
+        )  # fmt: skip
+        for (i, _), block_sums in zip(slots, sums):
+            self.sums[i] = block_sums
         self.written.update(range(h.num_layers))
         self.hashed_in_copy = True
 

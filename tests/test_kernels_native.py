@@ -8,6 +8,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -182,3 +183,24 @@ def test_released_threads_come_back_for_the_next_parallel_call():
     t.start()
     t.join()
     assert torch.equal(got["out"], before) and got["released"]
+
+
+def test_copy_hashed_copies_blocks_and_hashes_their_layers_as_the_block_format_does():
+    """The store's batched copy (csrc/copy_hashed.c): each block copied, each layer's XXH3-64
+    equal to kvstore's checksum of it, a short last layer included; offsets out of range are an
+    error before anything is written."""
+    from kvstore.block_format import checksum
+
+    assert kernels.copy_hashed_available()  # xxhash's extension carries XXH3: it must be found
+    g = np.random.default_rng(0)
+    src = g.integers(0, 255, 10_000, dtype=np.uint8)
+    dst = np.zeros(12_000, dtype=np.uint8)
+    nbytes, layer = 3_000, 1_024  # three layers, the last 952 bytes
+    sums = kernels.copy_hashed(dst, [0, 5_000, 9_000], src, [7_000, 0, 3_333], nbytes, layer)
+    for (d, s), row in zip([(0, 7_000), (5_000, 0), (9_000, 3_333)], sums.tolist()):
+        assert np.array_equal(dst[d : d + nbytes], src[s : s + nbytes])
+        assert row == [checksum(dst[d + o : d + min(o + layer, nbytes)]) for o in (0, 1024, 2048)]
+    before = dst.copy()
+    with pytest.raises(ValueError, match="outside"):
+        kernels.copy_hashed(dst, [0, 11_000], src, [0, 0], nbytes, layer)
+    assert np.array_equal(dst, before)

@@ -1,0 +1,34 @@
+/* Blocks' bytes copied and each layer's checksum taken from the copy while it is still in cache:
+ * the store's shared-memory get and put (kvstore/client.py) hand over a whole batch of blocks
+ * in one call, instead of a Python loop of slices and hash calls per block and layer.
+ *
+ * The checksum is xxHash's XXH3-64, the block format's; the function is the one the `xxhash`
+ * Python package carries (kernels/native.py finds it there), so both paths hash with one code.
+ */
+
+#include <stdint.h>
+#include <string.h>
+
+typedef uint64_t (*hm_hash_fn)(const void *data, size_t len);
+
+/* Up to this, a block is copied whole and then hashed layer by layer from cache; a bigger one
+ * is copied and hashed a layer at a time. */
+#define HM_WHOLE_COPY_BYTES (2 << 20)
+
+/* For i < count: dst[dst_off[i] ..] = src[src_off[i] ..] (n bytes), and sums[i * layers + l] =
+ * the hash of layer l of that copy (layers of layer_bytes, the last one possibly short). */
+void hm_copy_hashed(uint8_t *dst, const int64_t *dst_off, const uint8_t *src,
+                    const int64_t *src_off, int64_t count, int64_t n, int64_t layer_bytes,
+                    hm_hash_fn hash, uint64_t *sums) {
+  const int64_t layers = (n + layer_bytes - 1) / layer_bytes;
+  for (int64_t i = 0; i < count; i++) {
+    uint8_t *d = dst + dst_off[i];
+    const uint8_t *s = src + src_off[i];
+    if (n <= HM_WHOLE_COPY_BYTES) memcpy(d, s, (size_t)n);
+    for (int64_t l = 0; l < layers; l++) {
+      const int64_t o = l * layer_bytes, len = n - o < layer_bytes ? n - o : layer_bytes;
+      if (n > HM_WHOLE_COPY_BYTES) memcpy(d + o, s + o, (size_t)len);
+      sums[i * layers + l] = hash(d + o, (size_t)len);
+    }
+  }
+}
