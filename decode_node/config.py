@@ -57,6 +57,13 @@ class DecodeConfig:
     # CPUs this worker's process runs on, e.g. "0-3" or "0,2" ("" = any): a prefill and a decode
     # worker on one host each keep to their own cores instead of thrashing each other's threads
     cpus: str = ""
+    # Forwards take turns at the CPUs with the host's other workers on the same CPU set (a lock
+    # file in /dev/shm; servekit.CpuTurns): "auto" when this worker's torch threads are more than
+    # half of those CPUs (two such workers computing at once oversubscribe them), "on", "off".
+    # A turn not had within cpu_turn_timeout_s is skipped (counted, logged): a hung neighbour
+    # never stops this worker.
+    cpu_turns: str = "auto"
+    cpu_turn_timeout_s: float = 5.0
     # Decode streams open at once (running, pulling or waiting for admission; each holds a
     # thread); the next is refused at once with RESOURCE_EXHAUSTED, and health and Load keep
     # threads of their own
@@ -78,4 +85,10 @@ class DecodeConfig:
             )
         check_dtype_device("DecodeConfig", self.dtype, self.device, self.prepack_weights)
         parse_cpu_list("DecodeConfig.cpus", self.cpus)
+        if self.cpu_turns not in ("auto", "on", "off"):
+            raise ValueError(
+                f"DecodeConfig.cpu_turns: 'auto', 'on' or 'off', not {self.cpu_turns!r}"
+            )
+        if self.cpu_turn_timeout_s <= 0:
+            raise ValueError("DecodeConfig.cpu_turn_timeout_s must be positive")
         check_kv_cache("DecodeConfig", self)

@@ -14,7 +14,7 @@ from decode_node.seq import Seq
 from kernels import native_status
 from kvstore import KVConnector, block_keys
 from model import KVPool, finish_reason, sample
-from servekit import blocks_needed, load_worker_model
+from servekit import blocks_needed, cpu_turns, load_worker_model
 
 
 def _tables(rows: list[list[int]]) -> torch.Tensor:
@@ -37,6 +37,9 @@ class DecodeRunner:
         self.eos = set(self.lm.tokenizer.eos_token_ids)
         self._pool_lock = threading.Lock()
         self.pool = self._make_pool()
+        # forwards take turns at the CPUs with the host's other workers on them
+        self.turns = cpu_turns(config, registry)
+        self.turn_wait_ms = 0.0  # the last step's wait for its turn
         if self.device.type == "cpu":  # builds the fused kernels now, not in the first step
             metrics.fused_attention.set(1 if native_status().available else 0)
         self.kv = KVConnector(
@@ -128,7 +131,8 @@ class DecodeRunner:
         self._filled(s, t0, have)
         if have < len(s.prompt):
             ids = torch.tensor(s.prompt[have:], dtype=torch.long)
-            self.lm.model.prefill(ids, self.pool, s.table, have, last_only=True)
+            with self.turns.turn():
+                self.lm.model.prefill(ids, self.pool, s.table, have, last_only=True)
 
     def _filled(self, s: Seq, t0: float, have: int) -> None:
         s.transfer_ms = (time.perf_counter() - t0) * 1000.0
@@ -168,9 +172,11 @@ class DecodeRunner:
         """One decode forward for every sequence of the batch; the token each samples."""
         tokens = torch.tensor([s.out[-1] for s in batch], dtype=torch.long)
         positions = torch.tensor([s.position for s in batch], dtype=torch.long)
-        logits = self.lm.model.decode(
-            tokens, self.pool, _tables([s.table for s in batch]), positions
-        )
+        with self.turns.turn() as waited:
+            self.turn_wait_ms = waited * 1000.0
+            logits = self.lm.model.decode(
+                tokens, self.pool, _tables([s.table for s in batch]), positions
+            )
         return self._sample(batch, logits)
 
     @staticmethod

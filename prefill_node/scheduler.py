@@ -97,9 +97,10 @@ class PrefillScheduler:
                 table = r.allocate(-(-(prefix + tokens) // bs))
                 try:
                     ids = torch.full((tokens,), 10, dtype=torch.long)
-                    c0 = time.perf_counter()
-                    r.lm.model.prefill_batch([(ids, table, prefix)], r.pool)
-                    ms = (time.perf_counter() - c0) * 1000.0
+                    with r.turns.turn():  # timed alone, not beside the decode worker's steps
+                        c0 = time.perf_counter()
+                        r.lm.model.prefill_batch([(ids, table, prefix)], r.pool)
+                        ms = (time.perf_counter() - c0) * 1000.0
                 finally:
                     r.free(table)
                 if i >= len(shapes):
@@ -230,14 +231,24 @@ class PrefillScheduler:
             now = time.perf_counter()
             tokens = sum(e - s for s, e in spans)
             # One observation per forward: tokens*context summed over its sequences.
-            self.timing.observe(
-                (now - c0) * 1000.0, tokens, sum((e - s) * e for s, e in spans) / tokens
+            self.timing.observe(  # the forward, not its wait for a turn at the CPUs
+                (now - c0) * 1000.0 - self.runner.turn_wait_ms,
+                tokens,
+                sum((e - s) * e for s, e in spans) / tokens,
             )
             self.max_batch_seen = max(self.max_batch_seen, len(step))
+            done = []
             for j, (_, e), lg in zip(step, spans, logits):
                 j.pos, j.logits, j.prefill_ms = e, lg, (now - start) * 1000.0
                 if e == len(j.ids):
-                    self._answer(j)
+                    done.append(j)
+            if done:
+                try:
+                    self.runner.store_all(done)
+                except Exception as exc:  # noqa: BLE001 - each finish checks its own again
+                    log.warning("%s: storing a round's blocks: %s", self.config.worker_id, exc)
+            for j in done:
+                self._answer(j)
 
     # ---- endings ----
 

@@ -23,7 +23,7 @@ from servekit.kv_cache import (
     is_kivi,
     kv_cache_layout,
 )
-from servekit.cpus import parse_cpu_list, pin_process
+from servekit.cpus import CpuTurns, cpu_turns, parse_cpu_list, pin_process
 from servekit.memory import (
     IDLE_TRIM_S,
     MemoryUsage,
@@ -85,6 +85,8 @@ __all__ = [
     "Tokens",
     "IDLE_TRIM_S",
     "MemoryUsage",
+    "CpuTurns",
+    "cpu_turns",
     "parse_cpu_list",
     "pin_process",
     "memory_usage",

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import logging
 import os
+import time
 
 log = logging.getLogger(__name__)
 
@@ -38,3 +41,122 @@ def pin_process(name: str, cpus_text: str, torch_threads: int) -> int:
     os.sched_setaffinity(0, cpus)
     log.info("%s: pinned to CPUs %s", name, cpus)
     return torch_threads or len(cpus)
+
+
+class CpuTurns:
+    """Forwards of the workers on one host that share CPUs, taken one at a time.
+
+    A prefill and a decode worker that each run as many OpenMP threads as the host has cores
+    would, computing at once, put twice the threads on the cores: every parallel region's
+    barrier then waits for a descheduled thread, and both forwards run several times slower than
+    one after the other (a burst of 16 streams on a 2-core host: decode steps of 95 ms instead of
+    38). So each forward holds a lock on a file in /dev/shm named by the CPU set (an flock: the
+    kernel drops it with the process that held it). A holder that hangs must not stop the host:
+    past `timeout_s` a forward runs without its turn, counted and logged.
+    """
+
+    def __init__(self, name: str, cpus: list[int], threads: int, mode: str, timeout_s: float,
+                 lock_dir: str = "/dev/shm", on_timeout=None):  # fmt: skip
+        if mode not in ("auto", "on", "off"):
+            raise ValueError(f"{name}: cpu_turns is 'auto', 'on' or 'off', not {mode!r}")
+        cpus = cpus or sorted(os.sched_getaffinity(0))
+        # auto: when two such workers would put more threads than CPUs on them
+        on = mode == "on" or (mode == "auto" and 2 * max(threads, 1) > len(cpus))
+        self.name, self.timeout_s, self.on_timeout = name, timeout_s, on_timeout
+        self.path = f"{lock_dir}/halfmoon-cpus-{_cpu_set_name(cpus)}.lock" if on else ""
+        self.timeouts = 0  # forwards that ran without their turn
+        self._stuck = False  # the last turn was not had: the holder may be hung
+
+    @contextlib.contextmanager
+    def turn(self):
+        """Hold this worker's turn at the CPUs for the duration (at once where turns are off);
+        gives the seconds waited for it (a forward's time model leaves them out)."""
+        t0 = time.perf_counter()
+        f = self._acquire()
+        try:
+            yield time.perf_counter() - t0
+        finally:
+            if f is not None:
+                f.close()  # closing the file drops the lock
+
+    def _acquire(self):
+        """The open lock file holding the turn; None when off or given up."""
+        if not self.path:
+            return None
+        try:
+            f = open(self.path, "a")  # an open file per turn: threads of one process exclude too
+        except OSError as exc:
+            self.timeouts += 1
+            log.warning(
+                "%s: cannot open %s (%s): computing without turns", self.name, self.path, exc
+            )
+            if self.on_timeout is not None:
+                self.on_timeout()
+            return None
+        # after a turn not had, one try each until the lock is seen free: a neighbour stuck
+        # holding it costs one wait of timeout_s, not one per forward
+        wait_s = 0.0 if self._stuck else self.timeout_s
+        deadline, pause = time.monotonic() + wait_s, 0.0002
+        while True:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                self._stuck = False
+                return f
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    self._stuck = True
+                    f.close()
+                    self.timeouts += 1
+                    if wait_s:  # once per stuck spell; every skipped turn is counted
+                        log.warning(
+                            "%s: no turn at the CPUs after %.1f s (%s): computing without "
+                            "turns until it is free again",
+                            self.name,
+                            self.timeout_s,
+                            self.path,
+                        )
+                    if self.on_timeout is not None:
+                        self.on_timeout()
+                    return None
+                # short naps: a holder between decode steps gives its turn up for ~1 ms
+                time.sleep(pause)
+                pause = min(pause * 2, 0.002)
+
+
+def _cpu_set_name(cpus: list[int]) -> str:
+    """ "0-3,6" as a file-name part: 0-3_6."""
+    runs, start = [], None
+    for i, c in enumerate(cpus):
+        if start is None:
+            start = c
+        if i + 1 == len(cpus) or cpus[i + 1] != c + 1:
+            runs.append(f"{start}-{c}" if c != start else f"{c}")
+            start = None
+    return "_".join(runs)
+
+
+def cpu_turns(config, registry=None) -> CpuTurns:
+    """The CpuTurns of a worker config (its `cpus`, `cpu_turns`, `cpu_turn_timeout_s` and
+    `worker_id`; this process's torch threads), with its skipped turns counted in `registry` as
+    halfmoon_cpu_turn_timeouts_total."""
+    import torch
+    from prometheus_client import Counter
+
+    name = config.worker_id
+    counter = None
+    if registry is not None:
+        counter = Counter(
+            "halfmoon_cpu_turn_timeouts",
+            "Forwards that ran without their turn at the shared CPUs (a neighbour held it)",
+            ["worker"],
+            registry=registry,
+        ).labels(name)
+    cpus = parse_cpu_list(f"{type(config).__name__}.cpus", config.cpus)
+    return CpuTurns(
+        name,
+        cpus,
+        torch.get_num_threads(),
+        config.cpu_turns,
+        config.cpu_turn_timeout_s,
+        on_timeout=counter.inc if counter is not None else None,
+    )

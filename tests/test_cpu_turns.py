@@ -1,0 +1,102 @@
+"""servekit.CpuTurns: the forwards of workers sharing a host's CPUs take turns (an flock on a file
+named by the CPU set), a turn is never held by a process that is gone, and a holder that hangs
+costs a bounded wait, counted, never a stopped worker."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from decode_node import DecodeConfig
+from servekit import CpuTurns
+
+
+def test_forwards_on_one_cpu_set_never_overlap_and_each_gets_its_turns(tmp_path):
+    spans: dict[str, list[tuple[float, float]]] = {"prefill": [], "decode": []}
+
+    def worker(name: str, hold_s: float, n: int):
+        turns = CpuTurns(name, [0, 1], 2, "auto", 5.0, lock_dir=str(tmp_path))
+        for _ in range(n):
+            with turns.turn():
+                t0 = time.perf_counter()
+                time.sleep(hold_s)
+                spans[name].append((t0, time.perf_counter()))
+            time.sleep(0.001)  # a decode step's bookkeeping between forwards
+
+    ths = [
+        threading.Thread(target=worker, args=("prefill", 0.02, 10)),
+        threading.Thread(target=worker, args=("decode", 0.005, 40)),
+    ]
+    t0 = time.perf_counter()
+    for t in ths:
+        t.start()
+    for t in ths:
+        t.join()
+    wall = time.perf_counter() - t0
+    every = sorted(spans["prefill"] + spans["decode"])
+    assert len(every) == 50
+    assert all(a[1] <= b[0] for a, b in zip(every, every[1:])), "two forwards held a turn at once"
+    # the decode worker's short turns did not starve the prefill's long ones: both finished
+    # in about the time of all turns back to back
+    assert wall < 2 * (10 * 0.02 + 40 * 0.006) + 0.5
+
+
+def test_auto_takes_turns_only_where_two_workers_would_oversubscribe(tmp_path):
+    d = str(tmp_path)
+    assert CpuTurns("w", [0, 1], 2, "auto", 1.0, lock_dir=d).path  # 2 x 2 threads > 2 CPUs
+    assert not CpuTurns("w", [0, 1, 2, 3], 2, "auto", 1.0, lock_dir=d).path  # 4 fit on 4
+    assert CpuTurns("w", [0, 1, 2, 3], 2, "on", 1.0, lock_dir=d).path
+    assert not CpuTurns("w", [0, 1], 2, "off", 1.0, lock_dir=d).path
+    # workers on other CPUs do not share a lock
+    a = CpuTurns("a", [0, 1], 2, "on", 1.0, lock_dir=d).path
+    b = CpuTurns("b", [2, 3, 5], 2, "on", 1.0, lock_dir=d).path
+    assert a.endswith("halfmoon-cpus-0-1.lock") and b.endswith("halfmoon-cpus-2-3_5.lock")
+    with pytest.raises(ValueError, match="cpu_turns"):
+        CpuTurns("w", [0], 1, "sometimes", 1.0, lock_dir=d)
+    with pytest.raises(ValueError, match="cpu_turns"):
+        DecodeConfig(cpu_turns="always")
+
+
+def test_a_hung_holder_costs_a_bounded_wait_and_a_dead_one_nothing(tmp_path):
+    turns = CpuTurns("decode-0", [0, 1], 2, "on", 0.3, lock_dir=str(tmp_path))
+    skipped = []
+    turns.on_timeout = lambda: skipped.append(1)
+    # another process takes the turn and keeps it (a worker hung mid-forward)
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import fcntl, sys, time\n"
+            f"f = open({turns.path!r}, 'a'); fcntl.flock(f, fcntl.LOCK_EX)\n"
+            "print('held', flush=True); time.sleep(60)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        t0 = time.perf_counter()
+        with turns.turn() as waited:
+            ran = time.perf_counter() - t0
+        assert 0.3 <= ran < 1.5 and waited >= 0.3
+        assert turns.timeouts == 1 and skipped == [1]
+        # while it stays stuck, the next forwards do not wait again (each counted)
+        t0 = time.perf_counter()
+        with turns.turn():
+            pass
+        assert time.perf_counter() - t0 < 0.1 and turns.timeouts == 2
+    finally:
+        holder.kill()  # killed holding it: the kernel drops the lock with the process
+        holder.wait()
+    # the holder gone, the turn is had (another worker waiting on it now waits) at once
+    other = CpuTurns("prefill-0", [0, 1], 2, "on", 0.05, lock_dir=str(tmp_path))
+    t0 = time.perf_counter()
+    with turns.turn():
+        assert time.perf_counter() - t0 < 0.1
+        with other.turn():
+            pass
+    assert other.timeouts == 1 and turns.timeouts == 2
