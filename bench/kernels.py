@@ -9,10 +9,13 @@ device-to-device copy). The dispatch's path runs (the fused C kernel on CPU, Tri
 two baselines: the gather-then-einsum reference, and torch's `scaled_dot_product_attention` over
 KV already gathered into contiguous per-sequence tensors (gather not timed: the cache layout of an
 engine without paging). KIVI-4 packed attention (the fused kernel over 4-bit blocks) runs too.
+So does causal prefill attention in bf16 (--prefill-tokens fresh tokens, SmolLM2's heads, one call
+per layer): the dispatch's path (the vdpbf16ps kernel on CPUs with AVX-512 BF16) beside torch's
+SDPA on the same tensors, with the arithmetic rate of each (QK^T and PV, causal half).
 The last line printed is one JSON object, with the CPU's flags and the load.
 
     .venv/bin/python bench/kernels.py [--repeats 5] [--threads N] [--dtypes float32,bfloat16] \
-        [--kivi] [--plot PATH]
+        [--kivi] [--prefill-tokens 1024] [--plot PATH]
 """
 
 from __future__ import annotations
@@ -140,6 +143,7 @@ def main() -> None:
         default=None,
         help="time the KIVI-4 attention path too (default: on)",
     )
+    ap.add_argument("--prefill-tokens", type=int, default=1024, help="0: skip prefill attention")
     ap.add_argument("--plot", default=str(ROOT / "runs" / "bench" / "kernels.png"))
     args = ap.parse_args()
     if args.threads:
@@ -253,6 +257,8 @@ def main() -> None:
         result["kivi4_kv_read_gbps"] = round(kivi_bytes / secs / 1e9, 3)
         result["kivi4_vs_rw_bw"] = round(kivi_bytes / secs / copy_bw, 3)
         bars["kivi4 packed"] = kivi_bytes / secs / 1e9
+    if args.prefill_tokens > 0:
+        result.update(prefill_attention(device, args.prefill_tokens, timed, args.repeats))
     pressure = cpu_pressure()
     if pressure is not None:  # other processes' share of the CPUs while this ran (shared machines)
         result["cpu_pressure_avg60"] = pressure
@@ -264,6 +270,48 @@ def main() -> None:
     result["load_average"] = round(os.getloadavg()[0], 2)
     plot(bars, args.plot, result["workload"], device)
     print(json.dumps(result))
+
+
+def prefill_attention(device, tokens: int, timed, repeats: int) -> dict:
+    """Causal bf16 prefill attention over `tokens` fresh tokens, LAYERS calls: the dispatch's
+    path and torch's SDPA on the same q/k/v (views of one fused projection, as the model makes
+    them), each the median of `repeats`; GFLOP/s counts QK^T and PV over the causal half."""
+    g = torch.Generator().manual_seed(0)
+    width = (Q_HEADS + 2 * KV_HEADS) * HEAD_DIM
+    qkv = torch.randn(LAYERS, tokens, width, generator=g).to(device=device, dtype=torch.bfloat16)
+    one = torch.zeros(1, dtype=torch.long, device=device)
+    split = [Q_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM]
+    layers = [
+        (q.view(tokens, Q_HEADS, HEAD_DIM), k.view(1, tokens, KV_HEADS, HEAD_DIM),
+         v.view(1, tokens, KV_HEADS, HEAD_DIM))
+        for q, k, v in (x.split(split, dim=-1) for x in qkv)
+    ]  # fmt: skip
+
+    def step(backend):
+        for q, k, v in layers:
+            kernels.prefill_attention(q, k, v, one, 0, HEAD_DIM**-0.5, backend=backend)
+
+    out = {}
+    flops = LAYERS * Q_HEADS * tokens * (tokens + 1) / 2 * HEAD_DIM * 2 * 2
+    for name, backend in (("dispatch", None), ("sdpa", "torch")):
+        step(backend)
+        secs = statistics.median(timed(lambda: step(backend)) for _ in range(repeats))
+        out[name] = secs
+    fast, sdpa = out["dispatch"], out["sdpa"]
+    print(
+        f"prefill attention, {tokens} tokens bf16 x {LAYERS} layers: dispatch {fast * 1e3:.1f} ms "
+        f"({flops / fast / 1e9:.0f} GFLOP/s), SDPA {sdpa * 1e3:.1f} ms "
+        f"({flops / sdpa / 1e9:.0f} GFLOP/s): {sdpa / fast:.2f}x",
+        flush=True,
+    )
+    return {
+        "prefill_attn_tokens": tokens,
+        "prefill_attn_step_ms": round(fast * 1e3, 2),
+        "prefill_attn_sdpa_step_ms": round(sdpa * 1e3, 2),
+        "prefill_attn_gflops": round(flops / fast / 1e9, 1),
+        "prefill_attn_sdpa_gflops": round(flops / sdpa / 1e9, 1),
+        "prefill_attn_vs_sdpa": round(sdpa / fast, 3),
+    }
 
 
 def cpu_pressure() -> float | None:
