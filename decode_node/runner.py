@@ -38,7 +38,7 @@ class DecodeRunner:
         self._pool_lock = threading.Lock()
         self.pool = self._make_pool()
         # forwards take turns at the CPUs with the host's other workers on them
-        self.turns = cpu_turns(config, registry)
+        self.turns = cpu_turns(config, registry, self.device)
         self.turn_wait_ms = 0.0  # the last step's wait for its turn
         if self.device.type == "cpu":  # builds the fused kernels now, not in the first step
             metrics.fused_attention.set(1 if native_status().available else 0)

@@ -81,7 +81,7 @@ class PrefillRunner:
         # a block at the store's codec, until a CacheGen fetch says what its chunks move
         self.fetch_block_bytes = float(self.kv.wire_block_bytes)
         # forwards take turns at the CPUs with the host's other workers on them
-        self.turns = cpu_turns(config, registry)
+        self.turns = cpu_turns(config, registry, self.device)
         self.turn_wait_ms = 0.0  # the last forward's wait for its turn
         # the store checks of the jobs one forward finished, side by side (store_all)
         self._storing = ReleasingThreadPool(

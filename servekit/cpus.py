@@ -135,10 +135,11 @@ def _cpu_set_name(cpus: list[int]) -> str:
     return "_".join(runs)
 
 
-def cpu_turns(config, registry=None) -> CpuTurns:
+def cpu_turns(config, registry=None, device=None) -> CpuTurns:
     """The CpuTurns of a worker config (its `cpus`, `cpu_turns`, `cpu_turn_timeout_s` and
     `worker_id`; this process's torch threads), with its skipped turns counted in `registry` as
-    halfmoon_cpu_turn_timeouts_total."""
+    halfmoon_cpu_turn_timeouts_total. A worker computing on a GPU takes no turns unless `on`
+    says so: its forwards barely use the CPUs."""
     import torch
     from prometheus_client import Counter
 
@@ -152,11 +153,14 @@ def cpu_turns(config, registry=None) -> CpuTurns:
             registry=registry,
         ).labels(name)
     cpus = parse_cpu_list(f"{type(config).__name__}.cpus", config.cpus)
+    mode = config.cpu_turns
+    if mode == "auto" and device is not None and torch.device(device).type != "cpu":
+        mode = "off"
     return CpuTurns(
         name,
         cpus,
         torch.get_num_threads(),
-        config.cpu_turns,
+        mode,
         config.cpu_turn_timeout_s,
         on_timeout=counter.inc if counter is not None else None,
     )
