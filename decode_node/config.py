@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from servekit import (
     SecurityConfig,
+    check_cpu_turns,
     check_dtype_device,
     check_kv_cache,
     parse_cpu_list,
@@ -85,10 +86,5 @@ class DecodeConfig:
             )
         check_dtype_device("DecodeConfig", self.dtype, self.device, self.prepack_weights)
         parse_cpu_list("DecodeConfig.cpus", self.cpus)
-        if self.cpu_turns not in ("auto", "on", "off"):
-            raise ValueError(
-                f"DecodeConfig.cpu_turns: 'auto', 'on' or 'off', not {self.cpu_turns!r}"
-            )
-        if self.cpu_turn_timeout_s <= 0:
-            raise ValueError("DecodeConfig.cpu_turn_timeout_s must be positive")
+        check_cpu_turns("DecodeConfig", self)
         check_kv_cache("DecodeConfig", self)

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from kvstore import CACHEGEN_LEVELS
 from servekit import (
     SecurityConfig,
+    check_cpu_turns,
     check_dtype_device,
     check_kv_cache,
     parse_cpu_list,
@@ -102,12 +103,7 @@ class PrefillConfig:
             )
         check_dtype_device("PrefillConfig", self.dtype, self.device, self.prepack_weights)
         parse_cpu_list("PrefillConfig.cpus", self.cpus)
-        if self.cpu_turns not in ("auto", "on", "off"):
-            raise ValueError(
-                f"PrefillConfig.cpu_turns: 'auto', 'on' or 'off', not {self.cpu_turns!r}"
-            )
-        if self.cpu_turn_timeout_s <= 0:
-            raise ValueError("PrefillConfig.cpu_turn_timeout_s must be positive")
+        check_cpu_turns("PrefillConfig", self)
         check_kv_cache("PrefillConfig", self)
         bad = [lv for lv in self.cachegen_levels if lv not in CACHEGEN_LEVELS]
         if bad:

@@ -23,7 +23,7 @@ from servekit.kv_cache import (
     is_kivi,
     kv_cache_layout,
 )
-from servekit.cpus import CpuTurns, cpu_turns, parse_cpu_list, pin_process
+from servekit.cpus import CpuTurns, check_cpu_turns, cpu_turns, parse_cpu_list, pin_process
 from servekit.memory import (
     IDLE_TRIM_S,
     MemoryUsage,
@@ -86,6 +86,7 @@ __all__ = [
     "IDLE_TRIM_S",
     "MemoryUsage",
     "CpuTurns",
+    "check_cpu_turns",
     "cpu_turns",
     "parse_cpu_list",
     "pin_process",

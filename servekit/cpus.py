@@ -43,6 +43,17 @@ def pin_process(name: str, cpus_text: str, torch_threads: int) -> int:
     return torch_threads or len(cpus)
 
 
+CPU_TURN_MODES = ("auto", "on", "off")
+
+
+def check_cpu_turns(owner: str, config) -> None:
+    """ValueError naming the field unless `config.cpu_turns` is a mode and its timeout positive."""
+    if config.cpu_turns not in CPU_TURN_MODES:
+        raise ValueError(f"{owner}.cpu_turns: 'auto', 'on' or 'off', not {config.cpu_turns!r}")
+    if config.cpu_turn_timeout_s <= 0:
+        raise ValueError(f"{owner}.cpu_turn_timeout_s must be positive")
+
+
 class CpuTurns:
     """Forwards of the workers on one host that share CPUs, taken one at a time.
 
@@ -57,7 +68,7 @@ class CpuTurns:
 
     def __init__(self, name: str, cpus: list[int], threads: int, mode: str, timeout_s: float,
                  lock_dir: str = "/dev/shm", on_timeout=None):  # fmt: skip
-        if mode not in ("auto", "on", "off"):
+        if mode not in CPU_TURN_MODES:
             raise ValueError(f"{name}: cpu_turns is 'auto', 'on' or 'off', not {mode!r}")
         cpus = cpus or sorted(os.sched_getaffinity(0))
         # auto: when two such workers would put more threads than CPUs on them
