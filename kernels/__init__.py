@@ -13,6 +13,7 @@ from kernels.dispatch import (
     paged_mla_decode_attention,
     scatter_blocks,
 )
+from kernels.decode_step import DecodeLayers, KiviBlocks, LayerWeights
 from kernels.kivi import (
     KIVI_BITS,
     KiviPacked,
@@ -59,6 +60,9 @@ __all__ = [
     "KVLayout",
     "KiviKVLayout",
     "KiviPacked",
+    "DecodeLayers",
+    "KiviBlocks",
+    "LayerWeights",
     "MlaKVLayout",
     "NativeStatus",
     "ReleasingThreadPool",

@@ -49,6 +49,7 @@ SOURCES = tuple(
     for name in (
         "copy_hashed.c",
         "decode_attention.c",
+        "decode_step.c",
         "linear.c",
         "linear_bf16.c",
         "prefill_attention.c",
@@ -161,6 +162,11 @@ def _library() -> tuple[ctypes.CDLL | None, str]:
     lib.hm_prefill_attention_bf16.argtypes = [
         _ptr, _i64, _i64, _ptr, _ptr, _i64, _i64, _i64, _ptr, _i64,
         _i32, _i32, _i32, _i32, _i32, _f32, _ptr, _i64, _i32,
+    ]  # fmt: skip
+    lib.hm_llama_decode_layers.restype = ctypes.c_int
+    lib.hm_llama_decode_layers.argtypes = [
+        _i32, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i32, _ptr, _ptr, _ptr, _ptr, _ptr, _i32,
+        _i32,
     ]  # fmt: skip
     return lib, str(path)
 

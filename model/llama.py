@@ -107,6 +107,14 @@ class LlamaModel(nn.Module):
         # since token lookups index its rows
         self.register_buffer("packed_head", None, persistent=False)
         self.scale = config.head_dim**-0.5
+        # decode's layers in one C call where they apply (kernels/decode_step.py); False runs
+        # them layer by layer from Python (the same bits: tests compare the two)
+        self.fused_decode = True
+        self._fused_layers: kernels.DecodeLayers | None | bool = None  # None: not built yet
+
+    def _apply(self, fn, recurse=True):
+        self._fused_layers = None  # moved or cast weights: the pointers change
+        return super()._apply(fn, recurse)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -126,6 +134,7 @@ class LlamaModel(nn.Module):
         packed path."""
         if not kernels.prepack_supported(self.dtype, self.device):
             return False
+        self._fused_layers = None
         with torch.no_grad():
             for layer in self.layers:
                 for name in _PACKED_PROJECTIONS:
@@ -253,6 +262,27 @@ class LlamaModel(nn.Module):
         # the residual is added in place (in the matmul's own pass where it can be)
         act = kernels.silu_mul(kernels.linear(h, layer.gate_up_proj))
         return kernels.linear_add_(x, act, layer.down_proj)
+
+    def _decode_layers(self, pool: KVPool):
+        """The fused decode layers for this pool, or None where they do not apply."""
+        if not self.fused_decode or pool.dtype != self.dtype or pool.kv.dim() != 6:
+            return None
+        if self._fused_layers is None:
+            c = self.config
+            fused = kernels.DecodeLayers.build(
+                [
+                    kernels.LayerWeights(
+                        layer.input_norm, layer.qkv_proj, layer.o_proj, layer.post_norm,
+                        layer.gate_up_proj, layer.down_proj,
+                    )  # fmt: skip
+                    for layer in self.layers
+                ],
+                c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size,
+                c.rms_norm_eps, self.scale,
+            )  # fmt: skip
+            self._fused_layers = fused or False
+        fused = self._fused_layers
+        return fused if fused and fused.fits_pool(*pool.layer_kv(0)) else None
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         x = _rms_norm(x, self.norm, self.config.rms_norm_eps)
@@ -406,6 +436,13 @@ class LlamaModel(nn.Module):
         positions = positions.to(device=self.device, dtype=torch.long)
         block_tables = block_tables.to(device=self.device, dtype=torch.int32)
         b = token_ids.shape[0]
+        fused = self._decode_layers(pool)
+        if fused is not None:
+            cos, sin = self._rope_table(positions)
+            x = self.embed_tokens[token_ids]
+            # layer l's K lies pool.kv.stride(1) elements after layer l-1's (full layout)
+            fused.run(x, pool.layer_kv(0), pool.kv.stride(1), block_tables, positions, cos, sin)
+            return self._logits(x)
         slot_block = block_tables.gather(1, (positions // bs)[:, None]).squeeze(1).long()
         slot_off = positions % bs
         seq_lens = (positions + 1).to(torch.int32)
@@ -450,6 +487,18 @@ class LlamaModel(nn.Module):
         slot_off = in_window % bs
         window_lens = (in_window + 1).to(torch.int32)
         window = pool.window
+        fused = self._decode_layers(window)
+        if fused is not None:
+            cos, sin = self._rope_table(positions)
+            x = self.embed_tokens[token_ids]
+            packed = kernels.KiviBlocks(
+                pool.packed_layers[0], pool.packed.kv.stride(1), packed_tables, packed_lens
+            )
+            fused.run(
+                x, window.layer_kv(0), window.kv.stride(1), window_tables, in_window, cos, sin,
+                packed,
+            )  # fmt: skip
+            return self._logits(x)
 
         rope = self._rope_table(positions)
         x = self.embed_tokens[token_ids]

@@ -1,0 +1,205 @@
+/* A Llama-family decode step's decoder layers in one call: for each layer, RMSNorm, the fused
+ * QKV matmul, RoPE on q and k, the new K/V written into the paged pool, paged attention over
+ * each sequence's blocks, the output projection added into the residual, RMSNorm, the fused
+ * gate/up matmul, SiLU-and-multiply and the down projection added into the residual.
+ *
+ * Why one call: each of those steps is already one C pass (linear.c, linear_bf16.c, rope.c,
+ * decode_attention.c), but driven from Python a layer cost ~40 tensor ops and 8 ctypes calls
+ * around them (views, dtype checks, temporaries, index_put for the KV write): at SmolLM2's size
+ * that was a third of a batch-16 step. Here the same functions run back to back over buffers the
+ * caller allocated once, so the results are the Python path's bits (tests compare them).
+ *
+ * Everything the caller passes is checked before anything is written: every slot and every
+ * table entry a sequence reaches must name a pool block, so a bad table changes nothing.
+ */
+
+#include <stdint.h>
+#include <string.h>
+
+#include "hm_bf16.h"
+
+enum { HM_STEP_F32 = 0, HM_STEP_BF16 = 1 };
+
+/* Per layer, in this order: input norm, qkv panels, o panels, post norm, gate/up panels, down
+ * panels. */
+enum { HM_LAYER_PTRS = 6 };
+
+/* The functions this step chains (the same library). */
+int hm_linear(const float *x, int64_t ldx, int m, const float *panels, int n, int k, float *out,
+              int64_t ldo, int add, int threads);
+int hm_linear_bf16(const uint16_t *x, int64_t ldx, int m, const uint16_t *panels, int n, int k,
+                   uint16_t *out, int64_t ldo, int add, int threads, int amx_min_rows);
+void hm_rms_norm(const float *x, int64_t ldx, int rows, int dim, const float *w, float eps,
+                 float *out, int64_t ldo, int threads);
+void hm_rms_norm_bf16(const uint16_t *x, int64_t ldx, int rows, int dim, const uint16_t *w,
+                      float eps, uint16_t *out, int64_t ldo, int threads);
+void hm_silu_mul(const float *gu, int64_t ldg, int rows, int inter, float *out, int64_t ldo,
+                 int threads);
+void hm_silu_mul_bf16(const uint16_t *gu, int64_t ldg, int rows, int inter, uint16_t *out,
+                      int64_t ldo, int threads);
+void hm_rope(void *x, int64_t ldx, int64_t ldh, int rows, int heads, int d, const void *cos,
+             const void *sin, int dtype, int threads);
+int hm_paged_attention_full(const float *q, const void *k, const void *v, int dtype,
+                            int64_t num_blocks, int64_t blk_stride, int64_t tok_stride,
+                            int64_t head_stride, const int32_t *tables, int64_t table_stride,
+                            const int32_t *lens, int batch, int q_heads, int kv_heads,
+                            int head_dim, int block_size, float scale, int threads, float *out,
+                            float *lse);
+int hm_paged_attention_kivi_window(
+    const float *q, const void *const *ptr, const int64_t *blk_bytes, int64_t num_blocks, int bits,
+    int gk, int vg, int gv, const int32_t *tables, int64_t table_stride, const int32_t *lens,
+    const void *wk, const void *wv, int wdtype, int64_t w_num_blocks, int64_t w_blk_stride,
+    int64_t w_tok_stride, int64_t w_head_stride, const int32_t *w_tables, int64_t w_table_stride,
+    const int32_t *w_lens, int w_block_size, int batch, int q_heads, int kv_heads, int head_dim,
+    int block_size, float scale, int threads, float *out, float *lse);
+int hm_linear_available(void);
+int hm_linear_bf16_available(void);
+
+/* The model's shapes. */
+typedef struct {
+  int32_t num_layers, hidden, q_heads, kv_heads, head_dim, inter;
+  float eps, scale;
+} hm_llama_shape;
+
+/* The pool: layer l's K of block b at k0 + b * blk_stride + l * layer_stride (elements of the
+ * model's dtype), its V `kv_offset` elements further on. */
+typedef struct {
+  void *k0;
+  int64_t num_blocks, blk_stride, layer_stride, kv_offset, tok_stride, head_stride;
+  int32_t block_size;
+} hm_llama_pool;
+
+/* A KIVI pool's packed blocks (decode_attention.c's hm_kivi_pool), for a step whose `pool` is
+ * the full-precision window: layer l's six fields start layer_bytes * l after layer 0's. Each
+ * sequence attends over its packed tokens [0, lens[b]) (blocks tables[b]), then its window. */
+typedef struct {
+  const void *const *ptr0;
+  const int64_t *blk_bytes;
+  int64_t layer_bytes, num_blocks;
+  int32_t bits, gk, vg, gv, block_size;
+  const int32_t *tables;
+  int64_t table_cols;
+  const int32_t *lens;
+} hm_llama_kivi;
+
+/* Scratch the caller allocated: h [B, hidden], qkv [B, q + 2 kv], qf and attn_f [B, QH, D] fp32,
+ * lse [B, QH] fp32, attn [B, QH * D] (bf16 only), gu [B, 2 I], act [B, I]. */
+typedef struct {
+  void *h, *qkv;
+  float *qf, *attn_f, *lse;
+  void *attn, *gu, *act;
+} hm_llama_scratch;
+
+/* 0, or the first sequence (1-based) whose slot or table names a block outside the pool, or
+ * whose position its table does not cover. */
+static int hm_check_tables(const hm_llama_pool *pool, const int32_t *tables, int64_t table_cols,
+                           const int64_t *positions, int batch, const hm_llama_kivi *kivi) {
+  for (int b = 0; b < batch; b++) {
+    if (kivi) {
+      const int32_t n = kivi->lens[b], *t = kivi->tables + (int64_t)b * kivi->table_cols;
+      if (n < 0 || (n + kivi->block_size - 1) / kivi->block_size > kivi->table_cols) return b + 1;
+      for (int64_t j = 0; j * kivi->block_size < n; j++)
+        if (t[j] < 0 || t[j] >= kivi->num_blocks) return b + 1;
+    }
+    const int64_t pos = positions[b];
+    if (pos < 0 || pos / pool->block_size >= table_cols) return b + 1;
+    const int32_t *t = tables + (int64_t)b * table_cols;
+    for (int64_t j = 0; j <= pos / pool->block_size; j++)
+      if (t[j] < 0 || t[j] >= pool->num_blocks) return b + 1;
+  }
+  return 0;
+}
+
+/* x [B, hidden] (the model's dtype, contiguous) carries the embeddings in and the last layer's
+ * residual stream out. positions [B] int64: each sequence's new token's position in `pool` (its
+ * KV is written there, and it attends over [0, pos] of it); tables [B, table_cols] int32; lens
+ * [B] int32 = positions + 1; cos/sin [B, D/2] in the model's dtype, for the token's position in
+ * its sequence. With `kivi` (else NULL), `pool` is each sequence's window after its packed
+ * blocks. Returns 0; b + 1 for a bad table of
+ * sequence b (nothing written); -1 where attention could not allocate its state; -2 where the
+ * library lacks the dtype's path. */
+int hm_llama_decode_layers(int dtype, const hm_llama_shape *s, const void *const *layers,
+                           const hm_llama_pool *pool, const int32_t *tables, int64_t table_cols,
+                           const int64_t *positions, const int32_t *lens, int batch,
+                           const void *cos, const void *sin, void *x, const hm_llama_scratch *w,
+                           const hm_llama_kivi *kivi, int threads, int amx_min_rows) {
+  if (dtype == HM_STEP_BF16 ? !hm_linear_bf16_available() : !hm_linear_available()) return -2;
+  const int bad = hm_check_tables(pool, tables, table_cols, positions, batch, kivi);
+  if (bad) return bad;
+  const int qh = s->q_heads, kvh = s->kv_heads, d = s->head_dim, hid = s->hidden;
+  const int q_size = qh * d, kv_size = kvh * d, qkv_n = q_size + 2 * kv_size;
+  const int64_t elt = dtype == HM_STEP_BF16 ? 2 : 4;
+  char *const qkv = w->qkv;
+  for (int l = 0; l < s->num_layers; l++) {
+    const void *const *p = layers + (int64_t)l * HM_LAYER_PTRS;
+    char *const k_layer = (char *)pool->k0 + l * pool->layer_stride * elt;
+    char *const v_layer = k_layer + pool->kv_offset * elt;
+    if (dtype == HM_STEP_BF16) {
+      hm_rms_norm_bf16(x, hid, batch, hid, p[0], s->eps, w->h, hid, threads);
+      hm_linear_bf16(w->h, hid, batch, p[1], qkv_n, hid, w->qkv, qkv_n, 0, threads,
+                     amx_min_rows);
+    } else {
+      hm_rms_norm(x, hid, batch, hid, p[0], s->eps, w->h, hid, threads);
+      hm_linear(w->h, hid, batch, p[1], qkv_n, hid, w->qkv, qkv_n, 0, threads);
+    }
+    /* q and k rotated in place, as one run of q_heads + kv_heads heads per row */
+    hm_rope(w->qkv, qkv_n, d, batch, qh + kvh, d, cos, sin, dtype, threads);
+    for (int b = 0; b < batch; b++) {
+      const int64_t pos = positions[b];
+      const int64_t blk = tables[(int64_t)b * table_cols + pos / pool->block_size];
+      const int64_t slot = blk * pool->blk_stride + (pos % pool->block_size) * pool->tok_stride;
+      const char *krow = qkv + ((int64_t)b * qkv_n + q_size) * elt;
+      const char *vrow = krow + kv_size * elt;
+      for (int h = 0; h < kvh; h++) {
+        memcpy(k_layer + (slot + h * pool->head_stride) * elt, krow + h * d * elt, d * elt);
+        memcpy(v_layer + (slot + h * pool->head_stride) * elt, vrow + h * d * elt, d * elt);
+      }
+      /* q widened to fp32, as the attention kernel takes it */
+      float *qf = w->qf + (int64_t)b * q_size;
+      if (dtype == HM_STEP_BF16) {
+        const uint16_t *qrow = (const uint16_t *)qkv + (int64_t)b * qkv_n;
+#pragma omp simd
+        for (int i = 0; i < q_size; i++) qf[i] = hm_bf16_scalar(qrow[i]);
+      } else {
+        memcpy(qf, (const float *)qkv + (int64_t)b * qkv_n, q_size * sizeof(float));
+      }
+    }
+    int failed;
+    if (kivi) {
+      const void *fields[6];
+      for (int f = 0; f < 6; f++) fields[f] = (const char *)kivi->ptr0[f] + l * kivi->layer_bytes;
+      failed = hm_paged_attention_kivi_window(
+          w->qf, fields, kivi->blk_bytes, kivi->num_blocks, kivi->bits, kivi->gk, kivi->vg,
+          kivi->gv, kivi->tables, kivi->table_cols, kivi->lens, k_layer, v_layer, dtype,
+          pool->num_blocks, pool->blk_stride, pool->tok_stride, pool->head_stride, tables,
+          table_cols, lens, pool->block_size, batch, qh, kvh, d, kivi->block_size, s->scale,
+          threads, w->attn_f, w->lse);
+    } else {
+      failed = hm_paged_attention_full(
+          w->qf, k_layer, v_layer, dtype, pool->num_blocks, pool->blk_stride, pool->tok_stride,
+          pool->head_stride, tables, table_cols, lens, batch, qh, kvh, d, pool->block_size,
+          s->scale, threads, w->attn_f, w->lse);
+    }
+    if (failed) return failed; /* tables were checked: only an allocation can fail here */
+    if (dtype == HM_STEP_BF16) {
+      uint16_t *attn = w->attn;
+      const int64_t n = (int64_t)batch * q_size;
+#pragma omp simd
+      for (int64_t i = 0; i < n; i++) attn[i] = hm_round_bf16(w->attn_f[i]);
+      hm_linear_bf16(attn, q_size, batch, p[2], hid, q_size, x, hid, 1, threads, amx_min_rows);
+      hm_rms_norm_bf16(x, hid, batch, hid, p[3], s->eps, w->h, hid, threads);
+      hm_linear_bf16(w->h, hid, batch, p[4], 2 * s->inter, hid, w->gu, 2 * s->inter, 0,
+                     threads, amx_min_rows);
+      hm_silu_mul_bf16(w->gu, 2 * s->inter, batch, s->inter, w->act, s->inter, threads);
+      hm_linear_bf16(w->act, s->inter, batch, p[5], hid, s->inter, x, hid, 1, threads,
+                     amx_min_rows);
+    } else {
+      hm_linear(w->attn_f, q_size, batch, p[2], hid, q_size, x, hid, 1, threads);
+      hm_rms_norm(x, hid, batch, hid, p[3], s->eps, w->h, hid, threads);
+      hm_linear(w->h, hid, batch, p[4], 2 * s->inter, hid, w->gu, 2 * s->inter, 0, threads);
+      hm_silu_mul(w->gu, 2 * s->inter, batch, s->inter, w->act, s->inter, threads);
+      hm_linear(w->act, s->inter, batch, p[5], hid, s->inter, x, hid, 1, threads);
+    }
+  }
+  return 0;
+}
