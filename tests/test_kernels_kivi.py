@@ -190,6 +190,9 @@ def test_kivi_attention_on_smollm2_real_kv_stays_close(monkeypatch):
         return real(q, k_cache, v_cache, block_tables, seq_lens, scale, **kw)
 
     monkeypatch.setattr(kernels, "paged_decode_attention", spy)
+    # layer by layer, so the spy sees each layer's queries (the fused layers give the same bits:
+    # tests/test_decode_step.py)
+    monkeypatch.setattr(loaded.model, "fused_decode", False)
     loaded.model.decode(torch.tensor([ids[-1]]), pool, torch.tensor([table]), torch.tensor([127]))
     assert len(calls) == cfg.num_layers and int(calls[0][2][0]) == 128  # 8 full blocks
     errors = {}
