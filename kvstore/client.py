@@ -628,6 +628,16 @@ class BlockWriter:
 
     def write_layer(self, layer: int, data: torch.Tensor) -> None: ...
 
+    def can_copy_layers(self, pool: torch.Tensor) -> bool:
+        """Whether `copy_layer` takes layers straight from `pool` [num_blocks, *block shape]: a
+        contiguous CPU pool of the blocks exactly as they are stored (only shared memory)."""
+        return False
+
+    def copy_layer(self, layer: int, pool: np.ndarray, offsets: list[int]) -> None:
+        """`write_layer` of layer `layer` read where it lies: key i's layer at byte offsets[i] of
+        the pool's bytes (flat uint8), hashed in the pass that copies it."""
+        raise NotImplementedError
+
     def commit(self) -> PutResult: ...
 
     def abort(self) -> None: ...
@@ -671,9 +681,12 @@ class _ShmWriter(BlockWriter):
         if self.slots:
             client._check_slab(reply.shm_path)
         self.renewed = time.monotonic()
-        # every layer's checksum was taken from the slab in the pass that copied it in (only
-        # write_whole): the node then need not hash the payloads again at commit
+        # every layer's checksum was taken from the slab in the pass that copied it in
+        # (write_whole, or copy_layer for each layer): the node then need not hash the payloads
+        # again at commit
         self.hashed_in_copy = False
+        self._copied: set[int] = set()  # layers copy_layer wrote
+        self._hashed_after = False  # a layer write_layer wrote
 
     def _renew(self) -> None:
         # Before writing, never after: once a lease lapses its ranges may belong to another put.
@@ -691,6 +704,7 @@ class _ShmWriter(BlockWriter):
     def write_layer(self, layer, data):
         self._check_layer(layer, data)
         self._renew()
+        self._hashed_after = True
         h, slab = self.header, self.client.slab
         n = self.codec.layer_nbytes(h.shape[1:], h.dtype)
         for i, off in self.slots:
@@ -701,7 +715,35 @@ class _ShmWriter(BlockWriter):
                 dst[n:].zero_()
             self.sums[i][layer] = checksum(slab.view[start : start + h.layer_bytes])
         self.written.add(layer)
-        self.hashed_in_copy = False  # the caller runs between a layer and the commit
+        self.hashed_in_copy = False  # hashed from the slab after the copy, not in it
+
+    def can_copy_layers(self, pool: torch.Tensor) -> bool:
+        h = self.header
+        return (
+            h.codec == "raw"
+            and self.codec.layer_nbytes(h.shape[1:], h.dtype) == h.layer_bytes
+            and pool.device.type == "cpu"
+            and pool.is_contiguous()
+            and tuple(pool.shape[1:]) == h.shape
+            and pool.dtype == h.dtype
+        )
+
+    def copy_layer(self, layer, pool, offsets):
+        if self.closed:
+            raise RuntimeError("writer already committed or aborted")
+        self._renew()
+        h = self.header
+        slots = list(self.slots)
+        sums = _copy_hashed(
+            self.client.slab.array, [off + h.layer_offset(layer) for _, off in slots], pool,
+            [offsets[i] for i, _ in slots], h.layer_bytes, h.layer_bytes,
+        )  # fmt: skip
+        for (i, _), block_sums in zip(slots, sums):
+            self.sums[i][layer] = block_sums[0]
+        self.written.add(layer)
+        self._copied.add(layer)
+        # every layer hashed in its copy (none by write_layer): the node need not hash them again
+        self.hashed_in_copy = len(self._copied) == h.num_layers and not self._hashed_after
 
     def can_write_whole(self, blocks: torch.Tensor) -> bool:
         h = self.header

@@ -97,6 +97,44 @@ def test_put_pull_round_trip_and_every_miss_counted(lm, redis, tmp_path):
         node.stop()
 
 
+def test_layerwise_publishing_copies_a_cpu_pool_in_place(lm, redis):
+    node = StoreNode(StoreConfig(node_id="s5", redis_url=redis.url, dram_bytes=8 << 20))
+    address = node.start()
+    src, dst = _pool(lm), KVPool(lm.config, 16, BS, torch.float32)
+    fp = kv_fingerprint(lm.weights_id, src.layout)
+    reg = CollectorRegistry()
+    a = KVConnector(src.kv, src.layout, fp, address, store_node="s5", worker="a", registry=reg)
+    b = KVConnector(dst.kv, dst.layout, fp, address, store_node="s5", worker="b")
+    try:
+        keys = block_keys(list(range(7, 7 + 3 * BS)), BS, fp)
+        pub = a.open_layerwise(keys, [9, 2, 5], None)
+        assert pub._pool_bytes is not None  # copied in this thread, straight from the pool
+        for layer in range(lm.config.num_layers):
+            pub.layer_done(layer)
+        assert not pub._futures and pub.finish(True)
+        assert b.pull(address, keys, [0, 1, 2]) == 3
+        assert torch.equal(dst.kv[:3], src.kv[[9, 2, 5]])
+        # a forward that failed: the blocks are aborted, never visible
+        others = block_keys(list(range(90, 90 + BS)), BS, fp)
+        pub = a.open_layerwise(others, [3], None)
+        pub.layer_done(0)
+        assert not pub.finish(False)
+        assert a.ensure_stored(others[:0], []) == 0 and b.pull(address, others, [4]) == 0
+        # a copy that fails (here: the lease let go under it) is counted, and the put aborted
+        pub = a.open_layerwise(others, [3], None)
+        pub._writer.abort()
+        for layer in range(lm.config.num_layers):
+            pub.layer_done(layer)
+        assert not pub.finish(True)
+        errors = metric(reg, "halfmoon_kv_errors_total", worker="a", op="publish_layerwise",
+                        kind="error")  # fmt: skip
+        assert errors == 1 and b.pull(address, others, [4]) == 0
+    finally:
+        a.close()
+        b.close()
+        node.stop()
+
+
 def test_a_remote_node_unknown_to_the_index_is_a_counted_miss(lm, redis):
     node = StoreNode(StoreConfig(node_id="s1", redis_url=redis.url, dram_bytes=8 << 20))
     address = node.start()

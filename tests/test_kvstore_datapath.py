@@ -134,6 +134,32 @@ def test_whole_put_is_hashed_once_and_layerwise_put_twice(node):
         assert c.get_into(keys, out) == 3 and torch.equal(out, x)
 
 
+def test_layers_copied_from_a_pool_are_hashed_in_the_copy(node):
+    with StoreClient(node.address, transport="shm") as c:
+        pool = blocks(5, seed=4)  # a worker's pool; keys 0..2 live in its blocks 4, 1, 3
+        flat = pool.reshape(-1).view(torch.uint8).numpy()
+        block_bytes, layer_bytes = pool.stride(0) * 4, pool.stride(1) * 4
+        keys = chain(3, start=60)
+        w = c.open_put(keys, SHAPE, torch.float32, FP)
+        assert w.can_copy_layers(pool) and not w.can_copy_layers(pool.to(torch.float16))
+        for layer in reversed(range(SHAPE[0])):  # in any order
+            assert not w.hashed_in_copy
+            w.copy_layer(layer, flat, [b * block_bytes + layer * layer_bytes for b in (4, 1, 3)])
+        assert w.hashed_in_copy  # every layer hashed as it was copied: the node skips its pass
+        assert w.commit().stored == 3
+        out = torch.empty(3, *SHAPE)
+        assert c.get_into(keys, out) == 3 and torch.equal(out, pool[[4, 1, 3]])
+        # a layer written the other way after copies: the node hashes the payloads again
+        w = c.open_put(chain(1, start=90), SHAPE, torch.float32, FP)
+        for layer in range(SHAPE[0]):
+            w.copy_layer(layer, flat, [layer * layer_bytes])
+        w.write_layer(0, pool[:1, 0])
+        assert not w.hashed_in_copy and w.commit().stored == 1
+        # a committed writer takes no more layers
+        with pytest.raises(RuntimeError, match="already committed"):
+            w.copy_layer(0, flat, [0])
+
+
 def test_close_sends_the_queued_releases(node):
     with StoreClient(node.address, transport="shm") as c:
         keys, x = chain(3), blocks(3)
