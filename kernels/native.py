@@ -57,7 +57,7 @@ SOURCES = tuple(
         "threads.c",
     )
 )
-HEADERS = (_CSRC / "hm_exp.h", _CSRC / "hm_bf16.h")
+HEADERS = (_CSRC / "hm_exp.h", _CSRC / "hm_bf16.h", _CSRC / "hm_kernels.h")
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 # The C kernel's per-block arrays (csrc/decode_attention.c HM_MAX_BS)
 MAX_BLOCK_SIZE = 256

@@ -159,8 +159,8 @@ class LayerPublisher:
         if not connector.packs and writer.can_copy_layers(pool):
             self._pool_bytes = connector.pool_bytes()
             elt = pool.element_size()
-            self._block_bytes, self._layer_bytes = pool.stride(0) * elt, pool.stride(1) * elt
-            self._offsets = [int(b) * self._block_bytes for b in ids.tolist()]
+            self._layer_bytes = pool.stride(1) * elt
+            self._offsets = [int(b) * pool.stride(0) * elt for b in ids.tolist()]
 
     def layer_done(self, layer: int) -> None:
         """Called after `layer` is computed: copied into the store now, or gathered now (a copy)

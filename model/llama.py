@@ -284,6 +284,16 @@ class LlamaModel(nn.Module):
         fused = self._fused_layers
         return fused if fused and fused.fits_pool(*pool.layer_kv(0)) else None
 
+    def _fused_step(self, fused, token_ids, positions, pool, tables, pool_positions, kivi=None):
+        """One decode step on the fused layers: each token's KV written at pool_positions of its
+        table's blocks in `pool` (a full-precision pool, or a KIVI pool's window after its
+        packed blocks `kivi`), rotated for its position in the sequence; fp32 logits."""
+        cos, sin = self._rope_table(positions)
+        x = self.embed_tokens[token_ids]
+        # layer l's K lies pool.kv.stride(1) elements after layer l-1's (full layout)
+        fused.run(x, pool.layer_kv(0), pool.kv.stride(1), tables, pool_positions, cos, sin, kivi)
+        return self._logits(x)
+
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         x = _rms_norm(x, self.norm, self.config.rms_norm_eps)
         return kernels.linear(x, self._head()).float()
@@ -438,11 +448,7 @@ class LlamaModel(nn.Module):
         b = token_ids.shape[0]
         fused = self._decode_layers(pool)
         if fused is not None:
-            cos, sin = self._rope_table(positions)
-            x = self.embed_tokens[token_ids]
-            # layer l's K lies pool.kv.stride(1) elements after layer l-1's (full layout)
-            fused.run(x, pool.layer_kv(0), pool.kv.stride(1), block_tables, positions, cos, sin)
-            return self._logits(x)
+            return self._fused_step(fused, token_ids, positions, pool, block_tables, positions)
         slot_block = block_tables.gather(1, (positions // bs)[:, None]).squeeze(1).long()
         slot_off = positions % bs
         seq_lens = (positions + 1).to(torch.int32)
@@ -483,22 +489,18 @@ class LlamaModel(nn.Module):
         window_tables = window_tables.to(device=self.device, dtype=torch.int32)
         b = token_ids.shape[0]
         in_window = positions - packed_lens.long()
-        slot_block = window_tables.gather(1, (in_window // bs)[:, None]).squeeze(1).long()
-        slot_off = in_window % bs
-        window_lens = (in_window + 1).to(torch.int32)
         window = pool.window
         fused = self._decode_layers(window)
         if fused is not None:
-            cos, sin = self._rope_table(positions)
-            x = self.embed_tokens[token_ids]
             packed = kernels.KiviBlocks(
                 pool.packed_layers[0], pool.packed.kv.stride(1), packed_tables, packed_lens
             )
-            fused.run(
-                x, window.layer_kv(0), window.kv.stride(1), window_tables, in_window, cos, sin,
-                packed,
-            )  # fmt: skip
-            return self._logits(x)
+            return self._fused_step(
+                fused, token_ids, positions, window, window_tables, in_window, packed
+            )
+        slot_block = window_tables.gather(1, (in_window // bs)[:, None]).squeeze(1).long()
+        slot_off = in_window % bs
+        window_lens = (in_window + 1).to(torch.int32)
 
         rope = self._rope_table(positions)
         x = self.embed_tokens[token_ids]

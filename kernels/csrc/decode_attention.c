@@ -27,6 +27,7 @@
 #include <immintrin.h>
 #endif
 
+#include "hm_kernels.h"
 #include "hm_exp.h"
 
 #define HM_MAX_BS 256

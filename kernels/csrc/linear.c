@@ -23,6 +23,7 @@
 #include <immintrin.h>
 #endif
 
+#include "hm_kernels.h"
 #include "hm_exp.h"
 
 #define HM_NR 16 /* outputs per panel */

@@ -20,6 +20,7 @@
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #include <immintrin.h>
 #endif
+#include "hm_kernels.h"
 #include "hm_bf16.h"
 #include "hm_exp.h"
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)

@@ -8,6 +8,7 @@
 
 #include <stdint.h>
 
+#include "hm_kernels.h"
 #include "hm_bf16.h"
 
 enum { HM_ROPE_F32 = 0, HM_ROPE_BF16 = 1 };
