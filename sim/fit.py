@@ -1,6 +1,6 @@
 """A profile fitted from a real run: `halfmoon replay` output (records-*.jsonl, and report.json's
 `cluster`, the workers' last load reports). Prefill: the workers' own per-forward fit (rounds
-rebuilt from the records when there is none), plus the per-request answer overhead the records
+rebuilt from the records when there is none), plus the answer cost (serial and latency) the records
 show; decode: each token gap against the batch and context of that moment, rebuilt from every
 request's decode interval on the same worker."""
 
@@ -120,20 +120,39 @@ def fit_decode(records: list[ReplayRecord], prior) -> tuple[tuple[float, ...], i
     return tuple(model.coef), len(rows)
 
 
-def request_overhead(records: list[ReplayRecord]) -> float:
-    """The time a request's answer takes beyond its forwards: the time to the prefill's answer
-    less the queue wait and the prefill round. Requests answered by one forward report the same
-    round time; the first of them answered waited for no other's answer, so each such group's
-    least is one answer's overhead; the median over groups (0 if unknown)."""
-    groups: dict[tuple[str, float], float] = {}
+class AnswerCost(NamedTuple):
+    serial_ms: float  # per answer, on the worker's thread: the next answer and round wait for it
+    latency_ms: float  # per answer, on its way to the conductor: holds nothing of the worker's
+
+
+def answer_cost(records: list[ReplayRecord]) -> AnswerCost:
+    """The time a request's answer takes beyond its forwards, split in two. Requests answered by
+    one forward report the same round time, and the worker answers them in turn (blocks written
+    out, the reply built): their answers arrive a serial cost apart, the first one serial cost
+    plus the reply's latency after the forward. Per group of two or more: the spread of its
+    answers over its size less one, and the first answer's extra less that; the medians over
+    groups. With no such group the least extra of each forward's answers is taken as serial
+    (no latency), the median over forwards (0 if unknown)."""
+    groups: dict[tuple[str, float], list[float]] = {}
     for r in records:
         if r.status != "ok" or r.prefill_ms <= 0 or math.isnan(r.ttft_ms):
             continue
         key = (r.prefill_worker, round(r.prefill_ms, 3))
-        extra = answered_ms(r) - r.queue_ms - r.prefill_ms
-        groups[key] = min(groups.get(key, extra), extra)
-    xs = sorted(groups.values())
-    return max(0.0, xs[len(xs) // 2]) if xs else 0.0
+        # answered after the forward's end (sent + queue wait + round = the forward's end)
+        groups.setdefault(key, []).append(answered_ms(r) - r.queue_ms - r.prefill_ms)
+    if not groups:
+        return AnswerCost(0.0, 0.0)
+    shared = [sorted(x) for x in groups.values() if len(x) >= 2]
+    if not shared:
+        return AnswerCost(max(0.0, _median([min(x) for x in groups.values()])), 0.0)
+    serial = max(0.0, _median([(x[-1] - x[0]) / (len(x) - 1) for x in shared]))
+    latency = max(0.0, _median([x[0] for x in shared]) - serial)
+    return AnswerCost(serial, latency)
+
+
+def _median(xs: list[float]) -> float:
+    xs = sorted(xs)
+    return xs[len(xs) // 2]
 
 
 def decode_join(records: list[ReplayRecord]) -> float:
@@ -203,7 +222,7 @@ def fit_profile(run_dir: str | Path, base: Profile, name: str = "") -> tuple[Pro
         p_coef, p_rows = worker_coef, len(pre)
     else:
         p_coef, p_rows = fit_prefill(records, p_prior, base.chunk_size)
-    overhead = request_overhead(records)
+    answer = answer_cost(records)
     join = decode_join(records)
     d_coef, d_rows = fit_decode(records, d_prior)
     if worker_coef is None and p_rows < 4:
@@ -232,7 +251,8 @@ def fit_profile(run_dir: str | Path, base: Profile, name: str = "") -> tuple[Pro
             **sizes,
             "name": name or base.name,
             "prefill_coef": tuple(round(c, 9) for c in p_coef),
-            "request_overhead_ms": round(overhead, 3),
+            "request_overhead_ms": round(answer.serial_ms, 3),
+            "answer_latency_ms": round(answer.latency_ms, 3),
             "decode_join_ms": round(join, 3),
             "decode_coef": tuple(round(c, 9) for c in d_coef),
             "sources": (
@@ -242,8 +262,9 @@ def fit_profile(run_dir: str | Path, base: Profile, name: str = "") -> tuple[Pro
                     if worker_coef is not None
                     else f"from {p_rows} rounds rebuilt from the records"
                 )
-                + ", the per-request overhead the median of the time to the prefill's answer "
-                "less queue wait and prefill round, the decode join the median first-token hold "
+                + ", the per-answer serial cost and latency from the spread and the first of "
+                "the answers each forward gave (the time to the prefill's answer less queue "
+                "wait and prefill round), the decode join the median first-token hold "
                 f"beyond 1.5 steps, decode from {d_rows} token gaps against the "
                 "batch and context rebuilt from the records; pool and store sizes from the "
                 "workers' load reports",

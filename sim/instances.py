@@ -108,6 +108,8 @@ class PrefillInstance:
         self.queued_tokens = 0
         self.round_end = -1.0  # when the round computing now ends (< now: idle)
         self.busy = False
+        self.gather_start = -1.0  # when an idle instance began gathering a round (< 0: not)
+        self.gather_seq = 0  # the last arrival's mark: a gather check for an older one is stale
 
     def queue_ms(self) -> float:
         left = max(0.0, self.round_end - self.loop.now) if self.busy else 0.0
@@ -118,8 +120,25 @@ class PrefillInstance:
         self.queue.append(job)
         self.queued_ms += job.predicted_ms
         self.queued_tokens += job.req.input_tokens
-        if not self.busy:
-            self._round()
+        if self.busy:
+            return
+        gap = self.profile.batch_gather_ms
+        if gap <= 0 or self.queued_tokens >= self.profile.max_batch_tokens:
+            self._start()
+            return
+        now = self.loop.now
+        if self.gather_start < 0:
+            self.gather_start = now
+        self.gather_seq += 1
+        self.loop.at(min(now + gap, self.gather_start + 10 * gap), self._gathered, self.gather_seq)
+
+    def _gathered(self, seq: int) -> None:
+        if seq == self.gather_seq and not self.busy:  # no arrival since: the round starts
+            self._start()
+
+    def _start(self) -> None:
+        self.gather_start = -1.0
+        self._round()
 
     def _round(self) -> None:
         p = self.profile
@@ -156,7 +175,7 @@ class PrefillInstance:
                 t += p.request_overhead_ms
                 spans.remove(sp)
                 sp[0].compute_ms = t - first_forward
-                self.loop.at(t, self._answer, sp[0])
+                self.loop.at(t + p.answer_latency_ms, self._answer, sp[0])
         self.busy, self.round_end = True, t
         self.loop.at(t, self._round_done)
 

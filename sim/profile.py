@@ -29,12 +29,18 @@ class Profile:
     # A prefill round takes waiting requests up to this many prompt tokens and computes them in
     # batched forwards (the live worker's max_batch_tokens); 0 = one request a round.
     max_batch_tokens: int = 0
+    # An idle instance's round waits for arrivals that come this close together (10x that at
+    # most) before it starts, unless max_batch_tokens are waiting (the live batch_gather_ms).
+    batch_gather_ms: float = 0.0
     device_cache_blocks: int = 0  # a prefill instance's own pool kept as a prefix cache (0 = none)
     dram_blocks: int = 0  # per node: the store's DRAM tier
     ssd_blocks: int = 0  # per node: the store's SSD tier
     # Per request, on the prefill instance's thread after its last forward: writing its blocks
     # out and answering (requests finishing in one forward are answered in turn).
     request_overhead_ms: float = 0.0
+    # Per request, after that, on the answer's way to the conductor (the reply, its relay):
+    # delays the request's first token but holds nothing of the prefill instance's.
+    answer_latency_ms: float = 0.0
     # Per request, on the decode instance before it can join the batch, beyond the KV move that
     # network_gbps accounts for: the decode call and pulling its blocks in (fitted from a real
     # run's first-token holds; 0 in a roofline profile, where the move is the bandwidth's).

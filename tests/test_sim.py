@@ -204,7 +204,7 @@ def test_records_report_ttft_as_prefill_queue_plus_compute():
 
 def test_answer_overhead_leaves_out_the_decode_admission_wait():
     from client.report import ReplayRecord
-    from sim.fit import decode_join, request_overhead
+    from sim.fit import answer_cost, decode_join
 
     def rec(i, prefill_ms, answered_ms, ttft_ms):
         return ReplayRecord(
@@ -216,11 +216,53 @@ def test_answer_overhead_leaves_out_the_decode_admission_wait():
 
     # answers 2 ms after each round; the first tokens then waited 200-400 ms for decode room
     held = [rec(i, 50.0 + i, 62.0 + i, 262.0 + 100 * i) for i in range(3)]
-    assert request_overhead(held) == pytest.approx(2.0)
+    assert answer_cost(held) == pytest.approx((2.0, 0.0))  # one answer a forward: serial
     # records from before Usage carried the answer time: TTFT stands in for it
     old = [r._replace(answered_ms=0.0) for r in held]
-    assert request_overhead(old) == pytest.approx(301.0)  # the hold taken for overhead
+    assert answer_cost(old) == pytest.approx((301.0, 0.0))  # the hold taken for overhead
     # the hold itself: 1.5 steps (5 ms each here) are the simulator's, the median rest is the
     # decode side's join time
     assert decode_join(held) == pytest.approx(299.0 - 7.5)  # holds 200, 299, 398 ms
     assert decode_join(old) == 0.0
+
+
+def test_answers_of_one_forward_split_into_serial_cost_and_latency():
+    from client.report import ReplayRecord
+    from sim.fit import answer_cost
+
+    def rec(i, sent_s, queue_ms, answered_ms):
+        return ReplayRecord(
+            index=i, policy="", arrival_s=sent_s, sent_s=sent_s, status="ok", error="",
+            prompt_tokens=64, output_tokens=4, ttft_ms=answered_ms + 20, gaps_ms=[5.0] * 3,
+            e2e_ms=answered_ms + 35, cached_tokens={}, computed_tokens=64, prefill_worker="p",
+            decode_worker="d", queue_ms=queue_ms, prefill_ms=100.0, answered_ms=answered_ms,
+        )  # fmt: skip
+
+    # One forward ends 150 ms after the first was sent; its 4 answers reach the conductor 40 ms
+    # after it (the reply's way) and 3 ms apart (each built in turn on the worker's thread).
+    forward_end = 150.0
+    recs = []
+    for i in range(4):
+        sent = 10.0 * i
+        answer_at = forward_end + 3.0 * (i + 1) + 40.0
+        recs.append(rec(i, sent / 1000.0, forward_end - 100.0 - sent, answer_at - sent))
+    assert answer_cost(recs) == pytest.approx((3.0, 40.0))
+    # the simulator charges the serial part on the instance, the latency on the way
+    base = Profile(**{**TOY.__dict__, "max_batch_tokens": 1 << 20, "batch_gather_ms": 5.0})
+    serial = Profile(**{**base.__dict__, "request_overhead_ms": 43.0})
+    split = Profile(**{**base.__dict__, "request_overhead_ms": 3.0, "answer_latency_ms": 40.0})
+    reqs = [trace_req(i, 2 * i, 160, 2, [10 + i]) for i in range(4)]  # 2 ms apart: one round
+    arr = make_arrivals(reqs, TraceScaling(length_scale=1.0), 16)
+    # the four arrive 2 ms apart: the round gathers them all (5 ms after the last), one forward
+    # of 640 tokens at 1 ms a token
+    forward_end = 3 * 2.0 + 5.0 + 640.0
+    got = {}
+    for prof in (serial, split):
+        r = simulate(arr, prof, ClusterSpec(policy="load_balance"))
+        got[prof.request_overhead_ms] = [x.sent_s * 1000.0 + x.ttft_ms for x in r.records]
+    # serial: the answers leave 43 ms apart, each joins the decode batch on arrival
+    assert got[43.0] == pytest.approx([forward_end + 43.0 * (k + 1) for k in range(4)])
+    # split: the first answer as early, the rest 3 ms apart (plus up to two decode steps of 10-14
+    # ms to join the batch at a step boundary), none 43 ms behind the one before
+    assert got[3.0][0] == pytest.approx(forward_end + 43.0)
+    assert max(got[3.0]) <= forward_end + 43.0 + 9.0 + 2 * 14.0

@@ -23,17 +23,19 @@ from sim import fit_profile, load_profile
 from sim.validate import compare_run
 
 # Simulated TTFT within [real / F, real * F] (a slice of a millisecond model is dominated by
-# jitter, see above; the SmolLM2 figures are in the README). load_balance: F = 3 for the median
-# (runs measured 1.2-1.8), 5 for p90. mooncake admits 19-31 requests here (2-9 before the
-# conductor's corrections dropped the estimates made against an older model): runs measured
-# 0.8-1.4 of real at p50 and 0.6-1.4 at p90, so F = 3 and 4 for it.
-TTFT_FACTORS = {"load_balance": (3.0, 5.0), "mooncake": (3.0, 4.0)}  # (p50, p90)
-# Attainment: since the decode step got faster (packed weights, one-pass element-wise kernels)
-# the simulator is pessimistic on this tiny slice: it gave 5% in six runs while the real cluster
-# gave 7-40% (up to 35 points apart; CI runs before: 30 and 50; not yet explained, see the issue 13
-# note).
-# At 60 points this pins only that attainment is computed on both sides, not its accuracy.
-ATTAINMENT_TOLERANCE_PTS = {"load_balance": 60.0, "mooncake": 60.0}
+# jitter, see above; the SmolLM2 figures are in the README). Since the simulated prefill answers
+# a forward's requests a serial cost apart plus a latency (it charged each answer's whole time in
+# turn: 35 ms x a round of 9 here) and gathers a round's arrivals as the live worker does, on a
+# cluster warmed by one replay first, load_balance measured 0.8-1.3 of real at p50 and 0.7-1.2
+# at p90 (one of them with a busy loop on one core). mooncake's real TTFTs are those of what the
+# live conductor admitted, and its model early in a run is fitted from a handful of forwards: it
+# measured 0.8-2.0 at p50 (the 2.0 with the busy loop, which rejected more) and 0.8-2.1 at p90.
+TTFT_FACTORS = {"load_balance": (2.0, 2.5), "mooncake": (3.0, 4.0)}  # (p50, p90)
+# Attainment: the 400 ms SLO sits inside this slice's TTFT spread, so a TTFT error of 20% moves
+# a third of the requests across it: runs measured -25 to +22.5 points apart (before the answer
+# cost was split: up to -62.5, the simulator pessimistic on every run).
+ATTAINMENT_TOLERANCE_PTS = {"load_balance": 40.0, "mooncake": 40.0}
+SCALING = Scaling(length_scale=64 / 512, time_scale=0.05, max_output=8, max_input=1024)
 
 
 @pytest.fixture(scope="module")
@@ -41,17 +43,13 @@ def replayed(tmp_path_factory):
     out = tmp_path_factory.mktemp("replay")
     lm = load_model("tiny-random")
     with Cluster(lm, store={"dram_bytes": 256 << 20}) as c:
-        replay_trace(
-            c.address,
-            SHIPPED_TRACE,
-            limit=40,
-            scaling=Scaling(length_scale=64 / 512, time_scale=0.05, max_output=8, max_input=1024),
-            policies=["mooncake", "load_balance"],
-            ttft_slo_ms=400.0,
-            tbt_slo_ms=100.0,
-            output_dir=out,
-            progress=False,
-        )
+        # A fresh cluster's first rounds ran 1.5-1.7x slower than later ones (first touches of
+        # its pools and store); the profile is fitted from the warm workers' own reports.
+        replay = dict(scaling=SCALING, ttft_slo_ms=400.0, tbt_slo_ms=100.0, progress=False)
+        replay_trace(c.address, SHIPPED_TRACE, limit=40, policies=["load_balance"],
+                     output_dir=out / "warm-up", **replay)  # fmt: skip
+        replay_trace(c.address, SHIPPED_TRACE, limit=40, policies=["mooncake", "load_balance"],
+                     output_dir=out, **replay)  # fmt: skip
     return out
 
 
