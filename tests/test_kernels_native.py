@@ -61,7 +61,16 @@ def dense(q, k, v, table, lens, scale):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(
     "lens,head_dim,block_size,group",
-    [([0, 1, 16, 45], 64, 16, 3), ([7, 33], 40, 8, 1), ([5, 70, 2], 128, 6, 4), ([300], 64, 16, 3)],
+    [
+        ([0, 1, 16, 45], 64, 16, 3),
+        ([7, 33], 40, 8, 1),
+        ([5, 70, 2], 128, 6, 4),
+        ([300], 64, 16, 3),
+        # head_dim 64, blocks of <= 16: the AVX-512 block path, a group of 4 then the rest
+        ([3, 20, 31], 64, 16, 5),
+        ([17, 9], 64, 8, 2),
+        ([33], 64, 16, 1),
+    ],
 )
 def test_full_precision_pool_read_in_place(dtype, lens, head_dim, block_size, group):
     q, kv, table, seq_lens = case(1, lens, 2, group, head_dim, block_size)
@@ -85,7 +94,8 @@ def test_full_precision_pool_read_in_place(dtype, lens, head_dim, block_size, gr
 @pytest.mark.parametrize(
     "lens,head_dim,block_size,group_size",
     [
-        ([0, 1, 16, 45], 64, 16, 32),
+        ([0, 1, 16, 45], 64, 16, 32),  # one key group a block: the AVX-512 block path
+        ([20, 3], 64, 16, 16),
         ([7, 33], 40, 8, 4),
         ([5, 70, 2], 128, 16, 8),
         ([12], 24, 12, 5),

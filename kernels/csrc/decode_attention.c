@@ -31,6 +31,7 @@
 #include "hm_exp.h"
 
 #define HM_MAX_BS 256
+#define HM_MAX_GROUP 16 /* query rows a KIVI block scores with one bias array */
 
 enum { HM_F32 = 0, HM_BF16 = 1, HM_F16 = 2 };
 
@@ -323,6 +324,111 @@ static void hm_block_values(hm_state *st, int h, int g, int n, const float *cons
     hm_accumulate(st->acc + (size_t)r * st->d, st->s + (size_t)r * HM_MAX_BS, v, n, st->d);
 }
 
+#if defined(__AVX512F__) && defined(__AVX512DQ__) && defined(__AVX2__) && defined(__FMA__)
+#define HM_BLOCK64 1
+/* Sixteen vectors' lane sums as one vector, in a fixed order of the sixteen (a tree of 128-bit
+ * lane shuffles, then in-lane unpacks: 30 operations, not sixteen horizontal sums). */
+static inline __m512 hm_tree16(__m512 *a) {
+  __m512 x[8], y[4], z[2];
+  for (int i = 0; i < 8; i++)
+    x[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[i], a[i + 8], 0x44),
+                         _mm512_shuffle_f32x4(a[i], a[i + 8], 0xEE));
+  for (int i = 0; i < 4; i++)
+    y[i] = _mm512_add_ps(_mm512_shuffle_f32x4(x[i], x[i + 4], 0x88),
+                         _mm512_shuffle_f32x4(x[i], x[i + 4], 0xDD));
+  for (int i = 0; i < 2; i++)
+    z[i] = _mm512_add_ps(_mm512_unpacklo_ps(y[i], y[i + 2]), _mm512_unpackhi_ps(y[i], y[i + 2]));
+  const __m512d lo = _mm512_unpacklo_pd(_mm512_castps_pd(z[0]), _mm512_castps_pd(z[1]));
+  const __m512d hi = _mm512_unpackhi_pd(_mm512_castps_pd(z[0]), _mm512_castps_pd(z[1]));
+  return _mm512_add_ps(_mm512_castpd_ps(lo), _mm512_castpd_ps(hi));
+}
+
+/* The tree's lane j holds vector HM_TREE16[j]'s sum (an involution): a key written to slot
+ * HM_TREE16[t] comes out in lane t. */
+static const int HM_TREE16[16] = {0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15};
+
+/* One block-head of head_dim 64 in registers: the G query rows [r0, r0 + G) against the n <= 16
+ * key and value rows (fp32). Scores: each key row's four vectors against each query row, the
+ * sixteen keys' sums at once (hm_tree16); softmax on one 16-lane vector a row; values: each
+ * value row loaded once for all G rows, the G x 4 accumulator vectors held in registers. G is a
+ * compile-time constant at each call (G x 4 accumulators, 16 at most). */
+static inline __attribute__((always_inline)) void hm_block64(hm_state *st, int r0, const int G,
+                                                             int n, const float *const *k,
+                                                             const float *const *v,
+                                                             const float *qrows,
+                                                             const float *bias) {
+  const __mmask16 live = (__mmask16)((1u << n) - 1u);
+  float prob[4][16];
+  for (int r = 0; r < G; r++) {
+    const float *q = qrows + (size_t)r * 64;
+    const __m512 q0 = _mm512_loadu_ps(q), q1 = _mm512_loadu_ps(q + 16);
+    const __m512 q2 = _mm512_loadu_ps(q + 32), q3 = _mm512_loadu_ps(q + 48);
+    __m512 a[16];
+    for (int t = 0; t < 16; t++) {
+      if (t < n) {
+        const float *kt = k[t];
+        __m512 x = _mm512_mul_ps(q0, _mm512_loadu_ps(kt));
+        x = _mm512_fmadd_ps(q1, _mm512_loadu_ps(kt + 16), x);
+        x = _mm512_fmadd_ps(q2, _mm512_loadu_ps(kt + 32), x);
+        a[HM_TREE16[t]] = _mm512_fmadd_ps(q3, _mm512_loadu_ps(kt + 48), x);
+      } else {
+        a[HM_TREE16[t]] = _mm512_setzero_ps();
+      }
+    }
+    __m512 sc = hm_tree16(a); /* lane t: key t's score */
+    if (bias) sc = _mm512_add_ps(sc, _mm512_set1_ps(bias[r]));
+    const float bm = _mm512_mask_reduce_max_ps(live, sc);
+    const int row = r0 + r;
+    const float m_new = st->m[row] > bm ? st->m[row] : bm;
+    if (st->m[row] != m_new) {
+      const float alpha = st->m[row] == -INFINITY ? 0.0f : expf(st->m[row] - m_new);
+      float *acc = st->acc + (size_t)row * 64;
+      st->l[row] *= alpha;
+      for (int c = 0; c < 64; c += 16)
+        _mm512_storeu_ps(acc + c, _mm512_mul_ps(_mm512_loadu_ps(acc + c), _mm512_set1_ps(alpha)));
+      st->m[row] = m_new;
+    }
+    const __m512 pr = _mm512_maskz_mov_ps(live, hm_exp16(_mm512_sub_ps(sc, _mm512_set1_ps(m_new))));
+    st->l[row] += _mm512_reduce_add_ps(pr);
+    _mm512_storeu_ps(prob[r], pr);
+  }
+  __m512 acc[16];
+  for (int r = 0; r < G; r++)
+    for (int c = 0; c < 4; c++) acc[r * 4 + c] = _mm512_loadu_ps(st->acc + (size_t)(r0 + r) * 64 + c * 16);
+  for (int t = 0; t < n; t++) {
+    const float *vt = v[t];
+    const __m512 v0 = _mm512_loadu_ps(vt), v1 = _mm512_loadu_ps(vt + 16);
+    const __m512 v2 = _mm512_loadu_ps(vt + 32), v3 = _mm512_loadu_ps(vt + 48);
+    for (int r = 0; r < G; r++) {
+      const __m512 pt = _mm512_set1_ps(prob[r][t]);
+      acc[r * 4] = _mm512_fmadd_ps(pt, v0, acc[r * 4]);
+      acc[r * 4 + 1] = _mm512_fmadd_ps(pt, v1, acc[r * 4 + 1]);
+      acc[r * 4 + 2] = _mm512_fmadd_ps(pt, v2, acc[r * 4 + 2]);
+      acc[r * 4 + 3] = _mm512_fmadd_ps(pt, v3, acc[r * 4 + 3]);
+    }
+  }
+  for (int r = 0; r < G; r++)
+    for (int c = 0; c < 4; c++) _mm512_storeu_ps(st->acc + (size_t)(r0 + r) * 64 + c * 16, acc[r * 4 + c]);
+}
+
+/* The g rows [r0, r0 + g) of one block-head with hm_block64 where it applies (head_dim 64, a
+ * block of 16 rows at most): their query rows from qrows on (64 floats apart) and a score bias
+ * each (NULL: none); 0 where it does not apply (the caller runs the general path). */
+static inline int hm_block64_rows(hm_state *st, int r0, int g, int n, const float *const *k,
+                                  const float *const *v, const float *qrows, const float *bias) {
+  if (st->d != 64 || n > 16) return 0;
+  for (; g >= 4; g -= 4, r0 += 4, qrows += 4 * 64, bias = bias ? bias + 4 : NULL)
+    hm_block64(st, r0, 4, n, k, v, qrows, bias);
+  switch (g) {
+    case 3: hm_block64(st, r0, 3, n, k, v, qrows, bias); break;
+    case 2: hm_block64(st, r0, 2, n, k, v, qrows, bias); break;
+    case 1: hm_block64(st, r0, 1, n, k, v, qrows, bias); break;
+    default: break;
+  }
+  return 1;
+}
+#endif
+
 /* A pool of full-precision blocks: k and v are [num_blocks, block_size, kv_heads, head_dim]
  * views with element strides (blk, tok, head) and unit stride along head_dim. */
 typedef struct {
@@ -368,6 +474,9 @@ static int hm_full_blocks(hm_state *st, const hm_full_pool *p, const int32_t *ta
       krow[t] = hm_row((const char *)p->k + off, p->dtype, d, st->kbuf + (size_t)t * d);
       vrow[t] = hm_row((const char *)p->v + off, p->dtype, d, st->vbuf + (size_t)t * d);
     }
+#ifdef HM_BLOCK64
+    if (hm_block64_rows(st, 0, g, n, krow, vrow, st->q, NULL)) continue;
+#endif
     for (int r = 0; r < g; r++)
       hm_scores(st->q + (size_t)r * d, krow, n, d, 0.0f, st->s + (size_t)r * HM_MAX_BS);
     hm_block_values(st, 0, g, n, vrow);
@@ -413,6 +522,24 @@ static int hm_kivi_blocks(hm_state *st, const hm_kivi_pool *p, const int32_t *ta
         hm_affine(vr, sc, zr, d, p->gv);
         vrow[t] = vr;
       }
+#ifdef HM_BLOCK64
+      if (gk >= n && d == 64 && n <= 16) { /* one key group: every row's q rescaled, a bias */
+        float bias[HM_MAX_GROUP];
+        hm_halves(ks + (int64_t)h * d, d, sc);
+        hm_halves(kz + (int64_t)h * d, d, zr);
+        for (int r0 = 0; r0 < g; r0 += HM_MAX_GROUP) {
+          const int m = g - r0 < HM_MAX_GROUP ? g - r0 : HM_MAX_GROUP;
+          for (int r = 0; r < m; r++) {
+            const float *qr = st->q + (size_t)(r0 + r) * d;
+            float *qs = st->qs + (size_t)(r0 + r) * d;
+            for (int i = 0; i < d; i++) qs[i] = qr[i] * sc[i];
+            bias[r] = hm_dot(qr, zr, d);
+          }
+          hm_block64_rows(st, r0, m, n, krow, vrow, st->qs + (size_t)r0 * d, bias);
+        }
+        continue;
+      }
+#endif
       for (int t0 = 0; t0 < n; t0 += gk) { /* one key group: rescale q by its scales */
         const int64_t off = ((int64_t)(t0 / gk) * kv_heads + h) * d;
         const int m = n - t0 < gk ? n - t0 : gk;
