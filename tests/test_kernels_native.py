@@ -90,6 +90,28 @@ def test_full_precision_pool_read_in_place(dtype, lens, head_dim, block_size, gr
     assert (out - twin).abs().max() < 2e-5
 
 
+@pytest.mark.parametrize("lens,group", [([0, 1, 16, 45], 3), ([3, 20, 31], 5), ([300], 1)])
+def test_bf16_queries_over_a_bf16_pool(lens, group):
+    """Query rows that are bf16 values (a bf16 model's) over a bf16 pool, head_dim 64: the block
+    path takes the key rows as they lie (vdpbf16ps on the pairs) and widens values in registers;
+    the result is attention over the widened rows."""
+    q, kv, table, seq_lens = case(4, lens, 2, group, 64, 16)
+    q = q.to(torch.bfloat16).float()  # each value a bf16 exactly, as is its 1/8 scaling
+    layout = FullKVLayout(2, 2, 64, 16, torch.bfloat16)
+    pool = layout.empty_blocks(kv.shape[0])
+    pool[:, 1] = kv.to(torch.bfloat16)
+    k, v = layout.layer_views(pool, 1)
+    out, lse = paged_attention_full(q, k, v, table, seq_lens)
+    want, want_lse = dense(q, k.float(), v.float(), table, seq_lens, 64**-0.5)
+    assert (out.double() - want).abs().max() < 2e-5
+    finite = want_lse.isfinite()
+    assert (lse.double()[finite] - want_lse[finite]).abs().max() < 2e-5
+    assert torch.all(out[seq_lens == 0] == 0)
+    # the same queries a hair off bf16 take the widening path: the same attention
+    nudged, _ = paged_attention_full(q * (1 + 2**-20), k, v, table, seq_lens)
+    assert (nudged.double() - want).abs().max() < 1e-4
+
+
 @pytest.mark.parametrize("bits", [2, 4, 8])
 @pytest.mark.parametrize(
     "lens,head_dim,block_size,group_size",

@@ -231,6 +231,8 @@ typedef struct {
   float *kbuf, *vbuf; /* [HM_MAX_BS][d]: one block-head's rows widened to fp32 */
   float *qs;     /* [group][d]: query rows times a key group's scales (KIVI) */
   float *scratch;     /* [2][d] (KIVI scales and zeros) */
+  uint16_t *qb;  /* [rows][d]: the query rows in bf16, when q_bf16 */
+  int q_bf16;    /* 1: every pre-scaled query value is a bf16 exactly (q from a bf16 model) */
 } hm_state;
 
 /* Each thread's scratch, kept from call to call: a decode step calls the kernel once per layer,
@@ -240,7 +242,8 @@ static _Thread_local size_t hm_scratch_floats;
 
 static int hm_begin(hm_state *st, const float *q, int rows, int group, int d, float scale) {
   const size_t n = (size_t)rows * d * 2 + (size_t)rows * (2 + HM_MAX_BS) +
-                   (size_t)HM_MAX_BS * d * 2 + (size_t)group * d + 2 * (size_t)d;
+                   (size_t)HM_MAX_BS * d * 2 + (size_t)group * d + 2 * (size_t)d +
+                   ((size_t)rows * d + 1) / 2;
   if (n > hm_scratch_floats) {
     float *grown = (float *)realloc(hm_scratch, n * sizeof(float));
     if (!grown) return 0;
@@ -259,7 +262,15 @@ static int hm_begin(hm_state *st, const float *q, int rows, int group, int d, fl
   st->vbuf = st->kbuf + (size_t)HM_MAX_BS * d;
   st->qs = st->vbuf + (size_t)HM_MAX_BS * d;
   st->scratch = st->qs + (size_t)group * d;
-  for (int i = 0; i < rows * d; i++) st->q[i] = q[i] * scale;
+  st->qb = (uint16_t *)(st->scratch + 2 * (size_t)d);
+  st->q_bf16 = 1;
+  for (int i = 0; i < rows * d; i++) {
+    st->q[i] = q[i] * scale;
+    uint32_t bits;
+    memcpy(&bits, st->q + i, 4);
+    st->qb[i] = (uint16_t)(bits >> 16);
+    st->q_bf16 &= (bits & 0xffffu) == 0; /* widening it back gives the same float */
+  }
   memset(st->acc, 0, sizeof(float) * rows * d);
   for (int r = 0; r < rows; r++) {
     st->m[r] = -INFINITY;
@@ -348,31 +359,50 @@ static inline __m512 hm_tree16(__m512 *a) {
 static const int HM_TREE16[16] = {0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15};
 
 /* One block-head of head_dim 64 in registers: the G query rows [r0, r0 + G) against the n <= 16
- * key and value rows (fp32). Scores: each key row's four vectors against each query row, the
+ * key and value rows. Scores: each key row's four vectors against each query row, the
  * sixteen keys' sums at once (hm_tree16); softmax on one 16-lane vector a row; values: each
  * value row loaded once for all G rows, the G x 4 accumulator vectors held in registers. G is a
- * compile-time constant at each call (G x 4 accumulators, 16 at most). */
-static inline __attribute__((always_inline)) void hm_block64(hm_state *st, int r0, const int G,
-                                                             int n, const float *const *k,
-                                                             const float *const *v,
-                                                             const float *qrows,
-                                                             const float *bias) {
+ * compile-time constant at each call (G x 4 accumulators, 16 at most), and so is `bf16`: rows
+ * of fp32 (k, v: float rows; query rows qrows), or of bf16 read where they lie (query rows qb in
+ * bf16: a key row's 32 pairs against the query's in two `vdpbf16ps`, its products exact in fp32
+ * as the widened rows' are; value rows widened in registers). */
+static inline __attribute__((always_inline)) void hm_block64(
+    hm_state *st, int r0, const int G, int n, const void *const *k, const void *const *v,
+    const float *qrows, const uint16_t *qb, const float *bias, const int bf16) {
   const __mmask16 live = (__mmask16)((1u << n) - 1u);
   float prob[4][16];
   for (int r = 0; r < G; r++) {
-    const float *q = qrows + (size_t)r * 64;
-    const __m512 q0 = _mm512_loadu_ps(q), q1 = _mm512_loadu_ps(q + 16);
-    const __m512 q2 = _mm512_loadu_ps(q + 32), q3 = _mm512_loadu_ps(q + 48);
     __m512 a[16];
-    for (int t = 0; t < 16; t++) {
-      if (t < n) {
-        const float *kt = k[t];
-        __m512 x = _mm512_mul_ps(q0, _mm512_loadu_ps(kt));
-        x = _mm512_fmadd_ps(q1, _mm512_loadu_ps(kt + 16), x);
-        x = _mm512_fmadd_ps(q2, _mm512_loadu_ps(kt + 32), x);
-        a[HM_TREE16[t]] = _mm512_fmadd_ps(q3, _mm512_loadu_ps(kt + 48), x);
-      } else {
-        a[HM_TREE16[t]] = _mm512_setzero_ps();
+#ifdef __AVX512BF16__
+    if (bf16) {
+      const uint16_t *q = qb + (size_t)r * 64;
+      const __m512bh q0 = (__m512bh)_mm512_loadu_si512(q), q1 = (__m512bh)_mm512_loadu_si512(q + 32);
+      for (int t = 0; t < 16; t++) {
+        if (t < n) {
+          const uint16_t *kt = (const uint16_t *)k[t];
+          const __m512 x = _mm512_dpbf16_ps(_mm512_setzero_ps(), q0,
+                                            (__m512bh)_mm512_loadu_si512(kt));
+          a[HM_TREE16[t]] = _mm512_dpbf16_ps(x, q1, (__m512bh)_mm512_loadu_si512(kt + 32));
+        } else {
+          a[HM_TREE16[t]] = _mm512_setzero_ps();
+        }
+      }
+    } else
+#endif
+    {
+      const float *q = qrows + (size_t)r * 64;
+      const __m512 q0 = _mm512_loadu_ps(q), q1 = _mm512_loadu_ps(q + 16);
+      const __m512 q2 = _mm512_loadu_ps(q + 32), q3 = _mm512_loadu_ps(q + 48);
+      for (int t = 0; t < 16; t++) {
+        if (t < n) {
+          const float *kt = (const float *)k[t];
+          __m512 x = _mm512_mul_ps(q0, _mm512_loadu_ps(kt));
+          x = _mm512_fmadd_ps(q1, _mm512_loadu_ps(kt + 16), x);
+          x = _mm512_fmadd_ps(q2, _mm512_loadu_ps(kt + 32), x);
+          a[HM_TREE16[t]] = _mm512_fmadd_ps(q3, _mm512_loadu_ps(kt + 48), x);
+        } else {
+          a[HM_TREE16[t]] = _mm512_setzero_ps();
+        }
       }
     }
     __m512 sc = hm_tree16(a); /* lane t: key t's score */
@@ -396,9 +426,18 @@ static inline __attribute__((always_inline)) void hm_block64(hm_state *st, int r
   for (int r = 0; r < G; r++)
     for (int c = 0; c < 4; c++) acc[r * 4 + c] = _mm512_loadu_ps(st->acc + (size_t)(r0 + r) * 64 + c * 16);
   for (int t = 0; t < n; t++) {
-    const float *vt = v[t];
-    const __m512 v0 = _mm512_loadu_ps(vt), v1 = _mm512_loadu_ps(vt + 16);
-    const __m512 v2 = _mm512_loadu_ps(vt + 32), v3 = _mm512_loadu_ps(vt + 48);
+    __m512 v0, v1, v2, v3;
+    if (bf16) { /* bf16 is fp32's top half: widened by a shift */
+      const uint16_t *vt = (const uint16_t *)v[t];
+#define HM_WIDEN(o) _mm512_castsi512_ps(_mm512_slli_epi32( \
+    _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(vt + (o)))), 16))
+      v0 = HM_WIDEN(0), v1 = HM_WIDEN(16), v2 = HM_WIDEN(32), v3 = HM_WIDEN(48);
+#undef HM_WIDEN
+    } else {
+      const float *vt = (const float *)v[t];
+      v0 = _mm512_loadu_ps(vt), v1 = _mm512_loadu_ps(vt + 16);
+      v2 = _mm512_loadu_ps(vt + 32), v3 = _mm512_loadu_ps(vt + 48);
+    }
     for (int r = 0; r < G; r++) {
       const __m512 pt = _mm512_set1_ps(prob[r][t]);
       acc[r * 4] = _mm512_fmadd_ps(pt, v0, acc[r * 4]);
@@ -412,17 +451,36 @@ static inline __attribute__((always_inline)) void hm_block64(hm_state *st, int r
 }
 
 /* The g rows [r0, r0 + g) of one block-head with hm_block64 where it applies (head_dim 64, a
- * block of 16 rows at most): their query rows from qrows on (64 floats apart) and a score bias
- * each (NULL: none); 0 where it does not apply (the caller runs the general path). */
-static inline int hm_block64_rows(hm_state *st, int r0, int g, int n, const float *const *k,
-                                  const float *const *v, const float *qrows, const float *bias) {
+ * block of 16 rows at most): fp32 rows k, v (bf16 = 0) with their query rows from qrows on (64
+ * floats apart) and a score bias each (NULL: none), or bf16 rows as they lie in the pool (bf16
+ * = 1: the state's bf16 query rows, no bias); 0 where it does not apply (the caller runs the
+ * general path). */
+static inline int hm_block64_rows(hm_state *st, int r0, int g, int n, const void *const *k,
+                                  const void *const *v, const float *qrows, const float *bias,
+                                  int bf16) {
   if (st->d != 64 || n > 16) return 0;
+#ifdef __AVX512BF16__
+  if (bf16 && !st->q_bf16) return 0;
+  if (bf16) {
+    const uint16_t *qb = st->qb + (size_t)r0 * 64;
+    for (; g >= 4; g -= 4, r0 += 4, qb += 4 * 64) hm_block64(st, r0, 4, n, k, v, NULL, qb, NULL, 1);
+    switch (g) {
+      case 3: hm_block64(st, r0, 3, n, k, v, NULL, qb, NULL, 1); break;
+      case 2: hm_block64(st, r0, 2, n, k, v, NULL, qb, NULL, 1); break;
+      case 1: hm_block64(st, r0, 1, n, k, v, NULL, qb, NULL, 1); break;
+      default: break;
+    }
+    return 1;
+  }
+#else
+  if (bf16) return 0;
+#endif
   for (; g >= 4; g -= 4, r0 += 4, qrows += 4 * 64, bias = bias ? bias + 4 : NULL)
-    hm_block64(st, r0, 4, n, k, v, qrows, bias);
+    hm_block64(st, r0, 4, n, k, v, qrows, NULL, bias, 0);
   switch (g) {
-    case 3: hm_block64(st, r0, 3, n, k, v, qrows, bias); break;
-    case 2: hm_block64(st, r0, 2, n, k, v, qrows, bias); break;
-    case 1: hm_block64(st, r0, 1, n, k, v, qrows, bias); break;
+    case 3: hm_block64(st, r0, 3, n, k, v, qrows, NULL, bias, 0); break;
+    case 2: hm_block64(st, r0, 2, n, k, v, qrows, NULL, bias, 0); break;
+    case 1: hm_block64(st, r0, 1, n, k, v, qrows, NULL, bias, 0); break;
     default: break;
   }
   return 1;
@@ -469,13 +527,26 @@ static int hm_full_blocks(hm_state *st, const hm_full_pool *p, const int32_t *ta
       }
     }
     const int64_t base = blk * p->blk_stride + (int64_t)h * p->head_stride;
+#ifdef HM_BLOCK64
+    if (p->dtype == HM_BF16) { /* rows as they lie, where the bf16 block path takes them */
+      const void *kraw[HM_MAX_BS], *vraw[HM_MAX_BS];
+      for (int t = 0; t < n && t < HM_MAX_BS; t++) {
+        const int64_t off = (base + t * p->tok_stride) * esize;
+        kraw[t] = (const char *)p->k + off;
+        vraw[t] = (const char *)p->v + off;
+      }
+      if (hm_block64_rows(st, 0, g, n, kraw, vraw, NULL, NULL, 1)) continue;
+    }
+#endif
     for (int t = 0; t < n; t++) {
       const int64_t off = (base + t * p->tok_stride) * esize;
       krow[t] = hm_row((const char *)p->k + off, p->dtype, d, st->kbuf + (size_t)t * d);
       vrow[t] = hm_row((const char *)p->v + off, p->dtype, d, st->vbuf + (size_t)t * d);
     }
 #ifdef HM_BLOCK64
-    if (hm_block64_rows(st, 0, g, n, krow, vrow, st->q, NULL)) continue;
+    if (hm_block64_rows(st, 0, g, n, (const void *const *)krow, (const void *const *)vrow, st->q,
+                        NULL, 0))
+      continue;
 #endif
     for (int r = 0; r < g; r++)
       hm_scores(st->q + (size_t)r * d, krow, n, d, 0.0f, st->s + (size_t)r * HM_MAX_BS);
@@ -535,7 +606,8 @@ static int hm_kivi_blocks(hm_state *st, const hm_kivi_pool *p, const int32_t *ta
             for (int i = 0; i < d; i++) qs[i] = qr[i] * sc[i];
             bias[r] = hm_dot(qr, zr, d);
           }
-          hm_block64_rows(st, r0, m, n, krow, vrow, st->qs + (size_t)r0 * d, bias);
+          hm_block64_rows(st, r0, m, n, (const void *const *)krow, (const void *const *)vrow,
+                          st->qs + (size_t)r0 * d, bias, 0);
         }
         continue;
       }
