@@ -46,6 +46,12 @@ class PrefillConfig:
     # is prefilled in one batch instead of one request, then the rest, while a lone request
     # waits only this long. 0 = take only what is queued already
     batch_gather_ms: float = 8.0
+    # ...but only while the round holds fewer prompt tokens than this: a forward of a few rows
+    # reads every weight for little arithmetic, and one more request rides along nearly free;
+    # from here on a forward is bound by its arithmetic, a companion only lengthens the round,
+    # and waiting for one is latency the round's requests pay (8 ms of a 60 ms warm TTFT).
+    # 0 = gather whatever the round holds.
+    batch_gather_tokens: int = 256
     store_address: str = ""  # this host's store node (gRPC "HOST:PORT"); required
     store_node: str = ""  # that node's id in the index (the conductor matches prefixes by it)
     index_url: str = (
@@ -95,6 +101,10 @@ class PrefillConfig:
         if self.batch_gather_ms < 0:
             raise ValueError(
                 f"PrefillConfig: batch_gather_ms must be >= 0, got {self.batch_gather_ms}"
+            )
+        if self.batch_gather_tokens < 0:
+            raise ValueError(
+                f"PrefillConfig: batch_gather_tokens must be >= 0, got {self.batch_gather_tokens}"
             )
         if self.chunk_size <= 0 or self.chunk_size % self.block_size:
             raise ValueError(

@@ -135,12 +135,15 @@ class PrefillScheduler:
                     return
                 waiting = [job]
             # A round takes waiting requests up to max_batch_tokens, in arrival order, and those
-            # that arrive while requests keep coming (batch_gather_ms apart, 10x that at most).
+            # that arrive while requests keep coming (batch_gather_ms apart, 10x that at most),
+            # while it holds fewer than batch_gather_tokens (then only what is queued already).
             batch, tokens = waiting, sum(len(j.ids) for j in waiting)
             gap_s = self.config.batch_gather_ms / 1000.0
             until = time.perf_counter() + 10 * gap_s
+            small = self.config.batch_gather_tokens
             while tokens < self.config.max_batch_tokens:
-                wait_s = min(gap_s, until - time.perf_counter())
+                gather = not small or tokens < small
+                wait_s = min(gap_s, until - time.perf_counter()) if gather else 0.0
                 try:
                     nxt = self._queue.get(timeout=wait_s) if wait_s > 0 else self._queue.get(False)
                 except queue.Empty:

@@ -122,8 +122,12 @@ class PrefillInstance:
         self.queued_tokens += job.req.input_tokens
         if self.busy:
             return
-        gap = self.profile.batch_gather_ms
-        if gap <= 0 or self.queued_tokens >= self.profile.max_batch_tokens:
+        gap, small = self.profile.batch_gather_ms, self.profile.batch_gather_tokens
+        if (
+            gap <= 0
+            or self.queued_tokens >= self.profile.max_batch_tokens
+            or (small and self.queued_tokens >= small)
+        ):
             self._start()
             return
         now = self.loop.now

@@ -32,6 +32,9 @@ class Profile:
     # An idle instance's round waits for arrivals that come this close together (10x that at
     # most) before it starts, unless max_batch_tokens are waiting (the live batch_gather_ms).
     batch_gather_ms: float = 0.0
+    # ...while the waiting requests hold fewer prompt tokens than this (the live
+    # batch_gather_tokens; 0 = however many)
+    batch_gather_tokens: int = 0
     device_cache_blocks: int = 0  # a prefill instance's own pool kept as a prefix cache (0 = none)
     dram_blocks: int = 0  # per node: the store's DRAM tier
     ssd_blocks: int = 0  # per node: the store's SSD tier

@@ -472,6 +472,19 @@ def test_a_burst_of_requests_is_gathered_into_one_round(lm, engine):
             assert results[i][0] == solo(engine, p, 4), i
 
 
+def test_a_lone_request_waits_for_company_only_while_its_round_is_small(lm, engine):
+    rng = random.Random(19)
+    short, long_ = rand_ids(rng, 10), rand_ids(rng, 40)
+    # a 300 ms gather window, and rounds of >= 32 prompt tokens start at once
+    with Cluster(lm, prefill={"batch_gather_ms": 300, "batch_gather_tokens": 32}) as c:
+        ids, _, last = c.generate(token_ids=short, max_tokens=2)
+        assert ids == solo(engine, short, 2)
+        assert last.usage.queue_ms >= 250  # small: it waited out the window for company
+        ids, _, last = c.generate(token_ids=long_, max_tokens=2)
+        assert ids == solo(engine, long_, 2)
+        assert last.usage.queue_ms < 150  # past batch_gather_tokens: its round began at once
+
+
 def test_a_job_the_pool_cannot_hold_fails_alone(lm, engine):
     rng = random.Random(9)
     stall, a, b, huge = (

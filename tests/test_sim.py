@@ -266,3 +266,16 @@ def test_answers_of_one_forward_split_into_serial_cost_and_latency():
     # ms to join the batch at a step boundary), none 43 ms behind the one before
     assert got[3.0][0] == pytest.approx(forward_end + 43.0)
     assert max(got[3.0]) <= forward_end + 43.0 + 9.0 + 2 * 14.0
+
+
+def test_a_simulated_round_gathers_only_while_it_is_small():
+    base = Profile(**{**TOY.__dict__, "max_batch_tokens": 1 << 20, "batch_gather_ms": 5.0})
+    arr = make_arrivals([trace_req(0, 0, 160, 2, [7])], TraceScaling(length_scale=1.0), 16)
+    first = {}
+    for small in (0, 100, 200):
+        prof = Profile(**{**base.__dict__, "batch_gather_tokens": small})
+        first[small] = simulate(arr, prof, ClusterSpec(policy="load_balance")).records[0].ttft_ms
+    # 160 prompt tokens at 1 ms each; the lone request waits the 5 ms window only where its
+    # round counts as small (no bound, or a bound above 160)
+    assert first[100] == pytest.approx(160.0)
+    assert first[0] == pytest.approx(165.0) and first[200] == pytest.approx(165.0)
