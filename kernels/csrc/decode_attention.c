@@ -459,30 +459,33 @@ static inline int hm_block64_rows(hm_state *st, int r0, int g, int n, const void
                                   const void *const *v, const float *qrows, const float *bias,
                                   int bf16) {
   if (st->d != 64 || n > 16) return 0;
-#ifdef __AVX512BF16__
-  if (bf16 && !st->q_bf16) return 0;
-  if (bf16) {
-    const uint16_t *qb = st->qb + (size_t)r0 * 64;
-    for (; g >= 4; g -= 4, r0 += 4, qb += 4 * 64) hm_block64(st, r0, 4, n, k, v, NULL, qb, NULL, 1);
-    switch (g) {
-      case 3: hm_block64(st, r0, 3, n, k, v, NULL, qb, NULL, 1); break;
-      case 2: hm_block64(st, r0, 2, n, k, v, NULL, qb, NULL, 1); break;
-      case 1: hm_block64(st, r0, 1, n, k, v, NULL, qb, NULL, 1); break;
-      default: break;
-    }
-    return 1;
-  }
-#else
+#ifndef __AVX512BF16__
   if (bf16) return 0;
 #endif
-  for (; g >= 4; g -= 4, r0 += 4, qrows += 4 * 64, bias = bias ? bias + 4 : NULL)
-    hm_block64(st, r0, 4, n, k, v, qrows, NULL, bias, 0);
-  switch (g) {
-    case 3: hm_block64(st, r0, 3, n, k, v, qrows, NULL, bias, 0); break;
-    case 2: hm_block64(st, r0, 2, n, k, v, qrows, NULL, bias, 0); break;
-    case 1: hm_block64(st, r0, 1, n, k, v, qrows, NULL, bias, 0); break;
-    default: break;
+  if (bf16 && !st->q_bf16) return 0;
+  const uint16_t *qb = bf16 ? st->qb + (size_t)r0 * 64 : NULL;
+  /* four rows a call, then the rest: G a constant at each call */
+#define HM_BLOCK64_CASES(B)                                                      \
+  switch (m) {                                                                   \
+    case 4: hm_block64(st, r0, 4, n, k, v, qrows, qb, bias, B); break;           \
+    case 3: hm_block64(st, r0, 3, n, k, v, qrows, qb, bias, B); break;           \
+    case 2: hm_block64(st, r0, 2, n, k, v, qrows, qb, bias, B); break;           \
+    default: hm_block64(st, r0, 1, n, k, v, qrows, qb, bias, B); break;          \
   }
+  while (g > 0) {
+    const int m = g < 4 ? g : 4;
+    if (bf16) {
+      HM_BLOCK64_CASES(1)
+    } else {
+      HM_BLOCK64_CASES(0)
+    }
+    g -= m;
+    r0 += m;
+    qrows = qrows ? qrows + m * 64 : NULL;
+    qb = qb ? qb + m * 64 : NULL;
+    bias = bias ? bias + m : NULL;
+  }
+#undef HM_BLOCK64_CASES
   return 1;
 }
 #endif
