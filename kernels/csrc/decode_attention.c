@@ -335,7 +335,8 @@ static void hm_block_values(hm_state *st, int h, int g, int n, const float *cons
     hm_accumulate(st->acc + (size_t)r * st->d, st->s + (size_t)r * HM_MAX_BS, v, n, st->d);
 }
 
-#if defined(__AVX512F__) && defined(__AVX512DQ__) && defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX512F__) && defined(__AVX512DQ__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
+    defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define HM_BLOCK64 1
 /* Sixteen vectors' lane sums as one vector, in a fixed order of the sixteen (a tree of 128-bit
  * lane shuffles, then in-lane unpacks: 30 operations, not sixteen horizontal sums). */
@@ -358,6 +359,23 @@ static inline __m512 hm_tree16(__m512 *a) {
  * HM_TREE16[t] comes out in lane t. */
 static const int HM_TREE16[16] = {0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15};
 
+/* A KIVI block-head's value rows as they lie: each row's codes (`bits` each, low bits first) and
+ * its f16 scales and zero points, one per group of gv channels (gv a multiple of 16). */
+typedef struct {
+  const uint8_t *codes[16];
+  const uint16_t *scale[16], *zero[16];
+  int bits, gv;
+} hm_kivi_values;
+
+/* Codes 16c .. 16c + 15 of a row as 16 floats: their 2 * bits bytes spread over the lanes (lane
+ * l takes the 32-bit word holding bit l * bits), shifted down and masked. */
+static inline __m512 hm_codes16(const uint8_t *codes, int c, int bits, __m512i idx, __m512i shift,
+                                __m512i mask) {
+  const __m128i raw = _mm_maskz_loadu_epi8((__mmask16)((1u << (2 * bits)) - 1u), codes + 2 * c * bits);
+  const __m512i w = _mm512_permutexvar_epi32(idx, _mm512_castsi128_si512(raw));
+  return _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srlv_epi32(w, shift), mask));
+}
+
 /* One block-head of head_dim 64 in registers: the G query rows [r0, r0 + G) against the n <= 16
  * key and value rows. Scores: each key row's four vectors against each query row, the
  * sixteen keys' sums at once (hm_tree16); softmax on one 16-lane vector a row; values: each
@@ -368,7 +386,8 @@ static const int HM_TREE16[16] = {0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 
  * as the widened rows' are; value rows widened in registers). */
 static inline __attribute__((always_inline)) void hm_block64(
     hm_state *st, int r0, const int G, int n, const void *const *k, const void *const *v,
-    const float *qrows, const uint16_t *qb, const float *bias, const int bf16) {
+    const float *qrows, const uint16_t *qb, const float *bias, const int bf16,
+    const hm_kivi_values *kv) {
   const __mmask16 live = (__mmask16)((1u << n) - 1u);
   float prob[4][16];
   for (int r = 0; r < G; r++) {
@@ -425,9 +444,28 @@ static inline __attribute__((always_inline)) void hm_block64(
   __m512 acc[16];
   for (int r = 0; r < G; r++)
     for (int c = 0; c < 4; c++) acc[r * 4 + c] = _mm512_loadu_ps(st->acc + (size_t)(r0 + r) * 64 + c * 16);
+  __m512i idx = _mm512_setzero_si512(), shift = idx, mask = idx;
+  if (kv) { /* lane l of a 16-code group: bit l * bits, in 32-bit word (l * bits) / 32 */
+    const __m512i bitpos = _mm512_mullo_epi32(
+        _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+        _mm512_set1_epi32(kv->bits));
+    idx = _mm512_srli_epi32(bitpos, 5);
+    shift = _mm512_and_si512(bitpos, _mm512_set1_epi32(31));
+    mask = _mm512_set1_epi32((1 << kv->bits) - 1);
+  }
   for (int t = 0; t < n; t++) {
     __m512 v0, v1, v2, v3;
-    if (bf16) { /* bf16 is fp32's top half: widened by a shift */
+    if (kv) { /* rebuilt in registers: code * scale + zero, each group's pair broadcast */
+      const uint8_t *ct = kv->codes[t];
+      __m512 vc[4];
+      for (int c = 0; c < 4; c++) {
+        const int grp = c * 16 / kv->gv;
+        vc[c] = _mm512_fmadd_ps(hm_codes16(ct, c, kv->bits, idx, shift, mask),
+                                _mm512_set1_ps(_cvtsh_ss(kv->scale[t][grp])),
+                                _mm512_set1_ps(_cvtsh_ss(kv->zero[t][grp])));
+      }
+      v0 = vc[0], v1 = vc[1], v2 = vc[2], v3 = vc[3];
+    } else if (bf16) { /* bf16 is fp32's top half: widened by a shift */
       const uint16_t *vt = (const uint16_t *)v[t];
 #define HM_WIDEN(o) _mm512_castsi512_ps(_mm512_slli_epi32( \
     _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(vt + (o)))), 16))
@@ -457,7 +495,7 @@ static inline __attribute__((always_inline)) void hm_block64(
  * general path). */
 static inline int hm_block64_rows(hm_state *st, int r0, int g, int n, const void *const *k,
                                   const void *const *v, const float *qrows, const float *bias,
-                                  int bf16) {
+                                  int bf16, const hm_kivi_values *kv) {
   if (st->d != 64 || n > 16) return 0;
 #ifndef __AVX512BF16__
   if (bf16) return 0;
@@ -467,10 +505,10 @@ static inline int hm_block64_rows(hm_state *st, int r0, int g, int n, const void
   /* four rows a call, then the rest: G a constant at each call */
 #define HM_BLOCK64_CASES(B)                                                      \
   switch (m) {                                                                   \
-    case 4: hm_block64(st, r0, 4, n, k, v, qrows, qb, bias, B); break;           \
-    case 3: hm_block64(st, r0, 3, n, k, v, qrows, qb, bias, B); break;           \
-    case 2: hm_block64(st, r0, 2, n, k, v, qrows, qb, bias, B); break;           \
-    default: hm_block64(st, r0, 1, n, k, v, qrows, qb, bias, B); break;          \
+    case 4: hm_block64(st, r0, 4, n, k, v, qrows, qb, bias, B, kv); break;       \
+    case 3: hm_block64(st, r0, 3, n, k, v, qrows, qb, bias, B, kv); break;       \
+    case 2: hm_block64(st, r0, 2, n, k, v, qrows, qb, bias, B, kv); break;       \
+    default: hm_block64(st, r0, 1, n, k, v, qrows, qb, bias, B, kv); break;      \
   }
   while (g > 0) {
     const int m = g < 4 ? g : 4;
@@ -538,7 +576,7 @@ static int hm_full_blocks(hm_state *st, const hm_full_pool *p, const int32_t *ta
         kraw[t] = (const char *)p->k + off;
         vraw[t] = (const char *)p->v + off;
       }
-      if (hm_block64_rows(st, 0, g, n, kraw, vraw, NULL, NULL, 1)) continue;
+      if (hm_block64_rows(st, 0, g, n, kraw, vraw, NULL, NULL, 1, NULL)) continue;
     }
 #endif
     for (int t = 0; t < n; t++) {
@@ -548,7 +586,7 @@ static int hm_full_blocks(hm_state *st, const hm_full_pool *p, const int32_t *ta
     }
 #ifdef HM_BLOCK64
     if (hm_block64_rows(st, 0, g, n, (const void *const *)krow, (const void *const *)vrow, st->q,
-                        NULL, 0))
+                        NULL, 0, NULL))
       continue;
 #endif
     for (int r = 0; r < g; r++)
@@ -585,10 +623,17 @@ static int hm_kivi_blocks(hm_state *st, const hm_kivi_pool *p, const int32_t *ta
                                      block stride may span every layer of a packed record) */
         hm_prefetch((const char *)p->ptr[f] + table[j + 1] * p->blk_bytes[f], field_bytes[f]);
     {
+#ifdef HM_BLOCK64
+      /* one key group: every row's q rescaled, a bias; values rebuilt in registers */
+      const int block64 = gk >= n && d == 64 && n <= 16 && p->gv % 16 == 0;
+#else
+      const int block64 = 0;
+#endif
       for (int t = 0; t < n; t++) {
         float *kr = st->kbuf + (size_t)t * d, *vr = st->vbuf + (size_t)t * d;
         hm_unpack(kc + ((int64_t)t * kv_heads + h) * packed, p->bits, d, kr);
         krow[t] = kr;
+        if (block64) continue;
         hm_unpack(vc + ((int64_t)t * kv_heads + h) * packed, p->bits, d, vr);
         const int64_t goff = ((int64_t)t * kv_heads + h) * vg;
         hm_halves(vsc + goff, vg, sc);
@@ -597,7 +642,14 @@ static int hm_kivi_blocks(hm_state *st, const hm_kivi_pool *p, const int32_t *ta
         vrow[t] = vr;
       }
 #ifdef HM_BLOCK64
-      if (gk >= n && d == 64 && n <= 16) { /* one key group: every row's q rescaled, a bias */
+      if (block64) {
+        hm_kivi_values kv = {.bits = p->bits, .gv = p->gv};
+        for (int t = 0; t < n; t++) {
+          const int64_t goff = ((int64_t)t * kv_heads + h) * vg;
+          kv.codes[t] = vc + ((int64_t)t * kv_heads + h) * packed;
+          kv.scale[t] = vsc + goff;
+          kv.zero[t] = vze + goff;
+        }
         float bias[HM_MAX_GROUP];
         hm_halves(ks + (int64_t)h * d, d, sc);
         hm_halves(kz + (int64_t)h * d, d, zr);
@@ -609,8 +661,8 @@ static int hm_kivi_blocks(hm_state *st, const hm_kivi_pool *p, const int32_t *ta
             for (int i = 0; i < d; i++) qs[i] = qr[i] * sc[i];
             bias[r] = hm_dot(qr, zr, d);
           }
-          hm_block64_rows(st, r0, m, n, (const void *const *)krow, (const void *const *)vrow,
-                          st->qs + (size_t)r0 * d, bias, 0);
+          hm_block64_rows(st, r0, m, n, (const void *const *)krow, NULL, st->qs + (size_t)r0 * d,
+                          bias, 0, &kv);
         }
         continue;
       }
