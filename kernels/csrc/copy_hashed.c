@@ -12,8 +12,11 @@
 typedef uint64_t (*hm_hash_fn)(const void *data, size_t len);
 
 /* Up to this, a block is copied whole and then hashed layer by layer from cache; a bigger one
- * is copied and hashed a layer at a time. */
-#define HM_WHOLE_COPY_BYTES (2 << 20)
+ * is copied and hashed a layer at a time, each layer hashed while its copy is in L1/L2. At 2 MiB
+ * a 1 MiB block (source and copy: twice the L2 of the Zen 5 measured) was hashed from L3 after
+ * its copy: bench/kvstore.py's 1 MiB shm put went 8.8-9.7 -> 11.0-12.7 GB/s and get 9.1-10.1 ->
+ * 13.1-13.6 GB/s at 256 KiB (SmolLM2's bf16 block is 368 KiB); 256 KiB and 16 MiB unchanged. */
+#define HM_WHOLE_COPY_BYTES (256 << 10)
 
 /* For i < count: dst[dst_off[i] ..] = src[src_off[i] ..] (n bytes), and sums[i * layers + l] =
  * the hash of layer l of that copy (layers of layer_bytes, the last one possibly short). */
