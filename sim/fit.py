@@ -142,7 +142,7 @@ def answer_cost(records: list[ReplayRecord]) -> AnswerCost:
         groups.setdefault(key, []).append(answered_ms(r) - r.queue_ms - r.prefill_ms)
     if not groups:
         return AnswerCost(0.0, 0.0)
-    shared = [sorted(x) for x in groups.values() if len(x) >= 2]
+    shared = [sorted(x) for x in groups.values() if len(x) >= 2]  # each forward's, in order
     if not shared:
         return AnswerCost(max(0.0, _median([min(x) for x in groups.values()])), 0.0)
     serial = max(0.0, _median([(x[-1] - x[0]) / (len(x) - 1) for x in shared]))
@@ -163,12 +163,12 @@ def decode_join(records: list[ReplayRecord]) -> float:
     average, then a step, then whatever the pull and the calls take beyond it. Per request: its
     hold less 1.5 times its first gap (a step of the batch it joined); the median (0 if
     unknown: records from before Usage carried the answer time)."""
-    xs = sorted(
+    xs = [
         r.ttft_ms - r.answered_ms - 1.5 * r.gaps_ms[0]
         for r in records
         if r.status == "ok" and r.answered_ms > 0 and r.gaps_ms and not math.isnan(r.ttft_ms)
-    )
-    return max(0.0, xs[len(xs) // 2]) if xs else 0.0
+    ]
+    return max(0.0, _median(xs)) if xs else 0.0
 
 
 def read_run(run_dir: str | Path) -> tuple[list[ReplayRecord], dict]:

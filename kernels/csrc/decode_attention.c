@@ -569,9 +569,10 @@ static int hm_full_blocks(hm_state *st, const hm_full_pool *p, const int32_t *ta
     }
     const int64_t base = blk * p->blk_stride + (int64_t)h * p->head_stride;
 #ifdef HM_BLOCK64
-    if (p->dtype == HM_BF16) { /* rows as they lie, where the bf16 block path takes them */
-      const void *kraw[HM_MAX_BS], *vraw[HM_MAX_BS];
-      for (int t = 0; t < n && t < HM_MAX_BS; t++) {
+    if (p->dtype == HM_BF16 && st->q_bf16 && d == 64 && n <= 16) {
+      /* the bf16 block path takes the rows as they lie */
+      const void *kraw[16], *vraw[16];
+      for (int t = 0; t < n; t++) {
         const int64_t off = (base + t * p->tok_stride) * esize;
         kraw[t] = (const char *)p->k + off;
         vraw[t] = (const char *)p->v + off;
@@ -626,16 +627,24 @@ static int hm_kivi_blocks(hm_state *st, const hm_kivi_pool *p, const int32_t *ta
 #ifdef HM_BLOCK64
       /* one key group: every row's q rescaled, a bias; values rebuilt in registers */
       const int block64 = gk >= n && d == 64 && n <= 16 && p->gv % 16 == 0;
+      hm_kivi_values kv = {.bits = p->bits, .gv = p->gv};
 #else
       const int block64 = 0;
 #endif
       for (int t = 0; t < n; t++) {
         float *kr = st->kbuf + (size_t)t * d, *vr = st->vbuf + (size_t)t * d;
-        hm_unpack(kc + ((int64_t)t * kv_heads + h) * packed, p->bits, d, kr);
+        const int64_t row = (int64_t)t * kv_heads + h, goff = row * vg;
+        hm_unpack(kc + row * packed, p->bits, d, kr);
         krow[t] = kr;
-        if (block64) continue;
-        hm_unpack(vc + ((int64_t)t * kv_heads + h) * packed, p->bits, d, vr);
-        const int64_t goff = ((int64_t)t * kv_heads + h) * vg;
+#ifdef HM_BLOCK64
+        if (block64) { /* the value row as it lies */
+          kv.codes[t] = vc + row * packed;
+          kv.scale[t] = vsc + goff;
+          kv.zero[t] = vze + goff;
+          continue;
+        }
+#endif
+        hm_unpack(vc + row * packed, p->bits, d, vr);
         hm_halves(vsc + goff, vg, sc);
         hm_halves(vze + goff, vg, zr);
         hm_affine(vr, sc, zr, d, p->gv);
@@ -643,13 +652,6 @@ static int hm_kivi_blocks(hm_state *st, const hm_kivi_pool *p, const int32_t *ta
       }
 #ifdef HM_BLOCK64
       if (block64) {
-        hm_kivi_values kv = {.bits = p->bits, .gv = p->gv};
-        for (int t = 0; t < n; t++) {
-          const int64_t goff = ((int64_t)t * kv_heads + h) * vg;
-          kv.codes[t] = vc + ((int64_t)t * kv_heads + h) * packed;
-          kv.scale[t] = vsc + goff;
-          kv.zero[t] = vze + goff;
-        }
         float bias[HM_MAX_GROUP];
         hm_halves(ks + (int64_t)h * d, d, sc);
         hm_halves(kz + (int64_t)h * d, d, zr);
