@@ -71,6 +71,11 @@ static inline const float *hm_row(const void *src, int dtype, int n, float *buf)
       const __m256i h = _mm256_loadu_si256((const __m256i *)(s + i0));
       _mm512_storeu_ps(buf + i0, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
     }
+#elif defined(__AVX2__)
+    for (; i0 + 8 <= n; i0 += 8) {
+      const __m128i h = _mm_loadu_si128((const __m128i *)(s + i0));
+      _mm256_storeu_ps(buf + i0, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)));
+    }
 #endif
     for (int i = i0; i < n; i++) {
       uint32_t bits = (uint32_t)s[i] << 16;
@@ -335,6 +340,15 @@ static void hm_block_values(hm_state *st, int h, int g, int n, const float *cons
     hm_accumulate(st->acc + (size_t)r * st->d, st->s + (size_t)r * HM_MAX_BS, v, n, st->d);
 }
 
+/* A KIVI block-head's value rows as they lie, for the register block paths: each row's codes
+ * (`bits` each, low bits first) and its f16 scales and zero points, one per group of gv channels
+ * (gv a multiple of the path's vector width: 16 for hm_block64, 8 for hm_block8). */
+typedef struct {
+  const uint8_t *codes[16];
+  const uint16_t *scale[16], *zero[16];
+  int bits, gv;
+} hm_kivi_values;
+
 #if defined(__AVX512F__) && defined(__AVX512DQ__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
     defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define HM_BLOCK64 1
@@ -358,14 +372,6 @@ static inline __m512 hm_tree16(__m512 *a) {
 /* The tree's lane j holds vector HM_TREE16[j]'s sum (an involution): a key written to slot
  * HM_TREE16[t] comes out in lane t. */
 static const int HM_TREE16[16] = {0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15};
-
-/* A KIVI block-head's value rows as they lie: each row's codes (`bits` each, low bits first) and
- * its f16 scales and zero points, one per group of gv channels (gv a multiple of 16). */
-typedef struct {
-  const uint8_t *codes[16];
-  const uint16_t *scale[16], *zero[16];
-  int bits, gv;
-} hm_kivi_values;
 
 /* Codes 16c .. 16c + 15 of a row as 16 floats: their 2 * bits bytes spread over the lanes (lane
  * l takes the 32-bit word holding bit l * bits), shifted down and masked. */
@@ -528,6 +534,123 @@ static inline int hm_block64_rows(hm_state *st, int r0, int g, int n, const void
 }
 #endif
 
+#if !defined(HM_BLOCK64) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define HM_BLOCK8 1
+/* The AVX2 twin of hm_block64 (CPUs without AVX-512): one block-head of head_dim 64, n <= 16
+ * rows, in eight-lane registers. A query row's 16 scores come from two groups of eight keys, each
+ * summed at once by hm_scores' reduction tree; softmax runs on those two vectors; a row's output
+ * (eight vectors) stays in registers while the block's value rows stream past. Rows are read
+ * where they lie and widened in registers: fp32, bf16 (fp32's top half: a shift) or fp16 (F16C).
+ * KIVI value rows come unpacked (one pass into scratch, not one per query row). 16 registers
+ * hold one query
+ * row's accumulators, not G of them, so key and value rows are read once per query row (from L1
+ * after the first). */
+
+/* Eight values of a row from column c on, as fp32 (dtype a constant at each call). */
+static inline __attribute__((always_inline)) __m256 hm_load8(const void *row, int c, int dtype) {
+  if (dtype == HM_F32) return _mm256_loadu_ps((const float *)row + c);
+  const __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)row + c));
+  if (dtype == HM_BF16) return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  return _mm256_cvtph_ps(h);
+}
+
+/* Eight sums of eight vectors as one vector, lane j the sum of a[j] (hm_scores' tree). */
+static inline __m256 hm_tree8(const __m256 *a) {
+  const __m256 h01 = _mm256_hadd_ps(a[0], a[1]), h23 = _mm256_hadd_ps(a[2], a[3]);
+  const __m256 h45 = _mm256_hadd_ps(a[4], a[5]), h67 = _mm256_hadd_ps(a[6], a[7]);
+  const __m256 h0123 = _mm256_hadd_ps(h01, h23), h4567 = _mm256_hadd_ps(h45, h67);
+  return _mm256_add_ps(_mm256_permute2f128_ps(h0123, h4567, 0x20),
+                       _mm256_permute2f128_ps(h0123, h4567, 0x31));
+}
+
+static inline __attribute__((always_inline)) void hm_block8(
+    hm_state *st, int r0, int g, int n, const void *const *k, const void *const *v,
+    const float *qrows, const float *bias, const int dtype) {
+  const __m256i lane = _mm256_set_epi32(7, 6, 5, 4, 3, 2, 1, 0);
+  const __m256 dead = _mm256_set1_ps(-INFINITY);
+  /* lanes of the two score vectors that hold a key of this block */
+  const __m256 live0 = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(n), lane));
+  const __m256 live1 = _mm256_castsi256_ps(
+      _mm256_cmpgt_epi32(_mm256_set1_epi32(n - 8), lane));
+  for (int r = 0; r < g; r++) {
+    const float *q = qrows + (size_t)r * 64;
+    __m256 sc[2];
+    for (int h = 0; h < 2; h++) {
+      __m256 a[8];
+      for (int j = 0; j < 8; j++) a[j] = _mm256_setzero_ps();
+      const int m = n - 8 * h < 8 ? n - 8 * h : 8; /* keys in this half (may be <= 0) */
+      for (int c = 0; c < 64; c += 8) {
+        const __m256 qv = _mm256_loadu_ps(q + c);
+        for (int j = 0; j < 8; j++)
+          if (j < m) a[j] = _mm256_fmadd_ps(qv, hm_load8(k[8 * h + j], c, dtype), a[j]);
+      }
+      sc[h] = hm_tree8(a);
+    }
+    if (bias) {
+      sc[0] = _mm256_add_ps(sc[0], _mm256_set1_ps(bias[r]));
+      sc[1] = _mm256_add_ps(sc[1], _mm256_set1_ps(bias[r]));
+    }
+    sc[0] = _mm256_blendv_ps(dead, sc[0], live0);
+    sc[1] = _mm256_blendv_ps(dead, sc[1], live1);
+    __m256 mx = _mm256_max_ps(sc[0], sc[1]);
+    mx = _mm256_max_ps(mx, _mm256_permute2f128_ps(mx, mx, 0x01));
+    mx = _mm256_max_ps(mx, _mm256_shuffle_ps(mx, mx, 0x4E));
+    mx = _mm256_max_ps(mx, _mm256_shuffle_ps(mx, mx, 0xB1));
+    const float bm = _mm256_cvtss_f32(mx);
+    const int row = r0 + r;
+    float *accp = st->acc + (size_t)row * 64;
+    const float m_new = st->m[row] > bm ? st->m[row] : bm;
+    __m256 acc[8];
+    for (int c = 0; c < 8; c++) acc[c] = _mm256_loadu_ps(accp + 8 * c);
+    if (st->m[row] != m_new) {
+      const float alpha = st->m[row] == -INFINITY ? 0.0f : expf(st->m[row] - m_new);
+      st->l[row] *= alpha;
+      for (int c = 0; c < 8; c++) acc[c] = _mm256_mul_ps(acc[c], _mm256_set1_ps(alpha));
+      st->m[row] = m_new;
+    }
+    const __m256 mv = _mm256_set1_ps(m_new);
+    float prob[16]; /* exp(-inf - m) is 0: dead lanes add nothing */
+    const __m256 p0 = hm_exp8(_mm256_sub_ps(sc[0], mv)), p1 = hm_exp8(_mm256_sub_ps(sc[1], mv));
+    _mm256_storeu_ps(prob, _mm256_and_ps(p0, live0));
+    _mm256_storeu_ps(prob + 8, _mm256_and_ps(p1, live1));
+    float mass = 0.0f;
+    for (int t = 0; t < n; t++) mass += prob[t];
+    st->l[row] += mass;
+    for (int t = 0; t < n; t++) {
+      const __m256 pt = _mm256_set1_ps(prob[t]);
+      for (int c = 0; c < 8; c++) acc[c] = _mm256_fmadd_ps(pt, hm_load8(v[t], 8 * c, dtype), acc[c]);
+    }
+    for (int c = 0; c < 8; c++) _mm256_storeu_ps(accp + 8 * c, acc[c]);
+  }
+}
+
+/* The g rows [r0, r0 + g) of one block-head with hm_block8 where it applies (head_dim 64, a
+ * block of 16 rows at most): rows of `dtype` as they lie, query rows from qrows on and a score
+ * bias each (NULL: none); 0 where it does not apply. */
+static inline int hm_block8_rows(hm_state *st, int r0, int g, int n, const void *const *k,
+                                 const void *const *v, const float *qrows, const float *bias,
+                                 int dtype) {
+  if (st->d != 64 || n > 16) return 0;
+  if (dtype == HM_BF16)
+    hm_block8(st, r0, g, n, k, v, qrows, bias, HM_BF16);
+  else if (dtype == HM_F16)
+    hm_block8(st, r0, g, n, k, v, qrows, bias, HM_F16);
+  else
+    hm_block8(st, r0, g, n, k, v, qrows, bias, HM_F32);
+  return 1;
+}
+#endif
+
+/* The register block path over fp32 rows (KIVI's unpacked keys, and its values unless `kv`
+ * gives them packed: hm_block64 only), if this build has one. */
+#if defined(HM_BLOCK64)
+#define HM_BLOCK_ROWS(st, r0, g, n, k, v, q, bias, kv) \
+  hm_block64_rows(st, r0, g, n, k, v, q, bias, 0, kv)
+#elif defined(HM_BLOCK8)
+#define HM_BLOCK_ROWS(st, r0, g, n, k, v, q, bias, kv) \
+  ((void)(kv), hm_block8_rows(st, r0, g, n, k, v, q, bias, HM_F32))
+#endif
+
 /* A pool of full-precision blocks: k and v are [num_blocks, block_size, kv_heads, head_dim]
  * views with element strides (blk, tok, head) and unit stride along head_dim. */
 typedef struct {
@@ -580,6 +703,17 @@ static int hm_full_blocks(hm_state *st, const hm_full_pool *p, const int32_t *ta
       if (hm_block64_rows(st, 0, g, n, kraw, vraw, NULL, NULL, 1, NULL)) continue;
     }
 #endif
+#ifdef HM_BLOCK8
+    if (d == 64 && n <= 16) { /* rows as they lie, widened in registers */
+      const void *kraw[16], *vraw[16];
+      for (int t = 0; t < n; t++) {
+        const int64_t off = (base + t * p->tok_stride) * esize;
+        kraw[t] = (const char *)p->k + off;
+        vraw[t] = (const char *)p->v + off;
+      }
+      if (hm_block8_rows(st, 0, g, n, kraw, vraw, st->q, NULL, p->dtype)) continue;
+    }
+#endif
     for (int t = 0; t < n; t++) {
       const int64_t off = (base + t * p->tok_stride) * esize;
       krow[t] = hm_row((const char *)p->k + off, p->dtype, d, st->kbuf + (size_t)t * d);
@@ -624,12 +758,14 @@ static int hm_kivi_blocks(hm_state *st, const hm_kivi_pool *p, const int32_t *ta
                                      block stride may span every layer of a packed record) */
         hm_prefetch((const char *)p->ptr[f] + table[j + 1] * p->blk_bytes[f], field_bytes[f]);
     {
+#ifdef HM_BLOCK_ROWS
+      /* one key group: every row's q rescaled, a bias, then the register block path */
+      const int one_group = gk >= n && d == 64 && n <= 16;
+#endif
 #ifdef HM_BLOCK64
-      /* one key group: every row's q rescaled, a bias; values rebuilt in registers */
-      const int block64 = gk >= n && d == 64 && n <= 16 && p->gv % 16 == 0;
+      /* hm_block64 rebuilds value rows in registers from their codes */
+      const int packed_values = one_group && p->gv % 16 == 0;
       hm_kivi_values kv = {.bits = p->bits, .gv = p->gv};
-#else
-      const int block64 = 0;
 #endif
       for (int t = 0; t < n; t++) {
         float *kr = st->kbuf + (size_t)t * d, *vr = st->vbuf + (size_t)t * d;
@@ -637,7 +773,7 @@ static int hm_kivi_blocks(hm_state *st, const hm_kivi_pool *p, const int32_t *ta
         hm_unpack(kc + row * packed, p->bits, d, kr);
         krow[t] = kr;
 #ifdef HM_BLOCK64
-        if (block64) { /* the value row as it lies */
+        if (packed_values) { /* the value row as it lies */
           kv.codes[t] = vc + row * packed;
           kv.scale[t] = vsc + goff;
           kv.zero[t] = vze + goff;
@@ -650,8 +786,8 @@ static int hm_kivi_blocks(hm_state *st, const hm_kivi_pool *p, const int32_t *ta
         hm_affine(vr, sc, zr, d, p->gv);
         vrow[t] = vr;
       }
-#ifdef HM_BLOCK64
-      if (block64) {
+#ifdef HM_BLOCK_ROWS
+      if (one_group) {
         float bias[HM_MAX_GROUP];
         hm_halves(ks + (int64_t)h * d, d, sc);
         hm_halves(kz + (int64_t)h * d, d, zr);
@@ -663,8 +799,13 @@ static int hm_kivi_blocks(hm_state *st, const hm_kivi_pool *p, const int32_t *ta
             for (int i = 0; i < d; i++) qs[i] = qr[i] * sc[i];
             bias[r] = hm_dot(qr, zr, d);
           }
-          hm_block64_rows(st, r0, m, n, (const void *const *)krow, NULL, st->qs + (size_t)r0 * d,
-                          bias, 0, &kv);
+#ifdef HM_BLOCK64
+          const hm_kivi_values *packed_kv = packed_values ? &kv : NULL;
+#else
+          const hm_kivi_values *packed_kv = NULL;
+#endif
+          HM_BLOCK_ROWS(st, r0, m, n, (const void *const *)krow, (const void *const *)vrow,
+                        st->qs + (size_t)r0 * d, bias, packed_kv);
         }
         continue;
       }
