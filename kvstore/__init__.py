@@ -1,33 +1,9 @@
 """KV store: block keys and format, codecs, tiers, eviction, global index, transfer."""
 
-from kvstore.block_format import (
-    BlockCorrupt,
-    BlockHeader,
-    FORMAT_VERSION,
-    check_block,
-    decode_block,
-    encode_block,
-    parse_header,
-)
-from kvstore.cachegen import (
-    DEFAULT_LEVEL as CACHEGEN_DEFAULT_LEVEL,
-    LEVELS,
-    CachegenCorrupt,
-    cachegen_decode,
-    cachegen_encode,
-)
-from kvstore.cachegen_stream import RAW_LEVEL, chunk_key, chunk_keys, choose_level
-from kvstore.client import BlockWriter, PutResult, StoreClient, StoreUnavailable
-from kvstore.codecs import CODECS, Codec, block_tokens, get_codec
+import importlib
+
+from kvstore.block_header import FORMAT_VERSION, BlockCorrupt, BlockHeader
 from kvstore.config import StoreConfig
-from kvstore.connector import (
-    ChunkFetch,
-    ChunkPlan,
-    KVConnector,
-    LayerPublisher,
-    PrefixLoad,
-    write_tokens,
-)
 from kvstore.device import DeviceTier
 from kvstore.index import Index
 from kvstore.index_publisher import IndexPublisher
@@ -37,7 +13,49 @@ from kvstore.server import StoreNode
 from kvstore.store import StoreFull, StoreStats, TierStats
 from kvstore.types import LookupResult, NodeInfo
 
-CACHEGEN_LEVELS = tuple(sorted(LEVELS))  # CacheGen levels, 1 = smallest and lossiest
+# Names whose modules import torch (encoding, decoding and moving tensors), loaded on first use:
+# a store node stores bytes and holds no tensors, and torch alone costs a process ~170 MB.
+_LAZY = {
+    "check_block": "kvstore.block_format",
+    "decode_block": "kvstore.block_format",
+    "encode_block": "kvstore.block_format",
+    "parse_header": "kvstore.block_format",
+    "CachegenCorrupt": "kvstore.cachegen",
+    "cachegen_decode": "kvstore.cachegen",
+    "cachegen_encode": "kvstore.cachegen",
+    "RAW_LEVEL": "kvstore.cachegen_stream",
+    "chunk_key": "kvstore.cachegen_stream",
+    "chunk_keys": "kvstore.cachegen_stream",
+    "choose_level": "kvstore.cachegen_stream",
+    "BlockWriter": "kvstore.client",
+    "PutResult": "kvstore.client",
+    "StoreClient": "kvstore.client",
+    "StoreUnavailable": "kvstore.client",
+    "CODECS": "kvstore.codecs",
+    "Codec": "kvstore.codecs",
+    "block_tokens": "kvstore.codecs",
+    "get_codec": "kvstore.codecs",
+    "ChunkFetch": "kvstore.connector",
+    "ChunkPlan": "kvstore.connector",
+    "KVConnector": "kvstore.connector",
+    "LayerPublisher": "kvstore.connector",
+    "PrefixLoad": "kvstore.connector",
+    "write_tokens": "kvstore.connector",
+}
+
+
+def __getattr__(name: str):
+    if name == "CACHEGEN_DEFAULT_LEVEL":
+        value = importlib.import_module("kvstore.cachegen").DEFAULT_LEVEL
+    elif name == "CACHEGEN_LEVELS":  # CacheGen levels, 1 = smallest and lossiest
+        value = tuple(sorted(importlib.import_module("kvstore.cachegen").LEVELS))
+    elif name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+    else:
+        raise AttributeError(f"module 'kvstore' has no attribute {name!r}")
+    globals()[name] = value  # looked up once
+    return value
+
 
 __all__ = [
     "KEY_BYTES",

@@ -1,29 +1,26 @@
-"""The encoded block: a header (version, fingerprint, codec, shape, dtype, lengths, checksums) and
-per-layer payloads, so one layer can be written or sent before the next is computed.
-
-Layout: [header, padded to 64 B][layer 0][layer 1]...; each layer is `layer_bytes` long (the codec's
-size rounded up to 64 B) and has its own xxh3-64 checksum in the header, so a reader can check each
-layer as it arrives. The header carries a checksum of itself.
-"""
+"""The encoded block as tensors: encoding a block tensor into the block format
+(kvstore/block_header.py: a header, then per-layer payloads, so one layer can be written or sent
+before the next is computed) and decoding it back, with the codec's sizes checked."""
 
 from __future__ import annotations
 
 import functools
-import struct
 import warnings
-from typing import NamedTuple
 
 import torch
-import xxhash
 
+from kvstore.block_header import (
+    ALIGN,
+    BlockCorrupt,
+    BlockHeader,
+    check_bytes,
+    checksum,
+    header,
+    pack_header,
+    pad,
+    read_header,
+)
 from kvstore.codecs import copy_bytes, get_codec
-
-MAGIC = b"HMKV"
-FORMAT_VERSION = 1
-ALIGN = 64
-
-_PREFIX = struct.Struct("<4sHHI")  # magic, version, bytes before the checksum table, header_len
-_U64 = struct.Struct("<Q")
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -36,46 +33,11 @@ DTYPES: dict[str, torch.dtype] = {
 _DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 
 
-class BlockCorrupt(ValueError):
-    """An encoded block that fails its checks (bad header, wrong length, checksum mismatch)."""
-
-
-class BlockHeader(NamedTuple):
-    version: int  # format version
-    codec: str  # codec name (kvstore.CODECS)
-    dtype: torch.dtype  # the decoded block's dtype
-    fingerprint: str  # model fingerprint the block was computed with
-    shape: tuple[int, ...]  # decoded block shape, layer-major: [L, 2, T, H, D] or [L, T, C]
-    layer_bytes: int  # bytes of one encoded layer, padded to 64
-    payload_len: int  # L * layer_bytes
-    checksums: tuple[int, ...]  # xxh3-64 of each encoded layer (padding included)
-    header_len: int  # header bytes, padded to 64; layer l starts at header_len + l * layer_bytes
-
-    @property
-    def num_layers(self) -> int:
-        return self.shape[0]
-
-    @property
-    def total_len(self) -> int:
-        return self.header_len + self.payload_len
-
-    def layer_offset(self, layer: int) -> int:
-        return self.header_len + layer * self.layer_bytes
-
-
-def _pad(n: int) -> int:
-    return (n + ALIGN - 1) // ALIGN * ALIGN
-
-
 def dtype_name(dtype: torch.dtype) -> str:
     try:
         return _DTYPE_NAMES[dtype]
     except KeyError:
         raise ValueError(f"unsupported block dtype {dtype}") from None
-
-
-def checksum(data) -> int:
-    return xxhash.xxh3_64_intdigest(data)
 
 
 def make_header(
@@ -86,168 +48,35 @@ def make_header(
     checksums: tuple[int, ...] | None = None,
 ) -> BlockHeader:
     """The header of a block (checksums zero until the layers are known)."""
-    shape = tuple(int(s) for s in shape)
-    c = get_codec(codec)
-    dtype_name(dtype)
-    if len(shape) not in (2, 3, 5) or any(s <= 0 for s in shape):
-        raise ValueError(
-            "block shape must be [L, 2, T, H, D], [L, T, C] or [L, bytes] with positive sizes, "
-            f"got {list(shape)}"
-        )
-    if len(shape) == 2 and dtype != torch.uint8:
-        # [L, bytes]: a block a layout packed already (KIVI), one opaque record per layer
-        raise ValueError(f"block shape [L, bytes] needs dtype uint8, got {dtype}")
-    if len(shape) == 5 and shape[1] != 2:
-        raise ValueError(f"block shape [L, 2, T, H, D] needs 2 at axis 1, got {list(shape)}")
-    layer_bytes = _pad(c.layer_nbytes(shape[1:], dtype))
-    fp = fingerprint.encode()
-    if len(fp) > 0xFFFF:
-        raise ValueError("model fingerprint too long")
-    body_len = (
-        _PREFIX.size
-        + 1
-        + len(codec)
-        + 1
-        + len(dtype_name(dtype))
-        + 2
-        + len(fp)
-        + 1
-        + 4 * len(shape)
-        + 16
-        + 8 * shape[0]
-        + 8
-    )
-    sums = tuple(checksums) if checksums is not None else (0,) * shape[0]
-    if len(sums) != shape[0]:
-        raise ValueError("one checksum per layer")
-    return BlockHeader(
-        FORMAT_VERSION,
-        codec,
-        dtype,
-        fingerprint,
-        shape,
-        layer_bytes,
-        layer_bytes * shape[0],
-        sums,
-        _pad(body_len),
-    )
-
-
-def pack_header(h: BlockHeader) -> bytes:
-    fixed, sums_struct = _packed_fixed(h[:7] + h[8:])
-    body = fixed + sums_struct.pack(*h.checksums)
-    return body + _U64.pack(checksum(body)) + bytes(h.header_len - len(body) - 8)
+    get_codec(codec)
+    name, shape = dtype_name(dtype), tuple(int(s) for s in shape)
+    header(codec, name, shape, fingerprint, ALIGN)  # the shape checked before the codec sees it
+    return header(codec, name, shape, fingerprint, _layer_bytes(codec, name, shape), checksums)
 
 
 @functools.lru_cache(maxsize=256)
-def _packed_fixed(key: tuple) -> tuple[bytes, struct.Struct]:
-    """The bytes before the checksum table of a header with these fields (all but checksums),
-    and the table's struct: one per model and codec, so a put packs each header by one join."""
-    h = BlockHeader._make((*key[:7], (), key[7]))
-    codec, dt, fp = h.codec.encode(), dtype_name(h.dtype).encode(), h.fingerprint.encode()
-    fields = [
-        bytes([len(codec)]),
-        codec,
-        bytes([len(dt)]),
-        dt,
-        struct.pack("<H", len(fp)),
-        fp,
-        bytes([len(h.shape)]),
-        struct.pack(f"<{len(h.shape)}I", *h.shape),
-        struct.pack("<QQ", h.layer_bytes, h.payload_len),
-    ]
-    fixed_len = _PREFIX.size + sum(len(f) for f in fields)
-    fixed = b"".join([_PREFIX.pack(MAGIC, h.version, fixed_len, h.header_len), *fields])
-    return fixed, struct.Struct(f"<{h.num_layers}Q")
-
-
-@functools.lru_cache(maxsize=256)
-def _layout(fixed: bytes) -> tuple[BlockHeader, struct.Struct]:
-    """The header encoded by `fixed` (everything before the checksum table), checksums zero, and
-    the struct of its checksum table. Blocks of one model share them, so parsing a header is a
-    lookup, two unpacks and a hash."""
-    mv = memoryview(fixed)
-    _, _, fixed_len, header_len = _PREFIX.unpack_from(mv, 0)
-    pos = _PREFIX.size
-
-    def take(n: int) -> bytes:
-        nonlocal pos
-        if pos + n > fixed_len:
-            raise BlockCorrupt("truncated header")
-        out = bytes(mv[pos : pos + n])
-        pos += n
-        return out
-
-    codec = take(take(1)[0]).decode()
-    dt = take(take(1)[0]).decode()
-    fp = take(struct.unpack("<H", take(2))[0]).decode()
-    ndim = take(1)[0]
-    shape = struct.unpack(f"<{ndim}I", take(4 * ndim))
-    layer_bytes, payload_len = struct.unpack("<QQ", take(16))
-    if pos != fixed_len:
-        raise BlockCorrupt("header fields do not fill the fixed part")
-    if ndim not in (2, 3, 5):
-        raise BlockCorrupt(f"bad block rank {ndim}")
-    if fixed_len + 8 * (shape[0] + 1) > header_len:
-        raise BlockCorrupt("header too short for its checksum table")
-    if dt not in DTYPES:
-        raise BlockCorrupt(f"unknown dtype {dt!r}")
-    h = make_header(codec, DTYPES[dt], shape, fp)
-    if h.header_len != header_len or h.layer_bytes != layer_bytes or h.payload_len != payload_len:
-        raise BlockCorrupt("block header lengths disagree with its shape and codec")
-    return h, struct.Struct(f"<{shape[0]}Q")
+def _layer_bytes(codec: str, dtype: str, shape: tuple[int, ...]) -> int:
+    """An encoded layer's bytes, padded: the codec's size for this shape and dtype."""
+    return pad(get_codec(codec).layer_nbytes(shape[1:], DTYPES[dtype]))
 
 
 def parse_header(data) -> BlockHeader:
-    """Parse and check a header (not the payload); BlockCorrupt names what is wrong."""
-    mv = memoryview(data).cast("B")
+    """Parse and check a header (not the payload), its codec's sizes too, as a reader that decodes
+    the block needs; BlockCorrupt names what is wrong."""
+    h = read_header(data)
     try:
-        magic, version, fixed_len, header_len = _PREFIX.unpack_from(mv, 0)
-        if magic != MAGIC:
-            raise BlockCorrupt("not an encoded KV block (bad magic)")
-        if version != FORMAT_VERSION:
-            raise BlockCorrupt(f"unsupported block format version {version}")
-        if header_len > len(mv) or header_len % ALIGN or not _PREFIX.size < fixed_len < header_len:
-            raise BlockCorrupt(f"header length {header_len} invalid for {len(mv)} bytes")
-        base, sums_struct = _layout(bytes(mv[:fixed_len]))
-        end = fixed_len + sums_struct.size
-        if end + 8 > header_len:
-            raise BlockCorrupt("truncated header")
-        (hsum,) = _U64.unpack_from(mv, end)
-        if checksum(mv[:end]) != hsum:
-            raise BlockCorrupt("header checksum mismatch")
-        # every field but the checksums is the layout's (a tuple build: _replace is slow per block)
-        return BlockHeader._make((*base[:7], sums_struct.unpack_from(mv, fixed_len), base[8]))
-    except BlockCorrupt:
-        raise
-    except (struct.error, UnicodeDecodeError, ValueError, NotImplementedError, IndexError) as e:
+        fits = _layer_bytes(h.codec, h.dtype_name, h.shape) == h.layer_bytes
+    except ValueError as e:  # an unknown codec, or a shape the codec cannot hold
         raise BlockCorrupt(f"malformed block header: {e}") from None
-
-
-def check_block(data, fingerprint: str = "", payload: bool = True) -> BlockHeader:
-    """Parse the header and check length, (if given) the fingerprint and (unless payload is
-    False) every layer's checksum."""
-    mv = memoryview(data).cast("B")
-    h = parse_header(mv)
-    if len(mv) != h.total_len:
-        raise BlockCorrupt(f"block is {len(mv)} bytes, its header says {h.total_len}")
-    if fingerprint and h.fingerprint != fingerprint:
-        raise BlockCorrupt(
-            f"model fingerprint {h.fingerprint!r} is not this store's {fingerprint!r}"
-        )
-    if not payload:
-        return h
-    lb, sums = h.layer_bytes, h.checksums
-    for layer, off in enumerate(range(h.header_len, h.total_len, lb)):
-        if checksum(mv[off : off + lb]) != sums[layer]:
-            raise BlockCorrupt(f"checksum mismatch in layer {layer}")
+    if not fits:
+        raise BlockCorrupt("block header lengths disagree with its shape and codec")
     return h
 
 
-def layer_ok(data, h: BlockHeader, layer: int, base: int = 0) -> bool:
-    """Whether layer `layer` of the block starting at `base` in `data` matches its checksum."""
-    off = base + h.layer_offset(layer)
-    return checksum(memoryview(data)[off : off + h.layer_bytes]) == h.checksums[layer]
+def check_block(data, fingerprint: str = "", payload: bool = True) -> BlockHeader:
+    """Parse the header (parse_header) and check length, (if given) the fingerprint and (unless
+    payload is False) every layer's checksum."""
+    return check_bytes(data, fingerprint, payload, parse=parse_header)
 
 
 def encode_block(block: torch.Tensor, model_fingerprint: str, codec: str = "raw") -> bytes:

@@ -31,7 +31,7 @@ from typing import NamedTuple
 
 import torch
 
-from kvstore.block_format import BlockCorrupt, BlockHeader
+from kvstore.block_header import BlockCorrupt, BlockHeader
 from kvstore.cachegen import LEVELS, cachegen_decode, cachegen_encode
 
 CHUNK_TAG = b"halfmoon/cachegen-chunk/"

@@ -19,17 +19,14 @@ import torch
 
 import kernels
 from kvstore.block_format import (
-    BlockCorrupt,
-    BlockHeader,
     check_block,
-    checksum,
     decode_layers,
     dtype_name,
     make_header,
-    pack_header,
     parse_header,
     u8view,
 )
+from kvstore.block_header import BlockCorrupt, BlockHeader, checksum, pack_header
 from kvstore.codecs import get_codec
 from kvstore.server import boot_id, grpc_options
 from kvstore.slab import ShmSlab

@@ -24,13 +24,8 @@ import torch
 from prometheus_client import CollectorRegistry, Counter
 
 from kernels import ReleasingThreadPool
-from kvstore.block_format import (
-    BlockCorrupt,
-    decode_block,
-    encode_block,
-    make_header,
-    parse_header,
-)
+from kvstore.block_format import decode_block, encode_block, make_header, parse_header
+from kvstore.block_header import BlockCorrupt
 from kvstore.cachegen_stream import (
     RAW_LEVEL,
     OptionCost,

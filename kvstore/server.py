@@ -11,7 +11,7 @@ from concurrent import futures
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from kvstore.block_format import BlockCorrupt, parse_header
+from kvstore.block_header import BlockCorrupt, read_header
 from kvstore.config import StoreConfig
 from kvstore.index import Index
 from kvstore.index_publisher import IndexPublisher
@@ -132,7 +132,7 @@ class _Servicer:
             for ref in refs:
                 view = self.store.read(ref)
                 try:
-                    h = parse_header(view)
+                    h = read_header(view)
                 except BlockCorrupt:
                     self.store.release(0, [ref.key])
                     break

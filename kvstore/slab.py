@@ -4,14 +4,15 @@ with a first-fit allocator over it (the allocator lives only in the node)."""
 from __future__ import annotations
 
 import bisect
+import functools
 import mmap
 import os
 import time
 import uuid
 
-import torch
+import numpy as np
 
-from kvstore.block_format import ALIGN, u8view
+from kvstore.block_header import ALIGN
 
 
 _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
@@ -36,9 +37,17 @@ class ShmSlab:
             os.close(fd)
         if size and populate:
             self._populate()
-        self.tensor = u8view(self.mm) if size else torch.empty(0, dtype=torch.uint8)
-        self.array = self.tensor.numpy()  # the same bytes, for plain numpy copies
+        # the same bytes as a numpy array, for plain copies (`tensor`: as a torch tensor)
+        self.array = np.frombuffer(self.mm, dtype=np.uint8) if size else np.empty(0, np.uint8)
         self.view = memoryview(self.mm) if size else memoryview(b"")
+
+    @functools.cached_property
+    def tensor(self):
+        """The slab as a uint8 torch tensor (for clients that copy blocks into tensors; torch is
+        imported here, so a store node that never asks does not load it)."""
+        import torch
+
+        return torch.from_numpy(self.array)
 
     def _populate(self) -> None:
         # Fault every page in now: first touches of tmpfs pages during a copy cost ~5x the copy.
@@ -59,7 +68,8 @@ class ShmSlab:
         )
 
     def close(self) -> None:
-        self.tensor = self.array = None
+        self.__dict__.pop("tensor", None)  # the torch view, if one was made
+        self.array = None
         if self.view is not None:
             self.view.release()
             self.view = None

@@ -12,7 +12,7 @@ import time
 from collections import OrderedDict
 from typing import Callable, NamedTuple
 
-from kvstore.block_format import BlockCorrupt, check_block
+from kvstore.block_header import BlockCorrupt, check_bytes
 from kvstore.slab import SlabAllocator, ShmSlab
 from kvstore.ssd import SsdTier
 
@@ -323,7 +323,7 @@ class BlockStore:
                 # last written first: the writer's latest blocks may still be in cache
                 for e in reversed(lease.entries):
                     view = self.slab.view[e.offset : e.offset + e.size]
-                    check_block(view, self.fingerprint, payloads)
+                    check_bytes(view, self.fingerprint, payloads)
             except BlockCorrupt:
                 self.release(lease_id)
                 raise
@@ -541,7 +541,7 @@ class BlockStore:
         if len(data) != e.size:
             return None, f"{len(data)} bytes on ssd, {e.size} recorded"
         try:
-            check_block(data)
+            check_bytes(data)
         except BlockCorrupt as exc:
             return None, str(exc)
         return data, ""

@@ -4,6 +4,8 @@ conversions, request validation, the fitted time models and the role registry.
 The neutral ground of the server packages: `conductor`, `prefill_node`, `decode_node` and `kvstore`
 import it and never one another."""
 
+import importlib
+
 from servekit.blocks import blocks_needed, reusable_blocks
 from servekit.config import (
     ConfigError,
@@ -16,13 +18,6 @@ from servekit.config import (
 from servekit.call_limit import CONTROL_THREADS, CallLimit
 from servekit.grpc_server import GrpcServer
 from servekit.request_guard import DecodeGuard
-from servekit.kv_cache import (
-    KIVI_WINDOW_DTYPES,
-    KV_CACHE_DTYPES,
-    check_kv_cache,
-    is_kivi,
-    kv_cache_layout,
-)
 from servekit.cpus import CpuTurns, check_cpu_turns, cpu_turns, parse_cpu_list, pin_process
 from servekit.memory import (
     IDLE_TRIM_S,
@@ -47,14 +42,6 @@ from servekit.security import (
     server_interceptors,
     tenant_salt,
 )
-from servekit.sampling import (
-    DTYPE_NAMES,
-    check_device,
-    check_dtype_device,
-    resolve_device,
-    sampling_params,
-    torch_dtype,
-)
 from servekit.timing import (
     DecodeTimeModel,
     LinearTimeModel,
@@ -63,9 +50,39 @@ from servekit.timing import (
     predict,
     prefill_features,
 )
-from servekit.worker_server import WorkerServer
-from servekit.worker_model import WorkerModel, load_worker_model
-from servekit.validation import prompt_ids_problem, sampling_problem, shown
+
+# Names whose modules import torch (and the model), loaded on first use: the store node and the
+# conductor import this package but hold no tensors, and torch alone costs a process ~170 MB.
+_LAZY = {
+    **dict.fromkeys(
+        ("KIVI_WINDOW_DTYPES", "KV_CACHE_DTYPES", "check_kv_cache", "is_kivi", "kv_cache_layout"),
+        "servekit.kv_cache",
+    ),
+    **dict.fromkeys(
+        (
+            "DTYPE_NAMES",
+            "check_device",
+            "check_dtype_device",
+            "resolve_device",
+            "sampling_params",
+            "torch_dtype",
+        ),
+        "servekit.sampling",
+    ),
+    # the model's prompt rules
+    **dict.fromkeys(("prompt_ids_problem", "sampling_problem", "shown"), "servekit.validation"),
+    "WorkerServer": "servekit.worker_server",
+    "WorkerModel": "servekit.worker_model",
+    "load_worker_model": "servekit.worker_model",
+}
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module 'servekit' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_LAZY[name]), name)
+    globals()[name] = value  # looked up once
+    return value
 
 __all__ = [
     "CONTROL_THREADS",

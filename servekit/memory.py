@@ -10,8 +10,6 @@ from typing import NamedTuple
 
 import psutil
 
-from kernels import tensor_nbytes
-
 log = logging.getLogger(__name__)
 
 
@@ -69,6 +67,8 @@ def release_freed_heap() -> bool:
 def tensor_bytes(*tensors) -> int:
     """Bytes the tensors' storage holds (each storage once; a packed weight, which has no
     storage to ask, by its values' bytes)."""
+    from kernels import tensor_nbytes  # here: the store node and conductor import this module
+
     seen, total = set(), 0
     for t in tensors:
         if t.is_mkldnn:

@@ -15,7 +15,7 @@ from kvstore import (
     encode_block,
     parse_header,
 )
-from kvstore.block_format import ALIGN, layer_ok
+from kvstore.block_header import ALIGN, layer_ok
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])

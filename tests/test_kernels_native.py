@@ -221,7 +221,7 @@ def test_copy_hashed_copies_blocks_and_hashes_their_layers_as_the_block_format_d
     """The store's batched copy (csrc/copy_hashed.c): each block copied, each layer's XXH3-64
     equal to kvstore's checksum of it, a short last layer included; offsets out of range are an
     error before anything is written."""
-    from kvstore.block_format import checksum
+    from kvstore.block_header import checksum
 
     assert kernels.copy_hashed_available()  # xxhash's extension carries XXH3: it must be found
     g = np.random.default_rng(0)

@@ -115,3 +115,44 @@ def test_killed_readers_lease_expires():
         if reader is not None and reader.is_alive():
             reader.kill()
         node.stop()
+
+
+_BARE_NODE = """
+import json, sys
+from kvstore import StoreConfig, StoreNode
+cfg = StoreConfig(node_id="bare", dram_bytes=int(sys.argv[1]), model_fingerprint=sys.argv[2])
+node = StoreNode(cfg)
+print(node.start(), flush=True)
+sys.stdin.readline()  # the test's puts and gets run meanwhile
+print(json.dumps(sorted(m for m in ("torch", "kernels", "model") if m in sys.modules)), flush=True)
+node.stop()
+"""
+
+
+@pytest.mark.parametrize("transport", ["grpc", "shm"])
+def test_a_store_node_serves_blocks_without_importing_torch(transport):
+    # A node stores and checks bytes and holds no tensors: torch would cost its process ~170 MB.
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _BARE_NODE, str(16 * BLOCK), FP],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        address = proc.stdout.readline().strip()
+        assert address, "the node did not start"
+        keys = block_keys(list(range(8 * 4)), 8, FP)
+        blocks = torch.randn(len(keys), *SHAPE)
+        with StoreClient(address, transport=transport) as c:
+            assert c.put(keys, blocks, FP) == len(keys)
+            out = torch.empty_like(blocks)
+            assert c.get_into(keys, out) == len(keys)
+        assert torch.equal(out, blocks)
+        loaded = proc.communicate("\n", timeout=60)[0].strip()
+        assert loaded == "[]", f"the store node imported {loaded}"
+    finally:
+        proc.kill()
+        proc.wait()
