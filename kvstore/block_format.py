@@ -10,10 +10,11 @@ import warnings
 import torch
 
 from kvstore.block_header import (
-    ALIGN,
+    DTYPE_NAMES,
     BlockCorrupt,
     BlockHeader,
     check_bytes,
+    check_shape,
     checksum,
     header,
     pack_header,
@@ -22,14 +23,7 @@ from kvstore.block_header import (
 )
 from kvstore.codecs import copy_bytes, get_codec
 
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float8_e4m3fn": torch.float8_e4m3fn,
-    "int8": torch.int8,
-    "uint8": torch.uint8,
-}
+DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in DTYPE_NAMES}
 _DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 
 
@@ -49,8 +43,8 @@ def make_header(
 ) -> BlockHeader:
     """The header of a block (checksums zero until the layers are known)."""
     get_codec(codec)
-    name, shape = dtype_name(dtype), tuple(int(s) for s in shape)
-    header(codec, name, shape, fingerprint, ALIGN)  # the shape checked before the codec sees it
+    name = dtype_name(dtype)
+    shape = check_shape(name, shape)  # before the codec sizes it
     return header(codec, name, shape, fingerprint, _layer_bytes(codec, name, shape), checksums)
 
 

@@ -72,16 +72,8 @@ def checksum(data) -> int:
     return xxhash.xxh3_64_intdigest(data)
 
 
-def header(
-    codec: str,
-    dtype_name: str,
-    shape: tuple[int, ...],
-    fingerprint: str,
-    layer_bytes: int,
-    checksums: tuple[int, ...] | None = None,
-) -> BlockHeader:
-    """The header of a block whose encoded layers are `layer_bytes` long (a multiple of ALIGN;
-    checksums zero until the layers are known); ValueError names a field that cannot be."""
+def check_shape(dtype_name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """`shape` as ints, if a block of `dtype_name` may have it; else ValueError naming why."""
     shape = tuple(int(s) for s in shape)
     if dtype_name not in DTYPE_NAMES:
         raise ValueError(f"unsupported block dtype {dtype_name}")
@@ -95,6 +87,20 @@ def header(
         raise ValueError(f"block shape [L, bytes] needs dtype uint8, got torch.{dtype_name}")
     if len(shape) == 5 and shape[1] != 2:
         raise ValueError(f"block shape [L, 2, T, H, D] needs 2 at axis 1, got {list(shape)}")
+    return shape
+
+
+def header(
+    codec: str,
+    dtype_name: str,
+    shape: tuple[int, ...],
+    fingerprint: str,
+    layer_bytes: int,
+    checksums: tuple[int, ...] | None = None,
+) -> BlockHeader:
+    """The header of a block whose encoded layers are `layer_bytes` long (a multiple of ALIGN;
+    checksums zero until the layers are known); ValueError names a field that cannot be."""
+    shape = check_shape(dtype_name, shape)
     if layer_bytes <= 0 or layer_bytes % ALIGN:
         raise ValueError(f"encoded layers must be a positive multiple of {ALIGN} bytes")
     fp = fingerprint.encode()

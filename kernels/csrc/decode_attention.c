@@ -155,6 +155,19 @@ static inline void hm_affine(float *row, const float *scale, const float *zero, 
   }
 }
 
+#if defined(__AVX2__) && defined(__FMA__)
+/* Eight vectors' lane sums as one vector, lane j the sum of a[j]: a reduction tree (hadd, lane
+ * swap) instead of eight horizontal sums. */
+static inline __m256 hm_tree8(const __m256 *a) {
+  const __m256 h01 = _mm256_hadd_ps(a[0], a[1]), h23 = _mm256_hadd_ps(a[2], a[3]);
+  const __m256 h45 = _mm256_hadd_ps(a[4], a[5]), h67 = _mm256_hadd_ps(a[6], a[7]);
+  const __m256 h0123 = _mm256_hadd_ps(h01, h23), h4567 = _mm256_hadd_ps(h45, h67);
+  /* lane 0 of h0123 holds the low halves' sums of rows 0-3, lane 1 the high halves' */
+  return _mm256_add_ps(_mm256_permute2f128_ps(h0123, h4567, 0x20),
+                       _mm256_permute2f128_ps(h0123, h4567, 0x31));
+}
+#endif
+
 /* Scores of query row q against the n key rows k[0..n) (d values each, fp32), plus `bias`. With
  * AVX2, eight rows at a time: eight vector sums, then one reduction tree (hadd, lane swap) that
  * turns them into the eight scores at once, instead of one horizontal sum per score; otherwise
@@ -171,12 +184,7 @@ static void hm_scores(const float *q, const float *const *k, int n, int d, float
         const __m256 qv = _mm256_loadu_ps(q + i);
         for (int j = 0; j < 8; j++) a[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[t + j] + i), a[j]);
       }
-      const __m256 h01 = _mm256_hadd_ps(a[0], a[1]), h23 = _mm256_hadd_ps(a[2], a[3]);
-      const __m256 h45 = _mm256_hadd_ps(a[4], a[5]), h67 = _mm256_hadd_ps(a[6], a[7]);
-      const __m256 h0123 = _mm256_hadd_ps(h01, h23), h4567 = _mm256_hadd_ps(h45, h67);
-      /* lane 0 of h0123 holds the low halves' sums of rows 0-3, lane 1 the high halves' */
-      const __m256 sum = _mm256_add_ps(_mm256_permute2f128_ps(h0123, h4567, 0x20),
-                                       _mm256_permute2f128_ps(h0123, h4567, 0x31));
+      const __m256 sum = hm_tree8(a);
       _mm256_storeu_ps(s + t, _mm256_add_ps(sum, _mm256_set1_ps(bias)));
     }
   }
@@ -554,15 +562,6 @@ static inline __attribute__((always_inline)) __m256 hm_load8(const void *row, in
   return _mm256_cvtph_ps(h);
 }
 
-/* Eight sums of eight vectors as one vector, lane j the sum of a[j] (hm_scores' tree). */
-static inline __m256 hm_tree8(const __m256 *a) {
-  const __m256 h01 = _mm256_hadd_ps(a[0], a[1]), h23 = _mm256_hadd_ps(a[2], a[3]);
-  const __m256 h45 = _mm256_hadd_ps(a[4], a[5]), h67 = _mm256_hadd_ps(a[6], a[7]);
-  const __m256 h0123 = _mm256_hadd_ps(h01, h23), h4567 = _mm256_hadd_ps(h45, h67);
-  return _mm256_add_ps(_mm256_permute2f128_ps(h0123, h4567, 0x20),
-                       _mm256_permute2f128_ps(h0123, h4567, 0x31));
-}
-
 static inline __attribute__((always_inline)) void hm_block8(
     hm_state *st, int r0, int g, int n, const void *const *k, const void *const *v,
     const float *qrows, const float *bias, const int dtype) {
@@ -691,27 +690,24 @@ static int hm_full_blocks(hm_state *st, const hm_full_pool *p, const int32_t *ta
       }
     }
     const int64_t base = blk * p->blk_stride + (int64_t)h * p->head_stride;
+#if defined(HM_BLOCK64) || defined(HM_BLOCK8)
 #ifdef HM_BLOCK64
-    if (p->dtype == HM_BF16 && st->q_bf16 && d == 64 && n <= 16) {
-      /* the bf16 block path takes the rows as they lie */
-      const void *kraw[16], *vraw[16];
-      for (int t = 0; t < n; t++) {
-        const int64_t off = (base + t * p->tok_stride) * esize;
-        kraw[t] = (const char *)p->k + off;
-        vraw[t] = (const char *)p->v + off;
-      }
-      if (hm_block64_rows(st, 0, g, n, kraw, vraw, NULL, NULL, 1, NULL)) continue;
-    }
+    const int as_they_lie = p->dtype == HM_BF16 && st->q_bf16; /* the bf16 block path */
+#else
+    const int as_they_lie = 1; /* hm_block8 widens every dtype in registers */
 #endif
-#ifdef HM_BLOCK8
-    if (d == 64 && n <= 16) { /* rows as they lie, widened in registers */
+    if (as_they_lie && d == 64 && n <= 16) {
       const void *kraw[16], *vraw[16];
       for (int t = 0; t < n; t++) {
         const int64_t off = (base + t * p->tok_stride) * esize;
         kraw[t] = (const char *)p->k + off;
         vraw[t] = (const char *)p->v + off;
       }
+#ifdef HM_BLOCK64
+      if (hm_block64_rows(st, 0, g, n, kraw, vraw, NULL, NULL, 1, NULL)) continue;
+#else
       if (hm_block8_rows(st, 0, g, n, kraw, vraw, st->q, NULL, p->dtype)) continue;
+#endif
     }
 #endif
     for (int t = 0; t < n; t++) {
