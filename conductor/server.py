@@ -29,8 +29,8 @@ from conductor.policy import (
     tbt_of_times,
 )
 from conductor.stream import RequestStream, cached_tokens
-from kvstore import Index, StoreClient, block_keys
-from model import kv_fingerprint
+from kvstore import Index, StoreControl, block_keys
+from model import kv_fingerprint, load_model_info
 from protos import halfmoon_pb2 as pb
 from protos import halfmoon_pb2_grpc as pb_grpc
 from servekit import (
@@ -40,14 +40,13 @@ from servekit import (
     blocks_needed,
     caller_of,
     is_kivi,
-    kv_cache_layout,
+    kv_cache_layout_id,
     memory_usage,
     open_channel,
     prompt_ids_problem,
     sampling_problem,
     shown,
     tenant_salt,
-    torch_dtype,
 )
 
 log = logging.getLogger(__name__)
@@ -213,19 +212,17 @@ class Conductor(GrpcServer, pb_grpc.ConductorServicer):
             self, config.host, config.port, config.metrics_port, config.grpc_workers
         )
         self.config = config
-        # Only the tokenizer and the architecture: the conductor never touches tensors. A test
-        # may hand over a LoadedModel it already holds.
+        # Only the tokenizer and the architecture: the conductor never touches tensors, and its
+        # process never imports torch. A test may hand over a LoadedModel it already holds.
         if lm is None:
-            from model import load_model_info
-
             lm = load_model_info(config.model)
         self.tokenizer = lm.tokenizer
         self.model_config = lm.config
         self.model_name = lm.name
         # Block keys chain from the weights and the layout the workers store blocks in (KV cache
         # type, dtype and shape), so the fingerprint is the weights id and that layout.
-        layout = kv_cache_layout(lm.config, config, torch_dtype(config.dtype))
-        self.fingerprint = kv_fingerprint(lm.weights_id, layout)
+        layout_id = kv_cache_layout_id(lm.config, config, config.dtype)
+        self.fingerprint = kv_fingerprint(lm.weights_id, layout_id)
         self.policies: dict[str, Policy] = {
             "mooncake": make_policy(
                 "mooncake",
@@ -904,11 +901,8 @@ class Conductor(GrpcServer, pb_grpc.ConductorServicer):
     ) -> pb.ClearCacheReply:
         reply = pb.ClearCacheReply()
         for address in self.config.store_addresses:
-            client = StoreClient(
-                address,
-                transport="grpc",
-                timeout_s=self.config.load_timeout_s,
-                security=self.config.security,
+            client = StoreControl(
+                address, timeout_s=self.config.load_timeout_s, security=self.config.security
             )
             try:
                 reply.store_blocks += client.clear()
@@ -935,11 +929,8 @@ class Conductor(GrpcServer, pb_grpc.ConductorServicer):
         """One store node's tiers; an unreachable store shows up with none (logged, counted)."""
         st = pb.StoreStatus(address=address)
         try:
-            client = StoreClient(
-                address,
-                transport="grpc",
-                timeout_s=self.config.load_timeout_s,
-                security=self.config.security,
+            client = StoreControl(
+                address, timeout_s=self.config.load_timeout_s, security=self.config.security
             )
             try:
                 stats = client.stats()

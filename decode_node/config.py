@@ -20,7 +20,7 @@ class DecodeConfig:
     model: str = "smollm2-135m"  # a load_model name or path
     dtype: str = "float32"  # float32 | bfloat16 | float16 (weights and KV pool)
     device: str = "auto"  # auto | cpu | cuda | cuda:N (auto: CUDA when present)
-    # CPU: the linear weights' packed form (kernels/linear.py; same values, faster matmuls),
+    # CPU: the linear weights' packed form (kernels/packed_linear.py; same values, faster matmuls),
     # panels | onednn | auto | none (panels: decode steps faster than oneDNN's); dtypes without
     # a packed path stay plain
     prepack_weights: str = "panels"

@@ -1,56 +1,115 @@
-"""Triton kernels, their torch reference twins, and the dispatch between them."""
+"""Triton kernels, their torch reference twins, and the dispatch between them.
 
-from kernels.dispatch import (
-    BACKENDS,
-    HAS_TRITON,
-    available_backends,
-    gather_blocks,
-    kivi_dequantize,
-    kivi_quantize,
-    paged_decode_attention,
-    paged_decode_attention_kivi,
-    paged_decode_attention_kivi_window,
-    paged_mla_decode_attention,
-    scatter_blocks,
-)
-from kernels.decode_step import DecodeLayers, KiviBlocks, LayerWeights
-from kernels.kivi import (
-    KIVI_BITS,
-    KiviPacked,
-    kivi_field_shapes,
-    kivi_from_bytes,
-    kivi_groups,
-    kivi_layout,
-    kivi_packed_nbytes,
-    kivi_to_bytes,
-)
-from kernels.layout import KV_LAYOUTS, FullKVLayout, KiviKVLayout, KVLayout, MlaKVLayout
-from kernels.linear import (
-    PACK_FORMS,
-    is_packed,
-    linear,
-    linear_add_,
-    prepack,
-    prepack_supported,
-    tensor_nbytes,
-    rms_norm,
-    rope_,
-    silu_mul,
-    unpack,
-)
-from kernels.native import (
-    NativeStatus,
-    ReleasingThreadPool,
-    copy_hashed,
-    copy_hashed_available,
-    native_status,
-    release_threads,
-)
-from kernels.paged_attention_ref import paged_decode_attention_ref
-from kernels.prefill_attention import prefill_attention
-from kernels.paged_attention_torch import merge_attention
+Every name but the layout ids is loaded on first use: the ids are what a process that only
+computes block keys (the conductor) needs, and importing torch alone costs a process ~170 MB."""
+
+import importlib
+
+from kernels.layout_id import full_layout_id, kivi_layout_id, mla_layout_id
+
+# public name -> the module that defines it (all of them import torch)
+_LAZY = {
+    **dict.fromkeys(
+        (
+            "BACKENDS",
+            "HAS_TRITON",
+            "available_backends",
+            "gather_blocks",
+            "kivi_dequantize",
+            "kivi_quantize",
+            "paged_decode_attention",
+            "paged_decode_attention_kivi",
+            "paged_decode_attention_kivi_window",
+            "paged_mla_decode_attention",
+            "scatter_blocks",
+        ),
+        "kernels.dispatch",
+    ),
+    **dict.fromkeys(
+        (
+            "DecodeLayers",
+            "KiviBlocks",
+            "LayerWeights",
+        ),
+        "kernels.decode_step",
+    ),
+    **dict.fromkeys(
+        (
+            "KIVI_BITS",
+            "KiviPacked",
+            "kivi_field_shapes",
+            "kivi_from_bytes",
+            "kivi_groups",
+            "kivi_layout",
+            "kivi_packed_nbytes",
+            "kivi_to_bytes",
+        ),
+        "kernels.kivi",
+    ),
+    **dict.fromkeys(
+        (
+            "FullKVLayout",
+            "KVLayout",
+            "KV_LAYOUTS",
+            "KiviKVLayout",
+            "MlaKVLayout",
+        ),
+        "kernels.layout",
+    ),
+    **dict.fromkeys(
+        (
+            "NativeStatus",
+            "ReleasingThreadPool",
+            "copy_hashed",
+            "copy_hashed_available",
+            "native_status",
+            "release_threads",
+        ),
+        "kernels.native",
+    ),
+    **dict.fromkeys(
+        ("paged_decode_attention_ref",),
+        "kernels.paged_attention_ref",
+    ),
+    **dict.fromkeys(
+        ("merge_attention",),
+        "kernels.paged_attention_torch",
+    ),
+    **dict.fromkeys(
+        (
+            "PACK_FORMS",
+            "is_packed",
+            "linear",
+            "linear_add_",
+            "prepack",
+            "prepack_supported",
+            "rms_norm",
+            "rope_",
+            "silu_mul",
+            "tensor_nbytes",
+            "unpack",
+        ),
+        "kernels.packed_linear",
+    ),
+    **dict.fromkeys(
+        ("prefill_attention",),
+        "kernels.prefill_attn",
+    ),
+}
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module 'kernels' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_LAZY[name]), name)
+    globals()[name] = value  # looked up once
+    return value
+
 
 __all__ = [
+    "full_layout_id",
+    "kivi_layout_id",
+    "mla_layout_id",
     "PACK_FORMS",
     "BACKENDS",
     "HAS_TRITON",

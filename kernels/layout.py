@@ -16,6 +16,7 @@ from typing import ClassVar
 import torch
 
 from kernels.dispatch import kivi_dequantize, kivi_quantize
+from kernels.layout_id import dtype_name, full_layout_id, kivi_layout_id, mla_layout_id
 from kernels.kivi import (
     KIVI_FIELD_DTYPES,
     KiviPacked,
@@ -66,13 +67,6 @@ class KVLayout(abc.ABC):
         return torch.zeros((num_blocks, *self.block_shape), dtype=self.dtype, device=device)
 
 
-def _codec_tag(codec: str) -> str:
-    """A layout id's codec part: nothing for raw blocks (the ids they always had)."""
-    if codec not in ("raw", "int8"):
-        raise ValueError(f"a full-precision layout stores blocks raw or int8, not {codec!r}")
-    return "" if codec == "raw" else f"/{codec}"
-
-
 @dataclass(frozen=True)
 class FullKVLayout(KVLayout):
     """Full-precision K and V: a block is `[num_layers, 2 (k|v), block_size, heads, head_dim]`."""
@@ -102,10 +96,13 @@ class FullKVLayout(KVLayout):
 
     @property
     def fingerprint_id(self) -> str:
-        dtype_name = str(self.dtype).removeprefix("torch.")
-        return (
-            f"{self.name}/{dtype_name}/L{self.num_layers}/H{self.num_kv_heads}"
-            f"/D{self.head_dim}/B{self.block_size}{_codec_tag(self.store_codec)}"
+        return full_layout_id(
+            dtype_name(self.dtype),
+            self.num_layers,
+            self.num_kv_heads,
+            self.head_dim,
+            self.block_size,
+            self.store_codec,
         )
 
     def layer_views(self, kv: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -161,10 +158,15 @@ class KiviKVLayout(KVLayout):
 
     @property
     def fingerprint_id(self) -> str:
-        window = str(self.window_dtype).removeprefix("torch.")
-        return (
-            f"{self.name}{self.bits}/g{self.group_size}/r{self.residual}/{window}"
-            f"/L{self.num_layers}/H{self.num_kv_heads}/D{self.head_dim}/B{self.block_size}"
+        return kivi_layout_id(
+            self.bits,
+            self.group_size,
+            self.residual,
+            dtype_name(self.window_dtype),
+            self.num_layers,
+            self.num_kv_heads,
+            self.head_dim,
+            self.block_size,
         )
 
     @property
@@ -262,10 +264,13 @@ class MlaKVLayout(KVLayout):
 
     @property
     def fingerprint_id(self) -> str:
-        dtype_name = str(self.dtype).removeprefix("torch.")
-        return (
-            f"{self.name}/{dtype_name}/L{self.num_layers}/R{self.kv_lora_rank}"
-            f"/P{self.rope_dim}/B{self.block_size}{_codec_tag(self.store_codec)}"
+        return mla_layout_id(
+            dtype_name(self.dtype),
+            self.num_layers,
+            self.kv_lora_rank,
+            self.rope_dim,
+            self.block_size,
+            self.store_codec,
         )
 
     def layer_views(self, kv: torch.Tensor, layer: int) -> torch.Tensor:

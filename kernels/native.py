@@ -623,7 +623,7 @@ def prefill_attention_bf16(q, k_blocks, v_blocks, table, start, scale, out) -> N
     """Write into `out` [T, QH, D] (bf16, contiguous) the causal attention of q [T, QH, D] at
     positions start.. over the keys in k_blocks/v_blocks [num_blocks, bs, KVH, D] named by
     `table` (int64, contiguous, ids checked by the caller); all bf16, unit stride along D, K and
-    V with equal strides (kernels/prefill_attention.py checks)."""
+    V with equal strides (kernels/prefill_attn.py checks)."""
     lib, _ = _library()
     t, q_heads, d = q.shape
     _, block_size, kv_heads, _ = k_blocks.shape

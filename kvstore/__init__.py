@@ -4,6 +4,7 @@ import importlib
 
 from kvstore.block_header import FORMAT_VERSION, BlockCorrupt, BlockHeader
 from kvstore.config import StoreConfig
+from kvstore.control import StoreControl, StoreUnavailable
 from kvstore.device import DeviceTier
 from kvstore.index import Index
 from kvstore.index_publisher import IndexPublisher
@@ -30,7 +31,6 @@ _LAZY = {
     "BlockWriter": "kvstore.client",
     "PutResult": "kvstore.client",
     "StoreClient": "kvstore.client",
-    "StoreUnavailable": "kvstore.client",
     "CODECS": "kvstore.codecs",
     "Codec": "kvstore.codecs",
     "block_tokens": "kvstore.codecs",
@@ -74,6 +74,7 @@ __all__ = [
     "StoreConfig",
     "StoreNode",
     "StoreClient",
+    "StoreControl",
     "BlockWriter",
     "PutResult",
     "StoreFull",

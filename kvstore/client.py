@@ -28,9 +28,10 @@ from kvstore.block_format import (
 )
 from kvstore.block_header import BlockCorrupt, BlockHeader, checksum, pack_header
 from kvstore.codecs import get_codec
+from kvstore.control import StoreUnavailable, clear_store, raise_rpc_error, store_stats
 from kvstore.server import boot_id, grpc_options
 from kvstore.slab import ShmSlab
-from kvstore.store import StoreFull, StoreStats, TierStats
+from kvstore.store import StoreStats
 from kvstore.types import LookupResult
 from kvstore.wire import Part, parse_parts, put_data_chunk, raw_get, raw_put
 from protos import kvstore_pb2 as pb
@@ -147,21 +148,6 @@ class _Background:
             thread.join()
 
 
-class StoreUnavailable(ConnectionError):
-    """The store node did not answer (UNAVAILABLE, deadline exceeded...)."""
-
-
-def _raise(e: grpc.RpcError):
-    code, details = e.code(), e.details()
-    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-        raise StoreFull(details) from None
-    if code == grpc.StatusCode.INVALID_ARGUMENT:
-        raise ValueError(details) from None
-    if code == grpc.StatusCode.NOT_FOUND:
-        raise KeyError(details) from None
-    raise StoreUnavailable(f"store {code.name}: {details}") from None
-
-
 def _is_slab_file(path: str) -> bool:
     """Whether the file a store's Info names looks like a store slab (a regular file named as
     ShmSlab.create names them, not a link): the node chooses what a client maps, so a client
@@ -201,7 +187,7 @@ class StoreClient:
             )
         except grpc.RpcError as e:
             self.channel.close()
-            _raise(e)
+            raise_rpc_error(e)
         self.slab: ShmSlab | None = None
         self._background = _Background()
         if transport not in ("auto", "shm", "grpc"):
@@ -233,7 +219,7 @@ class StoreClient:
         try:
             self.info = self.stub.Info(pb.KVInfoRequest(), timeout=self.timeout)
         except grpc.RpcError as e:
-            _raise(e)
+            raise_rpc_error(e)
         if self.info.shm_path != shm_path:
             raise StoreUnavailable(
                 f"store {self.address} changed its shared memory during the call"
@@ -252,7 +238,7 @@ class StoreClient:
                 else None
             )
         except grpc.RpcError as e:
-            _raise(e)
+            raise_rpc_error(e)
         tiers = list(reply.tiers) if reply else []
         return LookupResult(len(tiers), tiers, tuple(reply.sizes) if reply else ())
 
@@ -292,7 +278,7 @@ class StoreClient:
                 timeout=self.timeout,
             )
         except grpc.RpcError as e:
-            _raise(e)
+            raise_rpc_error(e)
         if reply.slots:  # a block came inline (from ssd): the node answered per-block slots
             slots = [(s.index, s.offset, s.length, s.data) for s in reply.slots]
         else:
@@ -396,7 +382,7 @@ class StoreClient:
                 headers.append(h)
             k, corrupt = self._receive_layers(stream, headers, out)
         except grpc.RpcError as e:
-            _raise(e)
+            raise_rpc_error(e)
         if corrupt:
             self._release_later(0, [keys[b] for b in corrupt])
         return k
@@ -483,7 +469,7 @@ class StoreClient:
                     if h is not None and p.block == 0 and p.offset + len(p.data) <= len(buf):
                         buf[p.offset : p.offset + len(p.data)] = p.data
         except grpc.RpcError as e:
-            _raise(e)
+            raise_rpc_error(e)
         try:
             if h is None:
                 raise BlockCorrupt("bad header")
@@ -544,32 +530,12 @@ class StoreClient:
 
     def stats(self) -> StoreStats:
         self._background.drain()
-        try:
-            s = self.stub.Stats(pb.KVStatsRequest(), timeout=self.timeout)
-        except grpc.RpcError as e:
-            _raise(e)
-        return StoreStats(
-            s.node_id,
-            [
-                TierStats(t.tier, t.used_bytes, t.capacity_bytes, t.blocks, t.hits, t.evictions)
-                for t in s.tiers
-            ],
-            s.hits,
-            s.misses,
-            s.promotions,
-            s.demotions,
-            s.leases,
-            s.pending_blocks,
-            (s.rss_bytes, s.uss_bytes, s.pss_bytes, s.configured_bytes),
-        )
+        return store_stats(self.stub, self.timeout)
 
     def clear(self) -> int:
         """Drop every block the node holds (see KVStore.Clear); how many went now."""
         self._background.drain()
-        try:
-            return self.stub.Clear(pb.KVClearRequest(), timeout=self.timeout).dropped
-        except grpc.RpcError as e:
-            _raise(e)
+        return clear_store(self.stub, self.timeout)
 
     def close(self) -> None:
         self._background.close()
@@ -669,7 +635,7 @@ class _ShmWriter(BlockWriter):
         try:
             reply = client.stub.Lease(req, timeout=client.timeout)
         except grpc.RpcError as e:
-            _raise(e)
+            raise_rpc_error(e)
         self.lease_id, self.ttl = reply.lease_id, reply.ttl_s
         # (index in keys, slab offset) of the blocks the store does not hold yet
         self.slots = [(s.index, s.offset) for s in reply.slots] or list(
@@ -695,7 +661,7 @@ class _ShmWriter(BlockWriter):
                 )
             except grpc.RpcError as e:
                 self.closed = True
-                _raise(e)
+                raise_rpc_error(e)
             self.renewed = time.monotonic()
 
     def write_layer(self, layer, data):
@@ -786,7 +752,7 @@ class _ShmWriter(BlockWriter):
                 timeout=self.client.timeout,
             )
         except grpc.RpcError as e:
-            _raise(e)
+            raise_rpc_error(e)
         # the node answers for the blocks it reserved; the others were held when the lease was
         # granted
         return PutResult(reply.stored, reply.held + len(self.keys) - len(self.slots))
@@ -860,7 +826,7 @@ class _GrpcWriter(BlockWriter):
         try:
             reply = self.call.result(timeout=self.client.timeout)
         except grpc.RpcError as e:
-            _raise(e)
+            raise_rpc_error(e)
         return PutResult(reply.stored, reply.held)
 
     def abort(self):

@@ -6,11 +6,14 @@ from __future__ import annotations
 import dataclasses
 import json
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+from kernels import full_layout_id, mla_layout_id
 
-from kernels import FullKVLayout, KVLayout, MlaKVLayout
+if TYPE_CHECKING:
+    import torch
+
+    from kernels import KVLayout
 
 # HF model_type values read as the DeepSeek-V2 family (model.deepseek.DeepseekModel).
 MLA_ARCHITECTURES = ("deepseek_v2", "deepseek_v3")
@@ -158,11 +161,29 @@ class ModelConfig:
     def kv_layout(self, block_size: int, dtype: torch.dtype) -> KVLayout:
         """The paged KV layout of this architecture: full-precision K and V per KV head, or for
         MLA one latent row (c_kv and the shared rope key) per token."""
+        from kernels import FullKVLayout, MlaKVLayout  # torch: a config alone needs none
+
         if self.is_mla:
             return MlaKVLayout(
                 self.num_layers, self.kv_lora_rank, self.qk_rope_head_dim, block_size, dtype
             )
         return FullKVLayout(self.num_layers, self.num_kv_heads, self.head_dim, block_size, dtype)
+
+    def kv_layout_id(self, block_size: int, dtype: str, store_codec: str = "raw") -> str:
+        """The fingerprint_id of kv_layout(block_size, dtype) stored in `store_codec`, from the
+        dtype's name (float32, bfloat16, float16) and without building it: no torch."""
+        if self.is_mla:
+            return mla_layout_id(
+                dtype,
+                self.num_layers,
+                self.kv_lora_rank,
+                self.qk_rope_head_dim,
+                block_size,
+                store_codec,
+            )
+        return full_layout_id(
+            dtype, self.num_layers, self.num_kv_heads, self.head_dim, block_size, store_codec
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

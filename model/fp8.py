@@ -1,43 +1,18 @@
 """FP8 checkpoints with block scales (DeepSeek-V3's published format): each quantized weight is
 float8_e4m3fn beside `<name>_scale_inv`, one fp32 factor per block of `weight_block_size`
 ([128, 128]) rows x columns, so that weight = fp8 value x its block's factor. config.json says so
-in `quantization_config` (quant_method "fp8"). Loaded by dequantizing to the compute dtype."""
+in `quantization_config` (quant_method "fp8"; read by `model.checkpoint.fp8_block_size`). Loaded
+by dequantizing to the compute dtype."""
 
 from __future__ import annotations
-
-from typing import Any
 
 import torch
 
 SCALE_SUFFIX = "_scale_inv"
-FP8_DTYPES = tuple(
-    getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n)
-)
+FP8_DTYPES = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n))
 
 
-def fp8_block_size(hf_config: dict[str, Any]) -> tuple[int, int] | None:
-    """The (rows, columns) of a scale block when config.json declares block-scaled FP8 weights;
-    None when it declares no quantization. Any other quantization is a ValueError."""
-    q = hf_config.get("quantization_config")
-    if not q:
-        return None
-    method = q.get("quant_method")
-    if method != "fp8":
-        raise ValueError(f"quantization_config.quant_method {method!r} is not supported (fp8 is)")
-    if q.get("activation_scheme", "dynamic") != "dynamic":
-        raise ValueError(
-            f"quantization_config.activation_scheme {q.get('activation_scheme')!r}: only "
-            "'dynamic' (weights-only scales) is supported"
-        )
-    block = q.get("weight_block_size") or [128, 128]
-    if len(block) != 2 or min(block) <= 0:
-        raise ValueError(f"quantization_config.weight_block_size {block!r} is not [rows, cols]")
-    return int(block[0]), int(block[1])
-
-
-def dequantize_fp8(
-    sd: dict[str, torch.Tensor], block: tuple[int, int]
-) -> dict[str, torch.Tensor]:
+def dequantize_fp8(sd: dict[str, torch.Tensor], block: tuple[int, int]) -> dict[str, torch.Tensor]:
     """`sd` with every FP8 weight multiplied out by its block scales, as fp32, and the scale
     tensors gone. An FP8 weight without its scales, or scales of the wrong shape, is a
     ValueError naming the tensor."""

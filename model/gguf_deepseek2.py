@@ -24,7 +24,6 @@ import logging
 from typing import Any, Iterable
 
 import numpy as np
-import torch
 
 from model.config import ModelConfig
 
@@ -244,14 +243,15 @@ def _listed(names: list[str]) -> str:
 
 def deepseek2_hf_weights(
     tensors: Iterable[tuple[str, np.ndarray]], config: ModelConfig
-) -> dict[str, torch.Tensor]:
-    """fp32 tensors under their GGUF names -> the HF DeepseekV2/V3ForCausalLM state dict (experts
-    one by one, kv_b_proj rebuilt from k_b and v_b, V3's missing score bias as zeros)."""
-    sd: dict[str, torch.Tensor] = {}
+) -> dict[str, np.ndarray]:
+    """fp32 arrays under their GGUF names -> the HF DeepseekV2/V3ForCausalLM state dict (experts
+    one by one, kv_b_proj rebuilt from k_b and v_b, V3's missing score bias as zeros), as numpy
+    arrays: the metadata half of this module is read where torch is not (the conductor)."""
+    sd: dict[str, np.ndarray] = {}
     kv_halves: dict[int, dict[str, np.ndarray]] = {}
     for name, w in tensors:
         if name in _GLOBAL_NAMES:
-            sd[_GLOBAL_NAMES[name]] = torch.from_numpy(w)
+            sd[_GLOBAL_NAMES[name]] = w
             continue
         parts = name.split(".", 3)  # blk.{i}.{kind}.{weight|bias}
         if len(parts) != 4 or parts[0] != "blk":
@@ -259,18 +259,18 @@ def deepseek2_hf_weights(
         _, layer, kind, suffix = parts
         prefix = f"model.layers.{layer}."
         if kind in _LAYER_NAMES:
-            sd[f"{prefix}{_LAYER_NAMES[kind]}.{suffix}"] = torch.from_numpy(w)
+            sd[f"{prefix}{_LAYER_NAMES[kind]}.{suffix}"] = w
         elif kind in _EXPERT_NAMES:
             for e in range(w.shape[0]):
-                sd[f"{prefix}mlp.experts.{e}.{_EXPERT_NAMES[kind]}.weight"] = torch.from_numpy(w[e])
+                sd[f"{prefix}mlp.experts.{e}.{_EXPERT_NAMES[kind]}.weight"] = w[e]
         elif kind in ("attn_k_b", "attn_v_b"):
             halves = kv_halves.setdefault(int(layer), {})
             halves[kind] = w
             if len(halves) == 2:
                 kv_b = _join_kv_b(halves["attn_k_b"], halves["attn_v_b"], config, int(layer))
-                sd[f"{prefix}self_attn.kv_b_proj.weight"] = torch.from_numpy(kv_b)
+                sd[f"{prefix}self_attn.kv_b_proj.weight"] = kv_b
         elif f"{kind}.{suffix}" == _SCORE_BIAS:
-            sd[f"{prefix}mlp.gate.e_score_correction_bias"] = torch.from_numpy(w)
+            sd[f"{prefix}mlp.gate.e_score_correction_bias"] = w
         else:
             raise ValueError(f"GGUF tensor {name} is not one {ARCH} uses")
     if config.topk_method == "noaux_tc":
@@ -279,7 +279,7 @@ def deepseek2_hf_weights(
         if not any(k in sd for k in keys):
             # llama.cpp's exp_probs_b is optional: none is a zero correction
             log.warning("%s file without exp_probs_b: expert choice uncorrected (zero bias)", ARCH)
-            sd.update({k: torch.zeros(config.n_routed_experts) for k in keys})
+            sd.update({k: np.zeros(config.n_routed_experts, np.float32) for k in keys})
     return sd
 
 

@@ -124,11 +124,11 @@ class LlamaModel(nn.Module):
     def device(self) -> torch.device:
         return self.embed_tokens.device
 
-    # ---- weights in oneDNN's packed layout (kernels/linear.py) ----
+    # ---- weights in oneDNN's packed layout (kernels/packed_linear.py) ----
 
     def prepack_weights(self, form: str = "panels") -> bool:
         """Swap every projection and the LM head for a packed copy, which is faster for the few
-        rows of a decode step (kernels/linear.py; `form`: its PACK_FORMS); the values
+        rows of a decode step (kernels/packed_linear.py; `form`: its PACK_FORMS); the values
         are unchanged and `hf_state_dict` unpacks them. A tied head gets its own packed copy
         (one more head's bytes). False, and nothing changed, where the device and dtype have no
         packed path."""

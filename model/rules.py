@@ -3,9 +3,10 @@ what makes a prompt acceptable, and when a sequence stops."""
 
 from __future__ import annotations
 
-from typing import Callable, Collection, Sequence
+from typing import TYPE_CHECKING, Callable, Collection, Sequence
 
-from model.sampling import SamplingParams
+if TYPE_CHECKING:
+    from model.sampling import SamplingParams
 
 
 def prompt_problem(ids: Sequence[int], vocab_size: int, context_window: int) -> str:

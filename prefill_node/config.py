@@ -21,7 +21,7 @@ class PrefillConfig:
     model: str = "smollm2-135m"  # a load_model name or path
     dtype: str = "float32"  # float32 | bfloat16 | float16 (weights and KV pool)
     device: str = "auto"  # auto | cpu | cuda | cuda:N (auto: CUDA when present)
-    # CPU: the linear weights' packed form (kernels/linear.py; same values, faster matmuls),
+    # CPU: the linear weights' packed form (kernels/packed_linear.py; same values, faster matmuls),
     # panels | onednn | auto | none (auto: the faster at prefill sizes, bf16 panels on AMX
     # tiles, else oneDNN's); dtypes without a packed path stay plain
     prepack_weights: str = "auto"

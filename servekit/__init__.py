@@ -17,6 +17,15 @@ from servekit.config import (
 )
 from servekit.call_limit import CONTROL_THREADS, CallLimit
 from servekit.grpc_server import GrpcServer
+from servekit.kv_cache import (
+    DTYPE_NAMES,
+    KIVI_WINDOW_DTYPES,
+    KV_CACHE_DTYPES,
+    check_kv_cache,
+    is_kivi,
+    kv_cache_layout,
+    kv_cache_layout_id,
+)
 from servekit.request_guard import DecodeGuard
 from servekit.cpus import CpuTurns, check_cpu_turns, cpu_turns, parse_cpu_list, pin_process
 from servekit.memory import (
@@ -55,12 +64,7 @@ from servekit.timing import (
 # conductor import this package but hold no tensors, and torch alone costs a process ~170 MB.
 _LAZY = {
     **dict.fromkeys(
-        ("KIVI_WINDOW_DTYPES", "KV_CACHE_DTYPES", "check_kv_cache", "is_kivi", "kv_cache_layout"),
-        "servekit.kv_cache",
-    ),
-    **dict.fromkeys(
         (
-            "DTYPE_NAMES",
             "check_device",
             "check_dtype_device",
             "resolve_device",
@@ -69,7 +73,7 @@ _LAZY = {
         ),
         "servekit.sampling",
     ),
-    # the model's prompt rules
+    # the model's prompt rules (torch-free, but a store node imports no model)
     **dict.fromkeys(("prompt_ids_problem", "sampling_problem", "shown"), "servekit.validation"),
     "WorkerServer": "servekit.worker_server",
     "WorkerModel": "servekit.worker_model",
@@ -135,6 +139,7 @@ __all__ = [
     "field_names",
     "is_kivi",
     "kv_cache_layout",
+    "kv_cache_layout_id",
     "load_worker_model",
     "predict",
     "prefill_features",

@@ -8,8 +8,7 @@ import torch
 from kernels import PACK_FORMS
 from model import SamplingParams
 from protos import halfmoon_pb2 as pb
-
-DTYPE_NAMES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from servekit.kv_cache import DTYPE_NAMES
 
 
 def sampling_params(p: pb.SamplingParams) -> SamplingParams:
@@ -28,7 +27,7 @@ def sampling_params(p: pb.SamplingParams) -> SamplingParams:
 def torch_dtype(name: str) -> torch.dtype:
     if name not in DTYPE_NAMES:
         raise ValueError(f"unknown dtype {name!r} (known: {', '.join(DTYPE_NAMES)})")
-    return DTYPE_NAMES[name]
+    return getattr(torch, name)
 
 
 def check_device(name: str) -> None:

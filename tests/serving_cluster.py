@@ -74,7 +74,8 @@ class Cluster:
             self.store_address = self.store.address
             self.prefills = self.local.objects["prefill"]
             self.decodes = self.local.objects["decode"]
-            (self.conductor,) = self.local.objects["conductor"]
+            # None when the conductor runs in a process of its own
+            self.conductor = next(iter(self.local.objects["conductor"]), None)
             self.channel = grpc.insecure_channel(self.address)
             self.stub = pb_grpc.ConductorStub(self.channel)
         except BaseException:

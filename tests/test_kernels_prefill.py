@@ -1,4 +1,4 @@
-"""The fused bf16 prefill attention (kernels/prefill_attention.py, csrc/prefill_attention.c)
+"""The fused bf16 prefill attention (kernels/prefill_attn.py, csrc/prefill_attention.c)
 against float64 causal attention and torch's SDPA on the same bf16 inputs: fresh K/V and a
 cached prefix read in place from a layer-major pool through a shuffled block table, GQA, MQA and
 MHA, head dims 32-128, tiles cut short (the kernel works in tiles of 32 queries, panels of 4

@@ -10,9 +10,18 @@ from pathlib import Path
 import pytest
 import torch
 
+from conductor import ConductorConfig
 from kernels import KV_LAYOUTS, FullKVLayout, KVLayout
 from model import KVPool, kv_fingerprint, load_model, load_model_info, save_hf_dir
 from model.fetch import smollm2_path
+from servekit import (
+    DTYPE_NAMES,
+    KIVI_WINDOW_DTYPES,
+    KV_CACHE_DTYPES,
+    is_kivi,
+    kv_cache_layout,
+    kv_cache_layout_id,
+)
 
 TEXT = "Hello, wörld! The capital of France is <|im_end|> 1234"
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
@@ -95,6 +104,27 @@ def test_fingerprints_follow_the_layout():
     assert kv_fingerprint("cd" * 16, layout()) != fp
 
 
+@pytest.mark.parametrize("model", ["tiny-random", "tiny-random-mla"])
+@pytest.mark.parametrize("kv_cache_dtype", sorted(KV_CACHE_DTYPES))
+@pytest.mark.parametrize("dtype", DTYPE_NAMES)
+def test_layout_ids_from_names_are_the_layouts_ids(model, kv_cache_dtype, dtype):
+    # The conductor computes block keys from kv_cache_layout_id (no torch), the workers from
+    # their layout objects: one id apart, and no prefix would ever hit.
+    config = load_model_info(model).config
+    for window in KIVI_WINDOW_DTYPES:
+        cfg = ConductorConfig(
+            kv_cache_dtype=kv_cache_dtype, kivi_window_dtype=window, kivi_residual=48, dtype=dtype
+        )
+        if config.is_mla and is_kivi(kv_cache_dtype):
+            for make in (kv_cache_layout, kv_cache_layout_id):
+                with pytest.raises(ValueError, match="MLA"):
+                    make(config, cfg, getattr(torch, dtype) if make is kv_cache_layout else dtype)
+            continue
+        layout = kv_cache_layout(config, cfg, getattr(torch, dtype))
+        assert kv_cache_layout_id(config, cfg, dtype) == layout.fingerprint_id
+        assert kv_fingerprint("ab" * 16, layout.fingerprint_id) == kv_fingerprint("ab" * 16, layout)
+
+
 def test_loaded_fingerprint_is_the_default_layout_in_the_loaded_dtype(tiny):
     bf = load_model("tiny-random", dtype=torch.bfloat16)
     assert bf.weights_id == tiny.weights_id and bf.fingerprint != tiny.fingerprint
@@ -175,7 +205,7 @@ def test_model_info_smollm2_agrees_and_loads_no_weights(smollm2):
 def test_gguf_metadata_reader_matches_gguf_library():
     import gguf
 
-    from model.loader import read_gguf_meta
+    from model.checkpoint import read_gguf_meta
 
     reader = gguf.GGUFReader(str(smollm2_path()))
     meta = read_gguf_meta(smollm2_path())

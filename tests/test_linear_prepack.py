@@ -1,5 +1,5 @@
-"""Packed linear weights (kernels/linear.py): panels for the C kernel and oneDNN's layout give
-the same products as dense `F.linear` at every row count a decode step or prefill chunk uses,
+"""Packed linear weights (kernels/packed_linear.py): panels for the C kernel and oneDNN's layout
+give the same products as dense `F.linear` at every row count a decode step or prefill chunk uses,
 the same greedy tokens from the whole model, and nothing lost for what reads the weights back
 (export, memory accounting)"""
 
@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 import kernels
 from kernels import native
-from kernels.linear import ONEDNN_PACK_ROWS
+from kernels.packed_linear import ONEDNN_PACK_ROWS
 from model import KVPool, load_model
 from servekit.memory import tensor_bytes
 

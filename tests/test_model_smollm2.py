@@ -114,7 +114,7 @@ def test_prefill_chunked_and_cached_prefix_agree(models):
 def test_bf16_prefill_reads_a_cached_prefix_as_it_would_recompute_it(models):
     """bf16 (the cluster's dtype on CPUs with native bf16): a prompt prefilled whole and in
     chunks that read their prefix back from the pool agree, and both stay close to fp32. With
-    the fused bf16 prefill attention (kernels/prefill_attention.py) a row's result does not
+    the fused bf16 prefill attention (kernels/prefill_attn.py) a row's result does not
     depend on where a chunk starts: the logits are equal, not only close."""
     lm, _, _ = models
     bf = load_model("smollm2-135m", dtype=torch.bfloat16)

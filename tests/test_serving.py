@@ -55,6 +55,24 @@ def rand_ids(rng, n, vocab=259):
     return [rng.randrange(3, vocab) for _ in range(n)]
 
 
+def test_a_conductor_in_its_own_process_serves_without_torch(lm, engine):
+    # It tokenizes, computes block keys and relays tokens: it never holds a tensor, and torch
+    # alone costs a process ~170 MB. Its block keys must still be the workers' (a second turn
+    # of the same prompt is routed to its cached prefix).
+    with Cluster(lm, processes=("conductor",)) as c:
+        (pid,) = [s.pid for s in c.local.servers if s.role == "conductor"]
+        ids = list(range(3, 3 + 3 * BS + 5))
+        want = solo(engine, ids, 6)
+        for turn in range(2):
+            got, _, last = c.generate(token_ids=ids, max_tokens=6, ignore_eos=True)
+            assert got == want
+            c.wait_idle()
+        assert last.usage.cached_tokens == 3 * BS
+        with open(f"/proc/{pid}/maps") as f:
+            libs = {line.split()[-1] for line in f if ".so" in line}
+        assert not [p for p in libs if "libtorch" in p], "the conductor's process loaded torch"
+
+
 def test_cluster_equals_local_engine(cluster, engine, lm):
     prompts = [
         "Hello",

@@ -4,7 +4,7 @@
  * time is the weights' read plus the arithmetic on them. torch's dense path (MKL sgemm) and
  * oneDNN's packed path both fall well short of either bound at 1-32 rows on an AVX2 CPU; this
  * kernel streams each weight once, at the memory's pace, and keeps the FMA units busy while it
- * does (measured in kernels/linear.py's docstring).
+ * does (measured in kernels/packed_linear.py's docstring).
  *
  * Layout: W [N, K] (N a multiple of 16) is held as panels P[N/16][K][16]: panel p, row k holds
  * W[16p .. 16p+15][k], 64 bytes, one cache line. A panel (K x 64 bytes) is read front to back,

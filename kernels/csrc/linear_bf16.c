@@ -2,7 +2,7 @@
  * outputs: linear.c's panels, for the CPUs whose fast dtype is bf16.
  *
  * Why: at decode batch sizes (1-32 rows) oneDNN's packed bf16 path runs well below the memory
- * bound at one row and below the arithmetic bound at sixteen (kernels/linear.py has the
+ * bound at one row and below the arithmetic bound at sixteen (kernels/packed_linear.py has the
  * figures); this kernel streams each weight once and spends one `vdpbf16ps` (32 multiply-adds)
  * per row per 64-byte line.
  *
