@@ -103,8 +103,9 @@ class LlamaModel(nn.Module):
             else nn.Parameter(torch.empty(config.vocab_size, config.hidden_size))
         )
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
-        # the tied LM head's packed copy (prepack_weights): the embedding itself stays plain,
-        # since token lookups index its rows
+        # the tied LM head packed (prepack_weights). In panels, token lookups gather their rows
+        # from it and the plain embedding goes (None): SmolLM2's head is 108 MiB in fp32. A
+        # oneDNN-packed head is opaque, and the plain embedding stays beside it.
         self.register_buffer("packed_head", None, persistent=False)
         self.scale = config.head_dim**-0.5
         # decode's layers in one C call where they apply (kernels/decode_step.py); False runs
@@ -118,20 +119,29 @@ class LlamaModel(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.embed_tokens.dtype
+        return self.norm.dtype
 
     @property
     def device(self) -> torch.device:
-        return self.embed_tokens.device
+        return self.norm.device
+
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """The embedding rows of `token_ids` [n] -> [n, hidden], from the plain table or, where
+        a tied head replaced it, from the head's panels ([vocab / w, hidden, w]: row r is
+        panel r // w, lane r % w)."""
+        if self.embed_tokens is not None:
+            return self.embed_tokens[token_ids]
+        lanes = self.packed_head.shape[-1]
+        return self.packed_head[token_ids // lanes, :, token_ids % lanes]
 
     # ---- weights in oneDNN's packed layout (kernels/packed_linear.py) ----
 
     def prepack_weights(self, form: str = "panels") -> bool:
         """Swap every projection and the LM head for a packed copy, which is faster for the few
         rows of a decode step (kernels/packed_linear.py; `form`: its PACK_FORMS); the values
-        are unchanged and `hf_state_dict` unpacks them. A tied head gets its own packed copy
-        (one more head's bytes). False, and nothing changed, where the device and dtype have no
-        packed path."""
+        are unchanged and `hf_state_dict` unpacks them. A tied head in panels replaces the plain
+        embedding (lookups gather from it); packed by oneDNN it is a copy beside it. False, and
+        nothing changed, where the device and dtype have no packed path."""
         if not kernels.prepack_supported(self.dtype, self.device):
             return False
         self._fused_layers = None
@@ -145,6 +155,8 @@ class LlamaModel(nn.Module):
                 self.lm_head = nn.Parameter(kernels.prepack(self.lm_head, form), False)
             elif self.lm_head is None and self.packed_head is None:
                 self.packed_head = kernels.prepack(self.embed_tokens, form)
+                if not self.packed_head.is_mkldnn:  # panels: lookups read them (embed)
+                    self.embed_tokens = None
         return True
 
     def _head(self) -> torch.Tensor:
@@ -214,7 +226,10 @@ class LlamaModel(nn.Module):
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         """The weights named as in HF's LlamaForCausalLM (fp32 copies)."""
         c = self.config
-        sd = {"model.embed_tokens.weight": self.embed_tokens, "model.norm.weight": self.norm}
+        embed = self.embed_tokens
+        if embed is None:  # a tied head in panels holds the embedding
+            embed = kernels.unpack(self.packed_head)
+        sd = {"model.embed_tokens.weight": embed, "model.norm.weight": self.norm}
         if self.lm_head is not None:
             sd["lm_head.weight"] = kernels.unpack(self.lm_head)
         for i, layer in enumerate(self.layers):
@@ -289,7 +304,7 @@ class LlamaModel(nn.Module):
         table's blocks in `pool` (a full-precision pool, or a KIVI pool's window after its
         packed blocks `kivi`), rotated for its position in the sequence; fp32 logits."""
         cos, sin = self._rope_table(positions)
-        x = self.embed_tokens[token_ids]
+        x = self.embed(token_ids)
         # layer l's K lies pool.kv.stride(1) elements after layer l-1's (full layout)
         fused.run(x, pool.layer_kv(0), pool.kv.stride(1), tables, pool_positions, cos, sin, kivi)
         return self._logits(x)
@@ -377,7 +392,7 @@ class LlamaModel(nn.Module):
         """
         plan = self._plan(token_ids, pool, block_table, start_pos)
         rope = self._rope_table(plan.positions)
-        x = self.embed_tokens[plan.token_ids]
+        x = self.embed(plan.token_ids)
         for li, layer in enumerate(self.layers):
             q, k, v = self._qkv(layer, x, rope)
             k_cache, v_cache = pool.layer_kv(li)
@@ -412,7 +427,7 @@ class LlamaModel(nn.Module):
         slot_block = torch.cat([p.slot_block for p in plans])
         slot_off = torch.cat([p.slot_off for p in plans])
         rope = self._rope_table(positions)
-        x = self.embed_tokens[torch.cat([p.token_ids for p in plans])]
+        x = self.embed(torch.cat([p.token_ids for p in plans]))
         for li, layer in enumerate(self.layers):
             q, k, v = self._qkv(layer, x, rope)
             k_cache, v_cache = pool.layer_kv(li)
@@ -454,7 +469,7 @@ class LlamaModel(nn.Module):
         seq_lens = (positions + 1).to(torch.int32)
 
         rope = self._rope_table(positions)
-        x = self.embed_tokens[token_ids]
+        x = self.embed(token_ids)
         for li, layer in enumerate(self.layers):
             q, k, v = self._qkv(layer, x, rope)
             k_cache, v_cache = pool.layer_kv(li)
@@ -503,7 +518,7 @@ class LlamaModel(nn.Module):
         window_lens = (in_window + 1).to(torch.int32)
 
         rope = self._rope_table(positions)
-        x = self.embed_tokens[token_ids]
+        x = self.embed(token_ids)
         for li, layer in enumerate(self.layers):
             q, k, v = self._qkv(layer, x, rope)
             k_win, v_win = window.layer_kv(li)
