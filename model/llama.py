@@ -154,7 +154,11 @@ class LlamaModel(nn.Module):
             if self.lm_head is not None and not kernels.is_packed(self.lm_head):
                 self.lm_head = nn.Parameter(kernels.prepack(self.lm_head, form), False)
             elif self.lm_head is None and self.packed_head is None:
-                self.packed_head = kernels.prepack(self.embed_tokens, form)
+                # "auto" packs a tied head in panels whatever it picks for the projections: the
+                # head multiplies a few rows (decode steps, prefill's last tokens), where panels
+                # are the fastest form, and panels double as the embedding
+                head_form = "panels" if form == "auto" else form
+                self.packed_head = kernels.prepack(self.embed_tokens, head_form)
                 if not self.packed_head.is_mkldnn:  # panels: lookups read them (embed)
                     self.embed_tokens = None
         return True

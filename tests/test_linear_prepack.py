@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 import kernels
 from kernels import native
+from kernels.native import panels_supported
 from kernels.packed_linear import ONEDNN_PACK_ROWS
 from model import KVPool, load_model
 from servekit.memory import tensor_bytes
@@ -120,16 +121,19 @@ def test_packed_model_gives_the_dense_models_logits_and_tokens():
     assert torch.equal(runs[0][1], runs[1][1])
 
 
+@pytest.mark.parametrize("form", ["panels", "auto"])
 @pytest.mark.parametrize("name", ["tiny-random", "smollm2-135m"])
-def test_memory_accounting_counts_packed_weights(name):
+def test_memory_accounting_counts_packed_weights(name, form):
     dense = load_model(name, prepack="none")
-    packed = load_model(name)
+    packed = load_model(name, prepack=form)
     plain = tensor_bytes(*dense.model.parameters())
     # a tied head in panels holds the embedding too (lookups gather from it): no more bytes;
     # packed by oneDNN it is a copy beside the plain table, one more head's bytes
     m = packed.model
     if dense.config.tie_word_embeddings:
         assert (m.embed_tokens is None) == (not m.packed_head.is_mkldnn)
+        # auto packs a tied head in panels (where they fit) whatever the projections get
+        assert (m.embed_tokens is None) == panels_supported(dense.model.embed_tokens)
     copy = m.packed_head is not None and m.embed_tokens is not None
     head = tensor_bytes(m.packed_head) if copy else 0
     assert tensor_bytes(*packed.model.parameters(), *packed.model.buffers()) == (
