@@ -262,7 +262,9 @@ def main() -> None:
         result["kivi4_vs_rw_bw"] = round(kivi_bytes / secs / copy_bw, 3)
         bars["kivi4 packed"] = kivi_bytes / secs / 1e9
     if args.prefill_tokens > 0:
-        result.update(prefill_attention(device, args.prefill_tokens, timed, args.repeats))
+        # in the headline dtype (the model's here): bf16's kernel or fp32's
+        dtype = getattr(torch, names[0])
+        result.update(prefill_attention(device, dtype, args.prefill_tokens, timed, args.repeats))
     pressure = cpu_pressure()
     if pressure is not None:  # other processes' share of the CPUs while this ran (shared machines)
         result["cpu_pressure_avg60"] = pressure
@@ -276,13 +278,13 @@ def main() -> None:
     print(json.dumps(result))
 
 
-def prefill_attention(device, tokens: int, timed, repeats: int) -> dict:
-    """Causal bf16 prefill attention over `tokens` fresh tokens, LAYERS calls: the dispatch's
+def prefill_attention(device, dtype, tokens: int, timed, repeats: int) -> dict:
+    """Causal prefill attention in `dtype` over `tokens` fresh tokens, LAYERS calls: the dispatch's
     path and torch's SDPA on the same q/k/v (views of one fused projection, as the model makes
     them), each the median of `repeats`; GFLOP/s counts QK^T and PV over the causal half."""
     g = torch.Generator().manual_seed(0)
     width = (Q_HEADS + 2 * KV_HEADS) * HEAD_DIM
-    qkv = torch.randn(LAYERS, tokens, width, generator=g).to(device=device, dtype=torch.bfloat16)
+    qkv = torch.randn(LAYERS, tokens, width, generator=g).to(device=device, dtype=dtype)
     one = torch.zeros(1, dtype=torch.long, device=device)
     split = [Q_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM]
     layers = [
@@ -303,13 +305,15 @@ def prefill_attention(device, tokens: int, timed, repeats: int) -> dict:
         out[name] = secs
     fast, sdpa = out["dispatch"], out["sdpa"]
     print(
-        f"prefill attention, {tokens} tokens bf16 x {LAYERS} layers: dispatch {fast * 1e3:.1f} ms "
+        f"prefill attention, {tokens} tokens {str(dtype)[6:]} x {LAYERS} layers: "
+        f"dispatch {fast * 1e3:.1f} ms "
         f"({flops / fast / 1e9:.0f} GFLOP/s), SDPA {sdpa * 1e3:.1f} ms "
         f"({flops / sdpa / 1e9:.0f} GFLOP/s): {sdpa / fast:.2f}x",
         flush=True,
     )
     return {
         "prefill_attn_tokens": tokens,
+        "prefill_attn_dtype": str(dtype).removeprefix("torch."),
         "prefill_attn_step_ms": round(fast * 1e3, 2),
         "prefill_attn_sdpa_step_ms": round(sdpa * 1e3, 2),
         "prefill_attn_gflops": round(flops / fast / 1e9, 1),

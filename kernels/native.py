@@ -157,12 +157,14 @@ def _library() -> tuple[ctypes.CDLL | None, str]:
     lib.hm_release_threads.restype = ctypes.c_int
     lib.hm_copy_hashed.restype = None
     lib.hm_copy_hashed.argtypes = [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _ptr, _ptr]
-    lib.hm_prefill_attention_bf16_available.restype = ctypes.c_int
-    lib.hm_prefill_attention_bf16.restype = ctypes.c_int
-    lib.hm_prefill_attention_bf16.argtypes = [
-        _ptr, _i64, _i64, _ptr, _ptr, _i64, _i64, _i64, _ptr, _i64,
-        _i32, _i32, _i32, _i32, _i32, _f32, _ptr, _i64, _i32,
-    ]  # fmt: skip
+    for suffix in ("bf16", "f32"):
+        getattr(lib, f"hm_prefill_attention_{suffix}_available").restype = ctypes.c_int
+        fn = getattr(lib, f"hm_prefill_attention_{suffix}")
+        fn.restype = ctypes.c_int
+        fn.argtypes = [
+            _ptr, _i64, _i64, _ptr, _ptr, _i64, _i64, _i64, _ptr, _i64,
+            _i32, _i32, _i32, _i32, _i32, _f32, _ptr, _i64, _i32,
+        ]  # fmt: skip
     lib.hm_llama_decode_layers.restype = ctypes.c_int
     lib.hm_llama_decode_layers.argtypes = [
         _i32, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i32, _ptr, _ptr, _ptr, _ptr, _ptr, _i32,
@@ -610,25 +612,33 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     return x
 
 
-# ---- causal prefill attention in bf16 (csrc/prefill_attention.c) ----
+# ---- causal prefill attention in bf16 and fp32 (csrc/prefill_attention.c) ----
 
 
-def prefill_attention_available() -> bool:
-    """Whether the library has its AVX-512 BF16 prefill attention."""
+def prefill_attention_available(dtype: torch.dtype = torch.bfloat16) -> bool:
+    """Whether the library has its prefill attention for `dtype`: bf16 on AVX-512 BF16, fp32 on
+    AVX2 + FMA."""
     lib, _ = _library()
-    return lib is not None and bool(lib.hm_prefill_attention_bf16_available())
+    name = _PREFILL_ATTENTION.get(dtype)
+    return lib is not None and name is not None and bool(getattr(lib, f"{name}_available")())
 
 
-def prefill_attention_bf16(q, k_blocks, v_blocks, table, start, scale, out) -> None:
-    """Write into `out` [T, QH, D] (bf16, contiguous) the causal attention of q [T, QH, D] at
-    positions start.. over the keys in k_blocks/v_blocks [num_blocks, bs, KVH, D] named by
-    `table` (int64, contiguous, ids checked by the caller); all bf16, unit stride along D, K and
-    V with equal strides (kernels/prefill_attn.py checks)."""
+_PREFILL_ATTENTION = {
+    torch.bfloat16: "hm_prefill_attention_bf16",
+    torch.float32: "hm_prefill_attention_f32",
+}
+
+
+def prefill_attention(q, k_blocks, v_blocks, table, start, scale, out) -> None:
+    """Write into `out` [T, QH, D] (q's dtype, contiguous) the causal attention of q [T, QH, D]
+    at positions start.. over the keys in k_blocks/v_blocks [num_blocks, bs, KVH, D] named by
+    `table` (int64, contiguous, ids checked by the caller); all bf16 or all fp32, unit stride
+    along D, K and V with equal strides (kernels/prefill_attn.py checks)."""
     lib, _ = _library()
     t, q_heads, d = q.shape
     _, block_size, kv_heads, _ = k_blocks.shape
     s = k_blocks.stride()
-    failed = lib.hm_prefill_attention_bf16(
+    failed = getattr(lib, _PREFILL_ATTENTION[q.dtype])(
         q.data_ptr(), q.stride(0), q.stride(1), k_blocks.data_ptr(), v_blocks.data_ptr(),
         s[0], s[1], s[2], table.data_ptr(), block_size, t, start, q_heads, kv_heads, d, scale,
         out.data_ptr(), out.stride(0), torch.get_num_threads(),
