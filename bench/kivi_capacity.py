@@ -449,7 +449,7 @@ def main(argv=None) -> int:
     import torch
 
     from model import load_model_info
-    from servekit import DTYPE_NAMES, blocks_needed
+    from servekit import blocks_needed, torch_dtype
 
     t_start = time.perf_counter()
     load_start = os.getloadavg()[0]
@@ -457,7 +457,7 @@ def main(argv=None) -> int:
     info = load_model_info(args.model)
     mc = info.config
     args.vocab = mc.vocab_size
-    dtype = DTYPE_NAMES[args.dtype]
+    dtype = torch_dtype(args.dtype)
     bs = args.block_size
     need = blocks_needed(args.prompt_tokens, args.new_tokens, bs)
     seq_tokens = args.prompt_tokens + args.new_tokens
