@@ -305,7 +305,7 @@ def prefill_attention(device, dtype, tokens: int, timed, repeats: int) -> dict:
         out[name] = secs
     fast, sdpa = out["dispatch"], out["sdpa"]
     print(
-        f"prefill attention, {tokens} tokens {str(dtype)[6:]} x {LAYERS} layers: "
+        f"prefill attention, {tokens} tokens {kernels.dtype_name(dtype)} x {LAYERS} layers: "
         f"dispatch {fast * 1e3:.1f} ms "
         f"({flops / fast / 1e9:.0f} GFLOP/s), SDPA {sdpa * 1e3:.1f} ms "
         f"({flops / sdpa / 1e9:.0f} GFLOP/s): {sdpa / fast:.2f}x",
@@ -313,7 +313,7 @@ def prefill_attention(device, dtype, tokens: int, timed, repeats: int) -> dict:
     )
     return {
         "prefill_attn_tokens": tokens,
-        "prefill_attn_dtype": str(dtype).removeprefix("torch."),
+        "prefill_attn_dtype": kernels.dtype_name(dtype),
         "prefill_attn_step_ms": round(fast * 1e3, 2),
         "prefill_attn_sdpa_step_ms": round(sdpa * 1e3, 2),
         "prefill_attn_gflops": round(flops / fast / 1e9, 1),

@@ -901,17 +901,13 @@ class Conductor(GrpcServer, pb_grpc.ConductorServicer):
     ) -> pb.ClearCacheReply:
         reply = pb.ClearCacheReply()
         for address in self.config.store_addresses:
-            client = StoreControl(
-                address, timeout_s=self.config.load_timeout_s, security=self.config.security
-            )
             try:
-                reply.store_blocks += client.clear()
+                with self._store(address) as store:
+                    reply.store_blocks += store.clear()
             except Exception as exc:  # noqa: BLE001 - a half-cleared cluster must say so
                 context.abort(
                     grpc.StatusCode.UNAVAILABLE, f"store {address} could not be cleared: {exc}"
                 )
-            finally:
-                client.close()
         for w in [w for w in self._workers if w.kind == "prefill"]:
             try:
                 cleared = w.stub.ClearCache(
@@ -925,17 +921,18 @@ class Conductor(GrpcServer, pb_grpc.ConductorServicer):
             reply.device_blocks += cleared.device_blocks
         return reply
 
+    def _store(self, address: str) -> StoreControl:
+        """A control connection to one store node (TLS and the cluster token as configured)."""
+        return StoreControl(
+            address, timeout_s=self.config.load_timeout_s, security=self.config.security
+        )
+
     def _store_status(self, address: str) -> pb.StoreStatus:
         """One store node's tiers; an unreachable store shows up with none (logged, counted)."""
         st = pb.StoreStatus(address=address)
         try:
-            client = StoreControl(
-                address, timeout_s=self.config.load_timeout_s, security=self.config.security
-            )
-            try:
-                stats = client.stats()
-            finally:
-                client.close()
+            with self._store(address) as store:
+                stats = store.stats()
         except Exception as exc:  # noqa: BLE001 - any failure: report the store empty, say why
             self.m_errors.labels("store_status").inc()
             log.warning("store %s did not answer a stats request: %r", address, exc)

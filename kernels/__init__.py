@@ -5,7 +5,7 @@ computes block keys (the conductor) needs, and importing torch alone costs a pro
 
 import importlib
 
-from kernels.layout_id import full_layout_id, kivi_layout_id, mla_layout_id
+from kernels.layout_id import dtype_name, full_layout_id, kivi_layout_id, mla_layout_id
 
 # public name -> the module that defines it (all of them import torch)
 _LAZY = {
@@ -107,6 +107,7 @@ def __getattr__(name: str):
 
 
 __all__ = [
+    "dtype_name",
     "full_layout_id",
     "kivi_layout_id",
     "mla_layout_id",

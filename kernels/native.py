@@ -615,18 +615,19 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
 # ---- causal prefill attention in bf16 and fp32 (csrc/prefill_attention.c) ----
 
 
+# dtype -> the library's prefill attention for it (and `<name>_available`)
+_PREFILL_ATTENTION = {
+    torch.bfloat16: "hm_prefill_attention_bf16",
+    torch.float32: "hm_prefill_attention_f32",
+}
+
+
 def prefill_attention_available(dtype: torch.dtype = torch.bfloat16) -> bool:
     """Whether the library has its prefill attention for `dtype`: bf16 on AVX-512 BF16, fp32 on
     AVX2 + FMA."""
     lib, _ = _library()
     name = _PREFILL_ATTENTION.get(dtype)
     return lib is not None and name is not None and bool(getattr(lib, f"{name}_available")())
-
-
-_PREFILL_ATTENTION = {
-    torch.bfloat16: "hm_prefill_attention_bf16",
-    torch.float32: "hm_prefill_attention_f32",
-}
 
 
 def prefill_attention(q, k_blocks, v_blocks, table, start, scale, out) -> None:

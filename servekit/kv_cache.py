@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, NamedTuple
 
-from kernels import kivi_layout_id
+from kernels import dtype_name, kivi_layout_id
 
 if TYPE_CHECKING:
     import torch
@@ -112,7 +112,7 @@ def kv_cache_layout(model_config, config, dtype: torch.dtype) -> KVLayout:
 
     from kernels import KiviKVLayout
 
-    kind, stored = _stored_dtype(model_config, config, str(dtype).removeprefix("torch."))
+    kind, stored = _stored_dtype(model_config, config, dtype_name(dtype))
     c = model_config
     if not kind.kivi_bits:
         # the architecture's own layout (per-head K/V, or an MLA latent row), stored raw or in
