@@ -1,10 +1,10 @@
 """Shared test set-up: Triton kernels run in the interpreter when there is no GPU."""
 
 import os
-import socket
 
 import pytest
 import torch
+from ports import free_port_run
 
 if not torch.cuda.is_available():
     # Must be set before any @triton.jit decorator runs, i.e. before kernels/ is imported.
@@ -13,10 +13,8 @@ if not torch.cuda.is_available():
 
 @pytest.fixture
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port on 127.0.0.1 that nothing listens on now and the kernel will not hand out."""
+    return free_port_run(1)
 
 
 # One torch thread per test process: with 2 cores shared by servers and test code, a second

@@ -19,6 +19,7 @@ import pytest
 from client import SHIPPED_TRACE, AsyncClient, Client, Scaling, replay_trace
 from client.cli import main as cli_main
 from deploy import Cluster, load_cluster_config
+from ports import free_port_run
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -63,31 +64,9 @@ def _wait_gone(pids, timeout_s=20.0) -> list[str]:
     return left
 
 
-def _free_port_run(n: int) -> int:
-    """A port p with p..p+n-1 all free on 127.0.0.1 right now."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + n > 65535:
-            continue
-        try:
-            socks = []
-            for i in range(n):
-                socks.append(socket.socket())
-                socks[-1].bind(("127.0.0.1", base + i))
-            return base
-        except OSError:
-            continue
-        finally:
-            for x in socks:
-                x.close()
-    raise RuntimeError("no run of free ports")
-
-
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    metrics = _free_port_run(4)
+    metrics = free_port_run(4)
     cfg = load_cluster_config(
         None, _overrides(tmp_path_factory.mktemp("cluster")) + [f"metrics_base_port={metrics}"]
     )
