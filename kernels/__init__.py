@@ -88,6 +88,7 @@ _LAZY = {
             "silu_mul",
             "tensor_nbytes",
             "unpack",
+            "weight_rows",
         ),
         "kernels.packed_linear",
     ),
@@ -158,4 +159,5 @@ __all__ = [
     "silu_mul",
     "tensor_nbytes",
     "unpack",
+    "weight_rows",
 ]

@@ -527,6 +527,16 @@ def unpack_panels(panels: torch.Tensor) -> torch.Tensor:
     return panels.permute(0, 2, 1).reshape(n, k)
 
 
+def panel_rows(panels: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Rows `rows` [n] of the [N, K] weight that pack_panels packed -> [n, K], gathered from the
+    panels without unpacking the rest (a tied LM head's panels serve as the embedding)."""
+    n, k = panels_shape(panels)
+    p, r = rows // PANEL, rows % PANEL
+    if panels.dtype == torch.bfloat16:  # row r's inputs lie by pairs in lanes 2r, 2r + 1
+        return panels.view(n // PANEL, k // 2, PANEL, 2)[p, :, r, :].reshape(-1, k)
+    return panels[p, :, r]
+
+
 def _rows(t: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """t as rows [R, last dim] of `dtype` with unit stride along a row (a copy only where
     needed)."""

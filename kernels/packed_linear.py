@@ -163,6 +163,14 @@ def unpack(weight: torch.Tensor) -> torch.Tensor:
     return weight
 
 
+def weight_rows(weight: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Rows `rows` [n] of a plain or panel-packed [N, K] weight -> [n, K] (an embedding lookup
+    in a tied head)."""
+    if weight.dim() == 3:
+        return native.panel_rows(weight, rows)
+    return unpack(weight)[rows]
+
+
 def tensor_nbytes(t: torch.Tensor) -> int:
     """Bytes a tensor's values take, packed or not (a oneDNN tensor has no storage to ask)."""
     return t.numel() * t.element_size()

@@ -127,12 +127,10 @@ class LlamaModel(nn.Module):
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         """The embedding rows of `token_ids` [n] -> [n, hidden], from the plain table or, where
-        a tied head replaced it, from the head's panels ([vocab / w, hidden, w]: row r is
-        panel r // w, lane r % w)."""
+        a tied head replaced it, gathered from the head's panels."""
         if self.embed_tokens is not None:
             return self.embed_tokens[token_ids]
-        lanes = self.packed_head.shape[-1]
-        return self.packed_head[token_ids // lanes, :, token_ids % lanes]
+        return kernels.weight_rows(self.packed_head, token_ids)
 
     # ---- weights in oneDNN's packed layout (kernels/packed_linear.py) ----
 

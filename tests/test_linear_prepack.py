@@ -54,6 +54,18 @@ def test_packed_linear_equals_dense(rows, pack):
     assert kernels.linear(x, w).equal(F.linear(x, w))  # a plain weight goes to F.linear
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_gathered_from_panels_are_the_weights_rows(dtype):
+    """A tied head in panels serves as the embedding: rows gathered from it are the plain
+    weight's rows, bit for bit, in either panel layout (fp32 lanes, bf16 pairs of inputs)."""
+    w = torch.randn(64, 40, generator=torch.Generator().manual_seed(5)).to(dtype)
+    if not native.panels_supported(w):
+        pytest.skip(f"no {dtype} panels on this CPU")
+    rows = torch.tensor([0, 17, 63, 17, 30, 1])
+    assert torch.equal(kernels.weight_rows(native.pack_panels(w), rows), w[rows])
+    assert torch.equal(kernels.weight_rows(w, rows), w[rows])
+
+
 def test_prepack_picks_the_form_each_weight_fits():
     panels_here = native.panels_supported(torch.ones(16, 1))
     assert kernels.prepack(torch.randn(32, 8)).dim() == (3 if panels_here else 2)
