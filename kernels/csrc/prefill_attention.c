@@ -23,6 +23,11 @@
  * keys) first; a tile's rows are its tokens x the G query heads sharing the KV head, walked in
  * panels of HM_PR rows against each block of HM_KB keys, so a key block is read from cache by
  * every panel while the tile's output accumulators (fp32) stay in a per-thread buffer.
+ *
+ * One driver (hm_prefill_run, at the end) packs, walks the tiles and panels and writes the rows
+ * for both dtypes; each dtype supplies its packing, its panel and its row store (hm_prefill_isa).
+ * The driver calls them through pointers once per chunk, panel and row, against thousands of
+ * multiply-adds inside each, so the indirection costs nothing measurable.
  */
 
 #include <math.h>
@@ -34,8 +39,52 @@
 #include <immintrin.h>
 #define HM_PREFILL_BF16 1
 #endif
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define HM_PREFILL_F32 1
+#endif
 
 #include "hm_exp.h"
+
+/* Where a sequence's keys and values lie: key position p of KV head h at
+ * k + elem * (table[p / block_size] * block_stride + (p % block_size) * tok_stride +
+ * h * head_stride), V the same. */
+typedef struct {
+  const char *k, *v;
+  int64_t block_stride, tok_stride, head_stride; /* elements */
+  const int64_t *table;
+  int64_t block_size;
+  int elem; /* bytes per element */
+} hm_kv_view;
+
+static inline const void *hm_kv_row(const hm_kv_view *kv, const char *base, int64_t p, int h) {
+  return base + kv->elem * (kv->table[p / kv->block_size] * kv->block_stride +
+                            (p % kv->block_size) * kv->tok_stride + (int64_t)h * kv->head_stride);
+}
+
+/* One dtype's part of the kernel. A chunk of `chunk` keys packs into chunk * D elements of keys
+ * and as many of values, laid out as its panel reads them; a key block is `nc` chunks. */
+typedef struct {
+  int elem, chunk, nc, rows; /* bytes per element, keys per chunk, chunks per block, panel rows */
+  int d_multiple;            /* head_dim must be a multiple of it */
+  /* keys and values [c * chunk, c * chunk + chunk) of head h; zeros past s */
+  void (*pack)(const hm_kv_view *kv, int h, int c, int64_t s, int d, void *kt, void *vp);
+  /* n <= rows query rows against key block kb: the online softmax update of m, l and the rows'
+   * fp32 accumulators o [n][d] */
+  void (*panel)(int n, const void *const *qrow, const int64_t *pos, int kb, int masked,
+                const void *kt, const void *vp, int d, float scale, float *m, float *l, float *o);
+  void (*store)(const float *o, float inv, void *dst, int d); /* dst[:d] = o[:d] * inv */
+} hm_prefill_isa;
+
+#define HM_PR_MAX 8 /* the most panel rows any dtype uses (the driver's row arrays) */
+
+#if defined(HM_PREFILL_BF16) || defined(HM_PREFILL_F32)
+static int hm_prefill_run(const hm_prefill_isa *isa, const void *q, int64_t q_tok,
+                          int64_t q_head, const void *k, const void *v, int64_t block_stride,
+                          int64_t tok_stride, int64_t head_stride, const int64_t *table,
+                          int64_t block_size, int t, int start, int q_heads, int kv_heads, int d,
+                          float scale, void *out, int64_t out_stride, int threads);
+#endif
 
 #define HM_TILE 32 /* query tokens per work item */
 /* chunks of 16 keys per key block, even (the softmax converts them by pairs). On a CPU with two
@@ -58,23 +107,11 @@ int hm_prefill_attention_bf16_available(void) {
 
 #ifdef HM_PREFILL_BF16
 
-typedef struct {
-  const uint16_t *k, *v;
-  int64_t block_stride, tok_stride, head_stride; /* elements */
-  const int64_t *table;
-  int64_t block_size;
-} hm_kv_view;
-
-static inline const uint16_t *hm_kv_row(const hm_kv_view *kv, const uint16_t *base, int64_t p,
-                                        int h) {
-  return base + kv->table[p / kv->block_size] * kv->block_stride +
-         (p % kv->block_size) * kv->tok_stride + (int64_t)h * kv->head_stride;
-}
-
 /* Keys [c*16, c*16 + 16) of head h as kt[D/2][16] pairs; values pairs [c*8, c*8 + 8) as
  * vp[8][D] pairs. */
-static void hm_pack_chunk(const hm_kv_view *kv, int h, int c, int64_t s, int d, uint32_t *kt,
-                          uint32_t *vp) {
+static void hm_pack_chunk(const hm_kv_view *kv, int h, int c, int64_t s, int d, void *ktv,
+                          void *vpv) {
+  uint32_t *kt = ktv, *vp = vpv;
   const int dh = d / 2;
   for (int j = 0; j < 16; j++) {
     const int64_t p = (int64_t)c * 16 + j;
@@ -184,9 +221,10 @@ static inline __attribute__((always_inline)) void hm_panel(
   }
 }
 
-static void hm_panel_n(int n, const uint16_t *const *qrow, const int64_t *pos, int kb, int masked,
-                       const uint32_t *kt, const uint32_t *vp, int d, float scale, float *m,
-                       float *l, float *o) {
+static void hm_panel_n(int n, const void *const *qrowv, const int64_t *pos, int kb, int masked,
+                       const void *kt, const void *vp, int d, float scale, float *m, float *l,
+                       float *o) {
+  const uint16_t *const *qrow = (const uint16_t *const *)qrowv;
   switch (n) { /* each a copy with its row count a constant, so its accumulators are registers */
 #define HM_PANEL_CASE(R) \
   case R: hm_panel(R, qrow, pos, kb, masked, kt, vp, d, scale, m, l, o); break;
@@ -195,6 +233,19 @@ static void hm_panel_n(int n, const uint16_t *const *qrow, const int64_t *pos, i
 #undef HM_PANEL_CASE
   }
 }
+
+static void hm_store_row(const float *o, float inv, void *dstv, int d) {
+  uint16_t *dst = dstv;
+  const __m512 vinv = _mm512_set1_ps(inv);
+  for (int c = 0; c < d; c += 16) {
+    const __m256bh b = _mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(o + c), vinv));
+    memcpy(dst + c, &b, sizeof b);
+  }
+}
+
+_Static_assert(HM_PR <= HM_PR_MAX, "the driver's row arrays hold HM_PR_MAX rows");
+static const hm_prefill_isa hm_prefill_bf16_isa = {
+    2, 16, HM_NC, HM_PR, 32, hm_pack_chunk, hm_panel_n, hm_store_row};
 
 #endif
 
@@ -213,73 +264,9 @@ int hm_prefill_attention_bf16(const uint16_t *q, int64_t q_tok, int64_t q_head, 
   (void)kv_heads; (void)d; (void)scale; (void)out; (void)out_stride; (void)threads;
   return -2;
 #else
-  if (t <= 0 || start < 0 || d % 32 || d > 256 || kv_heads <= 0 || q_heads % kv_heads ||
-      block_size <= 0)
-    return -3;
-  const int g = q_heads / kv_heads;
-  const int64_t s = (int64_t)start + t;
-  const int64_t nkb = (s + HM_KB - 1) / HM_KB, chunks = HM_NC * nkb;
-  const int64_t kt_head = chunks * (d / 2) * 16, vp_head = chunks * 8 * (int64_t)d; /* uint32s */
-  uint32_t *kt = aligned_alloc(64, (size_t)(kt_head + vp_head) * kv_heads * 4);
-  if (!kt) return -1;
-  uint32_t *vp = kt + kt_head * kv_heads;
-  const hm_kv_view kv = {k, v, block_stride, tok_stride, head_stride, table, block_size};
-#pragma omp parallel for num_threads(threads) schedule(static)
-  for (int64_t i = 0; i < chunks * kv_heads; i++) {
-    const int h = (int)(i / chunks), c = (int)(i % chunks);
-    hm_pack_chunk(&kv, h, c, s, d, kt + h * kt_head + (int64_t)c * (d / 2) * 16,
-                  vp + h * vp_head + (int64_t)c * 8 * d);
-  }
-  const int tiles = (t + HM_TILE - 1) / HM_TILE, rows_max = HM_TILE * g;
-  int failed = 0;
-#pragma omp parallel num_threads(threads)
-  {
-    float *o = aligned_alloc(64, (size_t)rows_max * (d + 2) * 4);
-    float *m = o ? o + (int64_t)rows_max * d : NULL, *l = m ? m + rows_max : NULL;
-    if (!o) {
-#pragma omp atomic write
-      failed = 1;
-    }
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t item = 0; item < (int64_t)tiles * kv_heads; item++) {
-      if (!o) continue;
-      const int tile = tiles - 1 - (int)(item / kv_heads), h = (int)(item % kv_heads);
-      const int i0 = tile * HM_TILE, i1 = i0 + HM_TILE < t ? i0 + HM_TILE : t;
-      const int rows = (i1 - i0) * g;
-      for (int r = 0; r < rows; r++) m[r] = -INFINITY, l[r] = 0.0f;
-      memset(o, 0, (size_t)rows * d * 4);
-      const uint32_t *hkt = kt + h * kt_head, *hvp = vp + h * vp_head;
-      const int64_t first = (int64_t)start + i0, last = (int64_t)start + i1 - 1;
-      const int blocks = (int)(last / HM_KB) + 1;
-      for (int kb = 0; kb < blocks; kb++) {
-        const int masked = (int64_t)kb * HM_KB + HM_KB - 1 > first;
-        for (int r0 = 0; r0 < rows; r0 += HM_PR) {
-          const int n = rows - r0 < HM_PR ? rows - r0 : HM_PR;
-          const uint16_t *qrow[HM_PR];
-          int64_t pos[HM_PR];
-          for (int r = 0; r < n; r++) { /* row r0 + r: token i0 + (r0+r)/g, head h*g + (r0+r)%g */
-            const int i = i0 + (r0 + r) / g, qh = h * g + (r0 + r) % g;
-            qrow[r] = q + (int64_t)i * q_tok + (int64_t)qh * q_head;
-            pos[r] = (int64_t)start + i;
-          }
-          hm_panel_n(n, qrow, pos, kb, masked, hkt, hvp, d, scale, m + r0, l + r0,
-                     o + (int64_t)r0 * d);
-        }
-      }
-      for (int r = 0; r < rows; r++) {
-        const int i = i0 + r / g, qh = h * g + r % g;
-        const __m512 inv = _mm512_set1_ps(1.0f / l[r]);
-        uint16_t *dst = out + (int64_t)i * out_stride + (int64_t)qh * d;
-        for (int c = 0; c < d; c += 16) {
-          const __m256bh b = _mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(o + r * d + c), inv));
-          memcpy(dst + c, &b, sizeof b);
-        }
-      }
-    }
-    free(o);
-  }
-  free(kt);
-  return failed ? -1 : 0;
+  return hm_prefill_run(&hm_prefill_bf16_isa, q, q_tok, q_head, k, v, block_stride, tok_stride,
+                        head_stride, table, block_size, t, start, q_heads, kv_heads, d, scale,
+                        out, out_stride, threads);
 #endif
 }
 
@@ -294,10 +281,6 @@ int hm_prefill_attention_bf16(const uint16_t *q, int64_t q_tok, int64_t q_head, 
  * weighted value to 8 output channels). A key block is HM_FNC chunks; a panel of HM_FPR rows
  * keeps its HM_FPR x HM_FNC score accumulators in registers (of 16), then HM_FPR x 2 output ones
  * per 16 channels. */
-
-#if defined(__AVX2__) && defined(__FMA__)
-#define HM_PREFILL_F32 1
-#endif
 
 /* chunks of 8 keys per key block, and rows per panel (hm_panel_f_n has a case for each count up
  * to it). On the AVX2 EPYC, 1,024 tokens of SmolLM2 (ms a layer, 2 threads): 4 x 3 15.8, 3 x 3
@@ -317,29 +300,17 @@ int hm_prefill_attention_f32_available(void) {
 
 #ifdef HM_PREFILL_F32
 
-typedef struct {
-  const float *k, *v;
-  int64_t block_stride, tok_stride, head_stride; /* elements */
-  const int64_t *table;
-  int64_t block_size;
-} hm_kv_view_f;
-
-static inline const float *hm_kv_row_f(const hm_kv_view_f *kv, const float *base, int64_t p,
-                                       int h) {
-  return base + kv->table[p / kv->block_size] * kv->block_stride +
-         (p % kv->block_size) * kv->tok_stride + (int64_t)h * kv->head_stride;
-}
-
 /* Keys [c*8, c*8 + 8) of head h as kt[D][8], their values as rows vr[8][D]; zeros past s. */
-static void hm_pack_chunk_f(const hm_kv_view_f *kv, int h, int c, int64_t s, int d, float *kt,
-                            float *vr) {
+static void hm_pack_chunk_f(const hm_kv_view *kv, int h, int c, int64_t s, int d, void *ktv,
+                            void *vrv) {
+  float *kt = ktv, *vr = vrv;
   for (int j = 0; j < 8; j++) {
     const int64_t p = (int64_t)c * 8 + j;
     float *row = vr + (int64_t)j * d;
     if (p < s) {
-      const float *key = hm_kv_row_f(kv, kv->k, p, h);
+      const float *key = hm_kv_row(kv, kv->k, p, h);
       for (int q = 0; q < d; q++) kt[q * 8 + j] = key[q];
-      memcpy(row, hm_kv_row_f(kv, kv->v, p, h), (size_t)d * 4);
+      memcpy(row, hm_kv_row(kv, kv->v, p, h), (size_t)d * 4);
     } else {
       for (int q = 0; q < d; q++) kt[q * 8 + j] = 0.0f;
       memset(row, 0, (size_t)d * 4);
@@ -430,9 +401,11 @@ static inline __attribute__((always_inline)) void hm_panel_f(
   }
 }
 
-static void hm_panel_f_n(int n, const float *const *qrow, const int64_t *pos, int kb, int masked,
-                         const float *kt, const float *vr, int d, float scale, float *m, float *l,
+static void hm_panel_f_n(int n, const void *const *qrowv, const int64_t *pos, int kb, int masked,
+                         const void *ktv, const void *vrv, int d, float scale, float *m, float *l,
                          float *o) {
+  const float *const *qrow = (const float *const *)qrowv;
+  const float *kt = ktv, *vr = vrv;
   switch (n) { /* each a copy with its row count a constant, so its accumulators are registers */
 #define HM_PANEL_F_CASE(R) \
   case R: hm_panel_f(R, qrow, pos, kb, masked, kt, vr, d, scale, m, l, o); break;
@@ -441,6 +414,17 @@ static void hm_panel_f_n(int n, const float *const *qrow, const int64_t *pos, in
 #undef HM_PANEL_F_CASE
   }
 }
+
+static void hm_store_row_f(const float *o, float inv, void *dstv, int d) {
+  float *dst = dstv;
+  const __m256 vinv = _mm256_set1_ps(inv);
+  for (int c = 0; c < d; c += 8)
+    _mm256_storeu_ps(dst + c, _mm256_mul_ps(_mm256_loadu_ps(o + c), vinv));
+}
+
+_Static_assert(HM_FPR <= HM_PR_MAX, "the driver's row arrays hold HM_PR_MAX rows");
+static const hm_prefill_isa hm_prefill_f32_isa = {
+    4, 8, HM_FNC, HM_FPR, 16, hm_pack_chunk_f, hm_panel_f_n, hm_store_row_f};
 
 #endif
 
@@ -457,24 +441,42 @@ int hm_prefill_attention_f32(const float *q, int64_t q_tok, int64_t q_head, cons
   (void)kv_heads; (void)d; (void)scale; (void)out; (void)out_stride; (void)threads;
   return -2;
 #else
-  if (t <= 0 || start < 0 || d % 16 || d > 256 || kv_heads <= 0 || q_heads % kv_heads ||
-      block_size <= 0)
+  return hm_prefill_run(&hm_prefill_f32_isa, q, q_tok, q_head, k, v, block_stride, tok_stride,
+                        head_stride, table, block_size, t, start, q_heads, kv_heads, d, scale,
+                        out, out_stride, threads);
+#endif
+}
+
+/* ---- the driver, shared by both dtypes ---- */
+
+#if defined(HM_PREFILL_BF16) || defined(HM_PREFILL_F32)
+static int hm_prefill_run(const hm_prefill_isa *isa, const void *q, int64_t q_tok,
+                          int64_t q_head, const void *k, const void *v, int64_t block_stride,
+                          int64_t tok_stride, int64_t head_stride, const int64_t *table,
+                          int64_t block_size, int t, int start, int q_heads, int kv_heads, int d,
+                          float scale, void *out, int64_t out_stride, int threads) {
+  if (t <= 0 || start < 0 || d % isa->d_multiple || d > 256 || kv_heads <= 0 ||
+      q_heads % kv_heads || block_size <= 0)
     return -3;
-  const int g = q_heads / kv_heads;
+  const int g = q_heads / kv_heads, kb_keys = isa->chunk * isa->nc;
   const int64_t s = (int64_t)start + t;
-  const int64_t nkb = (s + HM_FKB - 1) / HM_FKB, chunks = HM_FNC * nkb;
-  const int64_t head_floats = chunks * 8 * (int64_t)d; /* of keys, and as many of values */
-  float *kt = aligned_alloc(64, (size_t)head_floats * 2 * kv_heads * 4);
+  const int64_t chunks = isa->nc * ((s + kb_keys - 1) / kb_keys);
+  const int64_t chunk_bytes = (int64_t)isa->chunk * d * isa->elem; /* of keys; as many of values */
+  const int64_t head_bytes = chunks * chunk_bytes;
+  char *kt = aligned_alloc(64, (size_t)head_bytes * 2 * kv_heads);
   if (!kt) return -1;
-  float *vr = kt + head_floats * kv_heads;
-  const hm_kv_view_f kv = {k, v, block_stride, tok_stride, head_stride, table, block_size};
+  char *vp = kt + head_bytes * kv_heads;
+  const hm_kv_view kv = {k, v, block_stride, tok_stride, head_stride, table, block_size,
+                         isa->elem};
 #pragma omp parallel for num_threads(threads) schedule(static)
   for (int64_t i = 0; i < chunks * kv_heads; i++) {
     const int h = (int)(i / chunks), c = (int)(i % chunks);
-    hm_pack_chunk_f(&kv, h, c, s, d, kt + h * head_floats + (int64_t)c * 8 * d,
-                    vr + h * head_floats + (int64_t)c * 8 * d);
+    isa->pack(&kv, h, c, s, d, kt + h * head_bytes + c * chunk_bytes,
+              vp + h * head_bytes + c * chunk_bytes);
   }
-  const int tiles = (t + HM_TILE - 1) / HM_TILE, rows_max = HM_TILE * g;
+  const char *qb = q;
+  char *ob = out;
+  const int tiles = (t + HM_TILE - 1) / HM_TILE, rows_max = HM_TILE * g, pr = isa->rows;
   int failed = 0;
 #pragma omp parallel num_threads(threads)
   {
@@ -492,35 +494,33 @@ int hm_prefill_attention_f32(const float *q, int64_t q_tok, int64_t q_head, cons
       const int rows = (i1 - i0) * g;
       for (int r = 0; r < rows; r++) m[r] = -INFINITY, l[r] = 0.0f;
       memset(o, 0, (size_t)rows * d * 4);
-      const float *hkt = kt + h * head_floats, *hvr = vr + h * head_floats;
+      const char *hkt = kt + h * head_bytes, *hvp = vp + h * head_bytes;
       const int64_t first = (int64_t)start + i0, last = (int64_t)start + i1 - 1;
-      const int blocks = (int)(last / HM_FKB) + 1;
+      const int blocks = (int)(last / kb_keys) + 1;
       for (int kb = 0; kb < blocks; kb++) {
-        const int masked = (int64_t)kb * HM_FKB + HM_FKB - 1 > first;
-        for (int r0 = 0; r0 < rows; r0 += HM_FPR) {
-          const int n = rows - r0 < HM_FPR ? rows - r0 : HM_FPR;
-          const float *qrow[HM_FPR];
-          int64_t pos[HM_FPR];
+        const int masked = (int64_t)kb * kb_keys + kb_keys - 1 > first;
+        for (int r0 = 0; r0 < rows; r0 += pr) {
+          const int n = rows - r0 < pr ? rows - r0 : pr;
+          const void *qrow[HM_PR_MAX];
+          int64_t pos[HM_PR_MAX];
           for (int r = 0; r < n; r++) { /* row r0 + r: token i0 + (r0+r)/g, head h*g + (r0+r)%g */
             const int i = i0 + (r0 + r) / g, qh = h * g + (r0 + r) % g;
-            qrow[r] = q + (int64_t)i * q_tok + (int64_t)qh * q_head;
+            qrow[r] = qb + isa->elem * ((int64_t)i * q_tok + (int64_t)qh * q_head);
             pos[r] = (int64_t)start + i;
           }
-          hm_panel_f_n(n, qrow, pos, kb, masked, hkt, hvr, d, scale, m + r0, l + r0,
-                       o + (int64_t)r0 * d);
+          isa->panel(n, qrow, pos, kb, masked, hkt, hvp, d, scale, m + r0, l + r0,
+                     o + (int64_t)r0 * d);
         }
       }
       for (int r = 0; r < rows; r++) {
         const int i = i0 + r / g, qh = h * g + r % g;
-        const __m256 inv = _mm256_set1_ps(1.0f / l[r]);
-        float *dst = out + (int64_t)i * out_stride + (int64_t)qh * d;
-        for (int c = 0; c < d; c += 8)
-          _mm256_storeu_ps(dst + c, _mm256_mul_ps(_mm256_loadu_ps(o + r * d + c), inv));
+        isa->store(o + (int64_t)r * d, 1.0f / l[r],
+                   ob + isa->elem * ((int64_t)i * out_stride + (int64_t)qh * d), d);
       }
     }
     free(o);
   }
   free(kt);
   return failed ? -1 : 0;
-#endif
 }
+#endif
