@@ -57,7 +57,7 @@ SOURCES = tuple(
         "threads.c",
     )
 )
-HEADERS = (_CSRC / "hm_exp.h", _CSRC / "hm_bf16.h", _CSRC / "hm_kernels.h")
+HEADERS = tuple(sorted(_CSRC.glob("*.h")))
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 # The C kernel's per-block arrays (csrc/decode_attention.c HM_MAX_BS)
 MAX_BLOCK_SIZE = 256
@@ -157,13 +157,13 @@ def _library() -> tuple[ctypes.CDLL | None, str]:
     lib.hm_release_threads.restype = ctypes.c_int
     lib.hm_copy_hashed.restype = None
     lib.hm_copy_hashed.argtypes = [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _ptr, _ptr]
-    for suffix in ("bf16", "f32"):
+    for suffix, extra in (("bf16", [_i32]), ("f32", [])):  # bf16 takes `amx` last
         getattr(lib, f"hm_prefill_attention_{suffix}_available").restype = ctypes.c_int
         fn = getattr(lib, f"hm_prefill_attention_{suffix}")
         fn.restype = ctypes.c_int
         fn.argtypes = [
             _ptr, _i64, _i64, _ptr, _ptr, _i64, _i64, _i64, _ptr, _i64,
-            _i32, _i32, _i32, _i32, _i32, _f32, _ptr, _i64, _i32,
+            _i32, _i32, _i32, _i32, _i32, _f32, _ptr, _i64, _i32, *extra,
         ]  # fmt: skip
     lib.hm_llama_decode_layers.restype = ctypes.c_int
     lib.hm_llama_decode_layers.argtypes = [
@@ -625,6 +625,9 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
 # ---- causal prefill attention in bf16 and fp32 (csrc/prefill_attention.c) ----
 
 
+# bf16 prefill attention on AMX tiles where the CPU has them (tests turn it off to check the
+# `vdpbf16ps` path on the same CPU)
+PREFILL_AMX = True
 # dtype -> the library's prefill attention for it (and `<name>_available`)
 _PREFILL_ATTENTION = {
     torch.bfloat16: "hm_prefill_attention_bf16",
@@ -649,10 +652,11 @@ def prefill_attention(q, k_blocks, v_blocks, table, start, scale, out) -> None:
     t, q_heads, d = q.shape
     _, block_size, kv_heads, _ = k_blocks.shape
     s = k_blocks.stride()
+    amx = (int(PREFILL_AMX),) if q.dtype == torch.bfloat16 else ()
     failed = getattr(lib, _PREFILL_ATTENTION[q.dtype])(
         q.data_ptr(), q.stride(0), q.stride(1), k_blocks.data_ptr(), v_blocks.data_ptr(),
         s[0], s[1], s[2], table.data_ptr(), block_size, t, start, q_heads, kv_heads, d, scale,
-        out.data_ptr(), out.stride(0), torch.get_num_threads(),
+        out.data_ptr(), out.stride(0), torch.get_num_threads(), *amx,
     )  # fmt: skip
     if failed == -1:
         raise MemoryError("prefill attention could not allocate its packed keys")

@@ -2,7 +2,7 @@
 fp32, against float64 causal attention and torch's SDPA on the same inputs: fresh K/V and a
 cached prefix read in place from a layer-major pool through a shuffled block table, GQA, MQA and
 MHA, head dims 32-128, tiles cut short (the kernel works in tiles of 32 queries, panels of up to
-6 rows, key blocks of 64 in bf16 and 16 in fp32), and bad tables."""
+6 rows, 16 on AMX tiles, key blocks of 64 in bf16 and 32 in fp32), and bad tables."""
 
 from __future__ import annotations
 
@@ -10,18 +10,31 @@ import pytest
 import torch
 
 from kernels import FullKVLayout, prefill_attention
-from kernels.native import prefill_attention_available
+from kernels import native
+from kernels.native import amx_supported, prefill_attention_available
 
-DTYPES = [
-    pytest.param(
-        dtype,
-        marks=pytest.mark.skipif(
-            not prefill_attention_available(dtype), reason=f"no {name} prefill attention here"
-        ),
-        id=name,
+def _path(dtype, amx, name, available):
+    return pytest.param(
+        (dtype, amx), marks=pytest.mark.skipif(not available, reason=f"no {name} here"), id=name
     )
-    for dtype, name in ((torch.bfloat16, "bf16 (AVX-512 BF16)"), (torch.float32, "fp32 (AVX2)"))
+
+
+# each of the kernel's paths on this CPU: bf16 on AMX tiles and on `vdpbf16ps`, fp32
+PATHS = [
+    _path(torch.bfloat16, True, "bf16 (AMX)", prefill_attention_available() and amx_supported()),
+    _path(torch.bfloat16, False, "bf16 (AVX-512 BF16)", prefill_attention_available()),
+    _path(torch.float32, False, "fp32 (AVX2)", prefill_attention_available(torch.float32)),
 ]
+
+
+@pytest.fixture(params=PATHS)
+def dtype(request, monkeypatch):
+    """The kernel path's dtype, with that path chosen for the test."""
+    dtype, amx = request.param
+    monkeypatch.setattr(native, "PREFILL_AMX", amx)
+    return dtype
+
+
 # the kernel's error against float64, at most: bf16 outputs (|x| <~ 1: a rounding step up to
 # 2^-8) and bf16 softmax weights before P.V; fp32 throughout
 MAX_ERR = {torch.bfloat16: 8e-3, torch.float32: 1e-5}
@@ -66,7 +79,6 @@ def pool_case(seed, t, start, q_heads, kv_heads, head_dim, block_size, dtype=tor
         (150, 0, 9, 3, 64, 16),  # several tiles, the last cut short; many key blocks
     ],
 )
-@pytest.mark.parametrize("dtype", DTYPES)
 def test_matches_float64_attention_as_closely_as_sdpa(
     t, start, q_heads, kv_heads, head_dim, block_size, dtype
 ):
@@ -86,7 +98,6 @@ def test_matches_float64_attention_as_closely_as_sdpa(
     assert err.mean() <= 1.25 * sdpa_err.mean() + slack, (err.mean(), sdpa_err.mean())
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
 def test_fresh_keys_as_one_block_equal_the_same_keys_in_the_pool(dtype):
     """The direct path (a fresh K/V of T tokens passed as one block) and the pool path read the
     same values: the same packed keys, the same bits out."""
@@ -97,7 +108,6 @@ def test_fresh_keys_as_one_block_equal_the_same_keys_in_the_pool(dtype):
     assert torch.equal(fresh, pooled)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
 def test_a_bad_table_is_an_error_and_what_does_not_fit_goes_to_sdpa(dtype):
     q, kb, vb, table, _, _ = pool_case(2, 20, 10, 9, 3, 64, 16, dtype)
     bad = table.clone()

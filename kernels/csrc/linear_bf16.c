@@ -23,10 +23,7 @@
 #include "hm_kernels.h"
 #include "hm_bf16.h"
 #include "hm_exp.h"
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-#include <sys/syscall.h>
-#include <unistd.h>
-#endif
+#include "hm_amx.h"
 
 #define HM_NR 16 /* outputs per panel */
 /* Element-wise steps split rows among threads from this many rows up (a prefill chunk); a decode
@@ -139,23 +136,6 @@ static const hm_micro_bf16_fn hm_micros_bf16[HM_MR + 1] = {
  * 1,050 GFLOP/s at 512 rows.) */
 #define HM_AMX_K 32 /* inputs per tile step */
 
-typedef struct {
-  uint8_t palette, start_row, reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-} hm_tilecfg;
-
-static int hm_amx_ready = -1; /* -1 unknown, 0 refused, 1 granted (per process) */
-
-/* Ask the kernel (Linux >= 5.16) for this process's AMX tile state; 1 when granted. */
-static int hm_amx_request(void) {
-  if (hm_amx_ready < 0) {
-    const long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
-    hm_amx_ready = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-  }
-  return hm_amx_ready;
-}
-
 static void hm_amx_config(int rows) {
   hm_tilecfg cfg;
   memset(&cfg, 0, sizeof cfg);
@@ -163,7 +143,7 @@ static void hm_amx_config(int rows) {
   for (int t = 0; t < 5; t++) cfg.colsb[t] = 64;
   cfg.rows[0] = cfg.rows[1] = cfg.rows[2] = (uint8_t)rows; /* accumulators and x: `rows` */
   cfg.rows[3] = cfg.rows[4] = 16;                          /* a panel's 16 lines */
-  _tile_loadconfig(&cfg);
+  hm_tile_loadconfig(&cfg);
 }
 
 /* acc (rows x 16 fp32, row stride 16) into out's 16 columns (row stride ldo), added to what out
