@@ -173,7 +173,9 @@ def run_halfmoon(
             cold.append(ttft)
             say(
                 f"halfmoon: TTFT cold  {ttft:8.1f} ms  "
-                f"(computed {u.computed_prompt_tokens}, cached {u.cached_tokens})"
+                f"(computed {u.computed_prompt_tokens}, cached {u.cached_tokens}; the prefill "
+                f"answered at {u.prefill_answered_ms:.1f} ms: queue {u.queue_ms:.1f}, its round "
+                f"{u.prefill_ms:.1f}; KV transfers {u.transfer_ms:.1f})"
             )
         sampler.sample()  # between workloads, never during one (see MemorySampler)
         one(stub, prompts["seed"], 1)
