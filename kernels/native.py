@@ -151,6 +151,8 @@ def _library() -> tuple[ctypes.CDLL | None, str]:
     lib.hm_rms_norm_bf16.argtypes = [_ptr, _i64, _i32, _i32, _ptr, _f32, _ptr, _i64, _i32]
     lib.hm_silu_mul_bf16.restype = None
     lib.hm_silu_mul_bf16.argtypes = [_ptr, _i64, _i32, _i32, _ptr, _i64, _i32]
+    lib.hm_linear_silu_bf16.restype = ctypes.c_int
+    lib.hm_linear_silu_bf16.argtypes = [_ptr, _i64, _i32, _ptr, _i32, _i32, _ptr, _i64, _i32, _i32]
     lib.hm_linear_bf16_pack.restype = None
     lib.hm_linear_bf16_pack.argtypes = [_ptr, _i32, _i32, _ptr, _i32]
     lib.hm_linear_bf16_available.restype = ctypes.c_int
@@ -546,6 +548,33 @@ def _rows(t: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     return rows
 
 
+def _panel_operands(x: torch.Tensor, panels: torch.Tensor) -> tuple[int, int, torch.Tensor]:
+    """(N, K, x as rows in the panels' dtype), the panels checked."""
+    n, k = panels_shape(panels)
+    if x.shape[-1] != k:
+        raise ValueError(f"linear: x has {x.shape[-1]} features, the weight takes {k}")
+    align = 64 if panels.dtype == torch.bfloat16 else 32
+    if panels.data_ptr() % align or not panels.is_contiguous():
+        raise ValueError(f"linear: packed panels must be contiguous and {align}-byte aligned")
+    return n, k, _rows(x, panels.dtype)
+
+
+def linear_silu_panels(x: torch.Tensor, panels: torch.Tensor) -> torch.Tensor | None:
+    """SwiGLU's silu(gate) * up of x [..., K] times bf16 panels of gate's rows, then up's:
+    [..., N/2], the values of silu_mul(linear_panels(x, panels)) in one pass (AMX tiles: the
+    gate/up output never goes to memory); None where this CPU or shape has no such pass."""
+    lib, _ = _library()
+    n, k, rows = _panel_operands(x, panels)
+    if panels.dtype != torch.bfloat16 or not rows.shape[0]:
+        return None
+    out = torch.empty(rows.shape[0], n // 2, dtype=torch.bfloat16)
+    if lib.hm_linear_silu_bf16(rows.data_ptr(), rows.stride(0), rows.shape[0], panels.data_ptr(),
+                               n, k, out.data_ptr(), out.stride(0), torch.get_num_threads(),
+                               AMX_MIN_ROWS):  # fmt: skip
+        return None
+    return out.reshape(*x.shape[:-1], n // 2)
+
+
 def linear_panels(
     x: torch.Tensor, panels: torch.Tensor, add_to: torch.Tensor | None = None
 ) -> torch.Tensor:
@@ -553,14 +582,8 @@ def linear_panels(
     bf16; x is taken in that dtype); with `add_to` (that dtype, [R, N], unit stride along a
     row) that product is added into it in place, and it is returned."""
     lib, _ = _library()
-    n, k = panels_shape(panels)
+    n, k, rows = _panel_operands(x, panels)
     dtype = panels.dtype
-    if x.shape[-1] != k:
-        raise ValueError(f"linear: x has {x.shape[-1]} features, the weight takes {k}")
-    align = 64 if dtype == torch.bfloat16 else 32
-    if panels.data_ptr() % align or not panels.is_contiguous():
-        raise ValueError(f"linear: packed panels must be contiguous and {align}-byte aligned")
-    rows = _rows(x, dtype)
     if add_to is None:
         out = torch.empty(rows.shape[0], n, dtype=dtype)
     else:

@@ -143,6 +143,14 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def linear_silu_mul(x: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
+    """silu_mul(linear(x, gate_up)): SwiGLU's step of a fused gate/up weight, in the matmul's
+    own pass where the weight is in bf16 panels and the CPU has AMX tiles."""
+    if gate_up.dim() == 3 and (act := native.linear_silu_panels(x, gate_up)) is not None:
+        return act
+    return silu_mul(linear(x, gate_up))
+
+
 def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotary embedding of x [N, heads, D] in place (rotate-half layout, as HF) by cos/sin
     [N, 1, D/2] of x's dtype: one C pass where the kernels take it (fp32, or bf16 with the

@@ -277,7 +277,7 @@ class LlamaModel(nn.Module):
     def _mlp(self, layer: LlamaLayer, x: torch.Tensor) -> torch.Tensor:
         h = _rms_norm(x, layer.post_norm, self.config.rms_norm_eps)
         # the residual is added in place (in the matmul's own pass where it can be)
-        act = kernels.silu_mul(kernels.linear(h, layer.gate_up_proj))
+        act = kernels.linear_silu_mul(h, layer.gate_up_proj)
         return kernels.linear_add_(x, act, layer.down_proj)
 
     def _decode_layers(self, pool: KVPool):

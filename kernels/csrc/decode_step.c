@@ -158,9 +158,12 @@ int hm_llama_decode_layers(int dtype, const hm_llama_shape *s, const void *const
       for (int64_t i = 0; i < n; i++) attn[i] = hm_round_bf16(w->attn_f[i]);
       hm_linear_bf16(attn, q_size, batch, p[2], hid, q_size, x, hid, 1, threads, amx_min_rows);
       hm_rms_norm_bf16(x, hid, batch, hid, p[3], s->eps, w->h, hid, threads);
-      hm_linear_bf16(w->h, hid, batch, p[4], 2 * s->inter, hid, w->gu, 2 * s->inter, 0,
-                     threads, amx_min_rows);
-      hm_silu_mul_bf16(w->gu, 2 * s->inter, batch, s->inter, w->act, s->inter, threads);
+      if (hm_linear_silu_bf16(w->h, hid, batch, p[4], 2 * s->inter, hid, w->act, s->inter,
+                              threads, amx_min_rows)) { /* no fused pass here: the two steps */
+        hm_linear_bf16(w->h, hid, batch, p[4], 2 * s->inter, hid, w->gu, 2 * s->inter, 0,
+                       threads, amx_min_rows);
+        hm_silu_mul_bf16(w->gu, 2 * s->inter, batch, s->inter, w->act, s->inter, threads);
+      }
       hm_linear_bf16(w->act, s->inter, batch, p[5], hid, s->inter, x, hid, 1, threads,
                      amx_min_rows);
     } else {

@@ -10,6 +10,8 @@ int hm_linear(const float *x, int64_t ldx, int m, const float *panels, int n, in
               int64_t ldo, int add, int threads);
 int hm_linear_bf16(const uint16_t *x, int64_t ldx, int m, const uint16_t *panels, int n, int k,
                    uint16_t *out, int64_t ldo, int add, int threads, int amx_min_rows);
+int hm_linear_silu_bf16(const uint16_t *x, int64_t ldx, int m, const uint16_t *panels, int n,
+                        int k, uint16_t *out, int64_t ldo, int threads, int amx_min_rows);
 void hm_rms_norm(const float *x, int64_t ldx, int rows, int dim, const float *w, float eps,
                  float *out, int64_t ldo, int threads);
 void hm_rms_norm_bf16(const uint16_t *x, int64_t ldx, int rows, int dim, const uint16_t *w,

@@ -57,6 +57,25 @@ static inline __m512 hm_bf16_to_ps(const uint16_t *src) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
 }
 
+static inline __m512 hm_round_ps(__m512 v) { /* v rounded to bf16, back in fp32 */
+  const __m256bh h = _mm512_cvtneps_pbh(v);
+  __m256i bits;
+  memcpy(&bits, &h, sizeof bits);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+
+static inline void hm_store_bf16(uint16_t *dst, __m512 v) {
+  const __m256bh h = _mm512_cvtneps_pbh(v);
+  memcpy(dst, &h, sizeof h);
+}
+
+/* bf16(bf16(silu(g)) * u) of 16 lanes of bf16 values g and u (held in fp32), as the reference's
+ * two ops round: SwiGLU's step, whether it reads gate/up from memory or from the matmul. */
+static inline __m512 hm_silu_mul16(__m512 g, __m512 u) {
+  const __m512 e = hm_exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
+  return _mm512_mul_ps(hm_round_ps(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e))), u);
+}
+
 /* The pair x[r][2kp], x[r][2kp + 1] in every 32-bit lane. */
 static inline __m512bh hm_pair(const uint16_t *xr, int kp) {
   int32_t pair;
@@ -170,23 +189,52 @@ static void hm_amx_store(const float *acc, int rows, uint16_t *out, int64_t ldo,
   }
 }
 
+/* A pair's two accumulators (rows x 16 fp32 each) into out: SwiGLU's step of gate and up (each
+ * rounded to bf16 first, as the unfused matmul writes them) into 16 columns when `silu`, else
+ * the two panels' 16 columns each (the second where `two`). */
+static void hm_amx_emit(const float *a0, const float *a1, int rows, uint16_t *out, int64_t ldo,
+                        int add, int two, int silu) {
+  if (silu) {
+    for (int r = 0; r < rows; r++) {
+      const __m512 g = hm_round_ps(_mm512_loadu_ps(a0 + r * 16));
+      hm_store_bf16(out + r * ldo, hm_silu_mul16(g, hm_round_ps(_mm512_loadu_ps(a1 + r * 16))));
+    }
+    return;
+  }
+  hm_amx_store(a0, rows, out, ldo, add);
+  if (two) hm_amx_store(a1, rows, out + HM_NR, ldo, add);
+}
+
+/* out = x times the panels' W^T (+ out where `add`); with `silu`, the panels are gate's then
+ * up's (np even) and out [M, N/2] = silu(gate) * up: panel p goes with panel p + np/2, and their
+ * products meet in the epilogue instead of a [M, N] output that a second pass reads back. */
 static void hm_linear_bf16_amx(const uint16_t *x, int64_t ldx, int m, const uint16_t *panels,
-                               int np, int k, uint16_t *out, int64_t ldo, int add, int threads) {
-  const int kh = k / 2, pairs = (np + 1) / 2;
+                               int np, int k, uint16_t *out, int64_t ldo, int add, int silu,
+                               int threads) {
+  const int kh = k / 2, pairs = silu ? np / 2 : (np + 1) / 2;
   const int64_t panel_elems = (int64_t)kh * 2 * HM_NR;
+  /* a pair's second panel: the next one, or with `silu` the up panel half the panels on */
+  const int64_t second = silu ? (int64_t)(np / 2) * panel_elems : panel_elems;
+  const int step = silu ? 1 : 2; /* panels from one pair's first to the next's */
 #pragma omp parallel num_threads(threads)
   {
-    float acc[2][16 * 16] __attribute__((aligned(64)));
+    float acc[4][16 * 16] __attribute__((aligned(64)));
     int configured = 0;
 #pragma omp for schedule(static)
     for (int g = 0; g < pairs; g++) {
-      const int p0 = 2 * g, two = p0 + 1 < np;
-      const uint16_t *b0 = panels + p0 * panel_elems, *b1 = b0 + panel_elems;
-      /* the next pair lies right after this one: its first panel's lines kk.. are prefetched
-       * with this pair's step kk, the second's as the first's next 2 KB (the pairs' panels are
-       * contiguous, so a step covers 2 KB of the pair that follows, from both of its panels) */
-      const uint16_t *next = b0 + 2 * panel_elems;
-      int prefetch = p0 + 2 < np;
+      const int p0 = step * g, two = silu || p0 + 1 < np;
+      const uint16_t *b0 = panels + p0 * panel_elems, *b1 = b0 + second;
+      uint16_t *col = out + (int64_t)g * HM_NR * (silu ? 1 : 2);
+      /* the next pair's lines of each step kk are prefetched with this pair's: 1 KB of each of
+       * its two panels, in flight while these work */
+      const uint16_t *next0 = b0 + step * panel_elems, *next1 = next0 + second;
+      int prefetch = g + 1 < pairs;
+#define HM_AMX_PREFETCH(kk)                                                           \
+  if (prefetch)                                                                       \
+    for (int line = 0; line < 16 * 64; line += 64) {                                  \
+      _mm_prefetch((const char *)(next0 + (int64_t)(kk) * HM_NR) + line, _MM_HINT_T0); \
+      _mm_prefetch((const char *)(next1 + (int64_t)(kk) * HM_NR) + line, _MM_HINT_T0); \
+    }
       int r0 = 0;
       if (two && m >= 32) { /* 32 rows at a time: each tile loaded feeds two products */
         if (configured != 32) {
@@ -200,9 +248,7 @@ static void hm_linear_bf16_amx(const uint16_t *x, int64_t ldx, int m, const uint
           _tile_zero(2);
           _tile_zero(3);
           for (int kk = 0; kk < k; kk += HM_AMX_K) {
-            if (prefetch)
-              for (int line = 0; line < 2 * 16 * 64; line += 64)
-                _mm_prefetch((const char *)(next + (int64_t)kk * 2 * HM_NR) + line, _MM_HINT_T0);
+            HM_AMX_PREFETCH(kk)
             _tile_loadd(4, xr + kk, ldx * 2);
             _tile_loadd(6, b0 + (int64_t)kk * HM_NR, 64);
             _tile_dpbf16ps(0, 4, 6);
@@ -212,15 +258,13 @@ static void hm_linear_bf16_amx(const uint16_t *x, int64_t ldx, int m, const uint
             _tile_dpbf16ps(2, 5, 6);
             _tile_dpbf16ps(3, 5, 7);
           }
-          uint16_t *o = out + (int64_t)r0 * ldo + p0 * HM_NR;
           _tile_stored(0, acc[0], 64);
-          hm_amx_store(acc[0], 16, o, ldo, add);
           _tile_stored(1, acc[1], 64);
-          hm_amx_store(acc[1], 16, o + HM_NR, ldo, add);
-          _tile_stored(2, acc[0], 64);
-          hm_amx_store(acc[0], 16, o + 16 * ldo, ldo, add);
-          _tile_stored(3, acc[1], 64);
-          hm_amx_store(acc[1], 16, o + 16 * ldo + HM_NR, ldo, add);
+          _tile_stored(2, acc[2], 64);
+          _tile_stored(3, acc[3], 64);
+          uint16_t *o = col + (int64_t)r0 * ldo;
+          hm_amx_emit(acc[0], acc[1], 16, o, ldo, add, 1, silu);
+          hm_amx_emit(acc[2], acc[3], 16, o + 16 * ldo, ldo, add, 1, silu);
         }
       }
       for (; r0 < m; r0 += 16, prefetch = 0) {
@@ -233,9 +277,7 @@ static void hm_linear_bf16_amx(const uint16_t *x, int64_t ldx, int m, const uint
         _tile_zero(0);
         _tile_zero(1);
         for (int kk = 0; kk < k; kk += HM_AMX_K) {
-          if (prefetch) /* the next pair's lines of this step: 2 KB, in flight while these work */
-            for (int line = 0; line < 2 * 16 * 64; line += 64)
-              _mm_prefetch((const char *)(next + (int64_t)kk * 2 * HM_NR) + line, _MM_HINT_T0);
+          HM_AMX_PREFETCH(kk)
           _tile_loadd(2, xr + kk, ldx * 2);
           _tile_loadd(3, b0 + (int64_t)kk * HM_NR, 64);
           _tile_dpbf16ps(0, 2, 3);
@@ -245,12 +287,10 @@ static void hm_linear_bf16_amx(const uint16_t *x, int64_t ldx, int m, const uint
           }
         }
         _tile_stored(0, acc[0], 64);
-        hm_amx_store(acc[0], rows, out + (int64_t)r0 * ldo + p0 * HM_NR, ldo, add);
-        if (two) {
-          _tile_stored(1, acc[1], 64);
-          hm_amx_store(acc[1], rows, out + (int64_t)r0 * ldo + (p0 + 1) * HM_NR, ldo, add);
-        }
+        if (two) _tile_stored(1, acc[1], 64);
+        hm_amx_emit(acc[0], acc[1], rows, col + (int64_t)r0 * ldo, ldo, add, two, silu);
       }
+#undef HM_AMX_PREFETCH
     }
     if (configured) _tile_release();
   }
@@ -266,7 +306,7 @@ int hm_linear_bf16(const uint16_t *x, int64_t ldx, int m, const uint16_t *panels
   const int np = n / HM_NR, kh = k / 2;
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
   if (m >= amx_min_rows && k % HM_AMX_K == 0 && hm_amx_request()) {
-    hm_linear_bf16_amx(x, ldx, m, panels, np, k, out, ldo, add, threads);
+    hm_linear_bf16_amx(x, ldx, m, panels, np, k, out, ldo, add, 0, threads);
     return 0;
   }
 #else
@@ -306,18 +346,6 @@ int hm_linear_bf16_amx_available(void) {
  * Each value is rounded to bf16 where the reference implementation (HF, over torch's bf16 ops)
  * rounds it, so that the results are the same bits up to the order of a sum. */
 
-static inline __m512 hm_round_ps(__m512 v) { /* v rounded to bf16, back in fp32 */
-  const __m256bh h = _mm512_cvtneps_pbh(v);
-  __m256i bits;
-  memcpy(&bits, &h, sizeof bits);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
-}
-
-static inline void hm_store_bf16(uint16_t *dst, __m512 v) {
-  const __m256bh h = _mm512_cvtneps_pbh(v);
-  memcpy(dst, &h, sizeof h);
-}
-
 /* out[r] = w * bf16(x[r] / sqrt(mean(x[r]^2) + eps)), the sum of squares in fp32. */
 void hm_rms_norm_bf16(const uint16_t *x, int64_t ldx, int rows, int dim, const uint16_t *w,
                       float eps, uint16_t *out, int64_t ldo, int threads) {
@@ -346,6 +374,25 @@ void hm_rms_norm_bf16(const uint16_t *x, int64_t ldx, int rows, int dim, const u
   }
 }
 
+/* out [M, N/2] bf16 (row stride ldo) = SwiGLU's silu(gate) * up of x [M, K] times the panels'
+ * W^T, gate's panels first, then up's: the values hm_linear_bf16 then hm_silu_mul_bf16 give, in
+ * one pass on AMX tiles (from amx_min_rows rows up). Returns 0, or 2 where it has no such pass
+ * here (no AMX, K not a multiple of 32, N/16 odd, fewer rows; nothing written): the caller runs
+ * those two. */
+int hm_linear_silu_bf16(const uint16_t *x, int64_t ldx, int m, const uint16_t *panels, int n,
+                        int k, uint16_t *out, int64_t ldo, int threads, int amx_min_rows) {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  const int np = n / HM_NR;
+  if (m >= amx_min_rows && k % HM_AMX_K == 0 && np % 2 == 0 && hm_amx_request()) {
+    hm_linear_bf16_amx(x, ldx, m, panels, np, k, out, ldo, 0, 1, threads);
+    return 0;
+  }
+#endif
+  (void)x, (void)ldx, (void)m, (void)panels, (void)n, (void)k, (void)out, (void)ldo;
+  (void)threads, (void)amx_min_rows;
+  return 2;
+}
+
 /* out[r][i] = bf16(bf16(silu(g)) * u) for g = gu[r][i], u = gu[r][inter + i]. */
 void hm_silu_mul_bf16(const uint16_t *gu, int64_t ldg, int rows, int inter, uint16_t *out,
                       int64_t ldo, int threads) {
@@ -354,13 +401,8 @@ void hm_silu_mul_bf16(const uint16_t *gu, int64_t ldg, int rows, int inter, uint
     const uint16_t *g = gu + r * ldg, *u = g + inter;
     uint16_t *o = out + r * ldo;
     int i = 0;
-    const __m512 one = _mm512_set1_ps(1.0f);
-    for (; i + 16 <= inter; i += 16) {
-      const __m512 gv = hm_bf16_to_ps(g + i);
-      const __m512 e = hm_exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv));
-      const __m512 sv = hm_round_ps(_mm512_div_ps(gv, _mm512_add_ps(one, e)));
-      hm_store_bf16(o + i, _mm512_mul_ps(sv, hm_bf16_to_ps(u + i)));
-    }
+    for (; i + 16 <= inter; i += 16)
+      hm_store_bf16(o + i, hm_silu_mul16(hm_bf16_to_ps(g + i), hm_bf16_to_ps(u + i)));
     for (; i < inter; i++) {
       const float gf = hm_bf16_scalar(g[i]);
       const float sf = hm_bf16_scalar(hm_round_bf16(gf / (1.0f + expf(-gf))));
@@ -384,6 +426,13 @@ void hm_rms_norm_bf16(const uint16_t *x, int64_t ldx, int rows, int dim, const u
                       float eps, uint16_t *out, int64_t ldo, int threads) {
   (void)x, (void)ldx, (void)rows, (void)dim, (void)w, (void)eps, (void)out, (void)ldo;
   (void)threads;
+}
+
+int hm_linear_silu_bf16(const uint16_t *x, int64_t ldx, int m, const uint16_t *panels, int n,
+                        int k, uint16_t *out, int64_t ldo, int threads, int amx_min_rows) {
+  (void)x, (void)ldx, (void)m, (void)panels, (void)n, (void)k, (void)out, (void)ldo;
+  (void)threads, (void)amx_min_rows;
+  return 2;
 }
 
 void hm_silu_mul_bf16(const uint16_t *gu, int64_t ldg, int rows, int inter, uint16_t *out,
