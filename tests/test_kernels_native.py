@@ -28,6 +28,14 @@ def test_the_kernels_build_here():
     assert status.available and status.detail.endswith(".so"), status
 
 
+@pytest.fixture
+def torch_threads():
+    """A setter of torch's thread count (the kernels' too) for one test, restored after it."""
+    before = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(before)
+
+
 def case(seed, lens, kv_heads=3, group=3, head_dim=64, block_size=16, extra_blocks=5):
     g = torch.Generator().manual_seed(seed)
     batch = len(lens)
@@ -90,11 +98,14 @@ def test_full_precision_pool_read_in_place(dtype, lens, head_dim, block_size, gr
     assert (out - twin).abs().max() < 2e-5
 
 
+@pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("lens,group", [([0, 1, 16, 45], 3), ([3, 20, 31], 5), ([300], 1)])
-def test_bf16_queries_over_a_bf16_pool(lens, group):
+def test_bf16_queries_over_a_bf16_pool(lens, group, threads, torch_threads):
     """Query rows that are bf16 values (a bf16 model's) over a bf16 pool, head_dim 64: the block
     path takes the key rows as they lie (vdpbf16ps on the pairs) and widens values in registers;
-    the result is attention over the widened rows."""
+    the result is attention over the widened rows. With at least two sequences a thread, one
+    work item takes a sequence's heads together, block by block; with fewer, a head each."""
+    torch_threads(threads)
     q, kv, table, seq_lens = case(4, lens, 2, group, 64, 16)
     q = q.to(torch.bfloat16).float()  # each value a bf16 exactly, as is its 1/8 scaling
     layout = FullKVLayout(2, 2, 64, 16, torch.bfloat16)
@@ -152,6 +163,12 @@ def test_a_table_naming_a_block_outside_the_pool_is_an_error_not_a_read():
         paged_attention_full(q, kv[:, 0], kv[:, 1], table, seq_lens)
     with pytest.raises(ValueError, match="table columns"):
         paged_attention_full(q, kv[:, 0], kv[:, 1], table[:, :1], seq_lens)
+    # the same in bf16, where a work item takes a sequence's heads together (two sequences, one
+    # thread: tests run with one)
+    pool = kv.to(torch.bfloat16)
+    qb = q.to(torch.bfloat16).float()
+    with pytest.raises(IndexError, match="sequence 1"):
+        paged_attention_full(qb, pool[:, 0], pool[:, 1], table, seq_lens)
     # entries past a sequence's end are never read, whatever they hold
     table = torch.full_like(table, -1)
     table[:, 0] = torch.tensor([0, 1])
