@@ -34,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.machine import cpu_flags, median_s  # noqa: E402
 from model import Engine, SamplingParams, load_model  # noqa: E402
 from model.fetch import fetch_smollm2  # noqa: E402
+from servekit.memory import tensor_bytes  # noqa: E402
 
 
 def prompts(batch: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -211,7 +212,8 @@ def main() -> None:
 
     # the floor of a batch-b decode step: every weight read once, plus the step's KV
     bw = read_bandwidth()
-    weights = sum(t.numel() * t.element_size() for t in lm.model.parameters())
+    # parameters and buffers: a tied head packed as the embedding is a buffer, read every step
+    weights = tensor_bytes(*lm.model.parameters(), *lm.model.buffers())
     c = lm.config
     context = args.prompt_len + args.new_tokens // 2  # the mean context over the run
     kv = b * context * c.num_layers * 2 * c.num_kv_heads * c.head_dim * dtype.itemsize
