@@ -16,6 +16,10 @@ $(PY):
 $(STAMP): pyproject.toml | $(PY)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[test]'
+	@# another distribution's top-level `kernels` module (Hugging Face's) would shadow ours
+	@# (-P: this directory off the path, as for the installed scripts)
+	$(PY) -P -c "import kernels, sys; sys.exit(0 if hasattr(kernels, 'dtype_name') else \
+		f'a package named kernels ({kernels.__file__}) shadows halfmoon\'s kernels: pip uninstall kernels')"
 	touch $(STAMP)
 
 model: $(STAMP)
