@@ -10,7 +10,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from servekit import open_channel, role_classes
+from servekit import freeze_startup_objects, open_channel, role_classes
 
 
 class ServerActor:
@@ -27,6 +27,7 @@ class ServerActor:
         """Build `Server(config)` and open its gRPC port; returns its address."""
         self.server = self._server_cls(config)
         self.address = self.server.start()
+        freeze_startup_objects()  # the actor's process is the server's for its life
         return self.address
 
     def info(self) -> dict:

@@ -12,7 +12,7 @@ from typing import Any, Collection
 
 from deploy.config import ClusterConfig
 from deploy.wiring import ServerInfo, Wiring, metrics_address
-from servekit import role_classes
+from servekit import freeze_startup_objects, role_classes
 
 
 def _server_class(role: str) -> type:
@@ -28,7 +28,9 @@ def _serve(role: str, cfg, conn) -> None:
     """Child process: build one server from its config, send its address, serve until told to
     stop."""
     server = _server_class(role)(cfg)
-    conn.send(server.start())
+    address = server.start()
+    freeze_startup_objects()  # this process is the server's for its life
+    conn.send(address)
     conn.recv()
     server.stop()
 

@@ -29,6 +29,7 @@ from servekit.kv_cache import (
 from servekit.request_guard import DecodeGuard
 from servekit.cpus import CpuTurns, check_cpu_turns, cpu_turns, parse_cpu_list, pin_process
 from servekit.memory import (
+    freeze_startup_objects,
     IDLE_TRIM_S,
     MemoryUsage,
     memory_usage,
@@ -114,6 +115,7 @@ __all__ = [
     "memory_usage",
     "resident_without_shared_memory",
     "release_freed_heap",
+    "freeze_startup_objects",
     "tensor_bytes",
     "DTYPE_NAMES",
     "KIVI_WINDOW_DTYPES",

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import gc
 import logging
 from typing import NamedTuple
 
@@ -62,6 +63,16 @@ def release_freed_heap() -> bool:
         return False
     trim(0)
     return True
+
+
+def freeze_startup_objects() -> None:
+    """Collect, then move every object alive now (a model's modules, a tokenizer's vocabulary,
+    the server's own) out of the cyclic collector's sight. Why: a full collection walked them all
+    every ~70k allocations, ~3% of a bf16 1,024-token prefill on 2 cores (302 against 312 ms).
+    Only for a process that hosts one server for its life: what is frozen is never collected as
+    part of a cycle."""
+    gc.collect()
+    gc.freeze()
 
 
 def tensor_bytes(*tensors) -> int:
