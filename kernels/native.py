@@ -563,9 +563,11 @@ def linear_silu_panels(x: torch.Tensor, panels: torch.Tensor) -> torch.Tensor | 
     """SwiGLU's silu(gate) * up of x [..., K] times bf16 panels of gate's rows, then up's:
     [..., N/2], the values of silu_mul(linear_panels(x, panels)) in one pass (AMX tiles: the
     gate/up output never goes to memory); None where this CPU or shape has no such pass."""
+    if panels.dtype != torch.bfloat16:
+        return None
     lib, _ = _library()
     n, k, rows = _panel_operands(x, panels)
-    if panels.dtype != torch.bfloat16 or not rows.shape[0]:
+    if not rows.shape[0]:
         return None
     out = torch.empty(rows.shape[0], n // 2, dtype=torch.bfloat16)
     if lib.hm_linear_silu_bf16(rows.data_ptr(), rows.stride(0), rows.shape[0], panels.data_ptr(),
