@@ -22,33 +22,12 @@ import yaml
 from deploy import LocalCluster, cluster_config_from_dict
 from deploy.wiring import write_prometheus_targets
 from model import load_model
+from ports import free_port_run
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMETHEUS = shutil.which("prometheus")
 DASHBOARD = ROOT / "deploy" / "grafana" / "halfmoon.json"
 REQUESTS = 6
-
-
-def _port_run(n: int) -> int:
-    """A port p with p..p+n-1 all free on 127.0.0.1 right now."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + n > 65535:
-            continue
-        socks = []
-        try:
-            for i in range(n):
-                socks.append(socket.socket())
-                socks[-1].bind(("127.0.0.1", base + i))
-            return base
-        except OSError:
-            continue
-        finally:
-            for x in socks:
-                x.close()
-    raise RuntimeError("no run of free ports")
 
 
 def _api(prom: str, path: str, **params) -> dict:
@@ -106,7 +85,7 @@ def test_prometheus_scrapes_the_cluster_and_answers_the_dashboards_queries(tmp_p
     cfg = cluster_config_from_dict(
         {
             "model": "tiny-random",
-            "metrics_base_port": _port_run(4),  # store, prefill, decode, conductor
+            "metrics_base_port": free_port_run(4),  # store, prefill, decode, conductor
             "store": {"dram_bytes": 64 << 20, "heartbeat_s": 0.5},
             "prefill": {"num_blocks": 128},
             "decode": {"num_blocks": 128},

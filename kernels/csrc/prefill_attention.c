@@ -167,6 +167,45 @@ static inline __m512 hm_exp2_bf16(__m512 y) {
 #define HM_LOG2E 1.44269504088896341f
 #define HM_LN2 0.69314718055994531f
 
+/* One row's online-softmax step over key block kb (shared by both bf16 panels): its HM_NC
+ * vectors of raw scores sc, masked past the row's position `pos` when `masked`, move the row's
+ * running max *m and mass *l; its probabilities go to pb as bf16 (HM_KB of them). Returns alpha,
+ * the factor the row's accumulators take for the new max. */
+static inline __attribute__((always_inline)) float hm_softmax_row(const __m512 *sc, int masked,
+                                                                  int kb, int64_t pos,
+                                                                  float scale, float *m,
+                                                                  float *l, uint16_t *pb) {
+  const __m512 vscale = _mm512_set1_ps(scale * HM_LOG2E), ninf = _mm512_set1_ps(-INFINITY);
+  const __m512i iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  __m512 x[HM_NC];
+  __m512 mxv = ninf;
+  for (int c = 0; c < HM_NC; c++) {
+    x[c] = _mm512_mul_ps(sc[c], vscale);
+    if (masked) { /* keys past the row's position */
+      const __m512i key = _mm512_add_epi32(iota, _mm512_set1_epi32(kb * HM_KB + 16 * c));
+      const __mmask16 late = _mm512_cmpgt_epi32_mask(key, _mm512_set1_epi32((int32_t)pos));
+      x[c] = _mm512_mask_blend_ps(late, x[c], ninf);
+    }
+    mxv = _mm512_max_ps(mxv, x[c]);
+  }
+  const float mx = _mm512_reduce_max_ps(mxv);
+  const float mnew = mx > *m ? mx : *m;
+  /* key 0 is in every row's first block, so mnew is finite from the first block on */
+  const float alpha = hm_exp((*m - mnew) * HM_LN2); /* 0 on the first block (m = -inf) */
+  *m = mnew;
+  const __m512 vm = _mm512_set1_ps(mnew);
+  __m512 sum = _mm512_setzero_ps();
+  for (int c = 0; c < HM_NC; c += 2) {
+    const __m512 p0 = hm_exp2_bf16(_mm512_sub_ps(x[c], vm));
+    const __m512 p1 = hm_exp2_bf16(_mm512_sub_ps(x[c + 1], vm));
+    sum = _mm512_add_ps(sum, _mm512_add_ps(p0, p1));
+    const __m512bh packed = _mm512_cvtne2ps_pbh(p1, p0);
+    memcpy(pb + 16 * c, &packed, sizeof packed);
+  }
+  *l = *l * alpha + _mm512_reduce_add_ps(sum);
+  return alpha;
+}
+
 /* R rows (R <= HM_PR, a constant where it is inlined) against one key block kb: scores, online
  * softmax update of m, l and the rows' accumulators o (fp32 [R][D], row stride d). */
 static inline __attribute__((always_inline)) void hm_panel(
@@ -188,36 +227,8 @@ static inline __attribute__((always_inline)) void hm_panel(
   }
   uint16_t pb[HM_PR][HM_KB] __attribute__((aligned(64)));
   float alpha[HM_PR];
-  const __m512 vscale = _mm512_set1_ps(scale * HM_LOG2E), ninf = _mm512_set1_ps(-INFINITY);
-  const __m512i iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-  for (int r = 0; r < R; r++) {
-    __m512 x[HM_NC];
-    __m512 mxv = ninf;
-    for (int c = 0; c < HM_NC; c++) {
-      x[c] = _mm512_mul_ps(s[r][c], vscale);
-      if (masked) { /* keys past the row's position */
-        const __m512i key = _mm512_add_epi32(iota, _mm512_set1_epi32(kb * HM_KB + 16 * c));
-        const __mmask16 late = _mm512_cmpgt_epi32_mask(key, _mm512_set1_epi32((int32_t)pos[r]));
-        x[c] = _mm512_mask_blend_ps(late, x[c], ninf);
-      }
-      mxv = _mm512_max_ps(mxv, x[c]);
-    }
-    const float mx = _mm512_reduce_max_ps(mxv);
-    const float mnew = mx > m[r] ? mx : m[r];
-    /* key 0 is in every row's first block, so mnew is finite from the first block on */
-    alpha[r] = hm_exp((m[r] - mnew) * HM_LN2); /* 0 on the first block (m = -inf) */
-    m[r] = mnew;
-    const __m512 vm = _mm512_set1_ps(mnew);
-    __m512 sum = _mm512_setzero_ps();
-    for (int c = 0; c < HM_NC; c += 2) {
-      const __m512 p0 = hm_exp2_bf16(_mm512_sub_ps(x[c], vm));
-      const __m512 p1 = hm_exp2_bf16(_mm512_sub_ps(x[c + 1], vm));
-      sum = _mm512_add_ps(sum, _mm512_add_ps(p0, p1));
-      const __m512bh packed = _mm512_cvtne2ps_pbh(p1, p0);
-      memcpy(pb[r] + 16 * c, &packed, sizeof packed);
-    }
-    l[r] = l[r] * alpha[r] + _mm512_reduce_add_ps(sum);
-  }
+  for (int r = 0; r < R; r++)
+    alpha[r] = hm_softmax_row(s[r], masked, kb, pos[r], scale, m + r, l + r, pb[r]);
   const uint32_t *v0 = vp + (int64_t)kb * (HM_KB / 2) * d;
   for (int c = 0; c < d; c += 32) {
     __m512 acc[HM_PR][2];
@@ -354,34 +365,10 @@ static void hm_panel_amx(int n, const void *const *qrow, const int64_t *pos, int
   _tile_stored(1, s[0] + 16, HM_KB * 4);
   _tile_stored(2, s[0] + 32, HM_KB * 4);
   _tile_stored(3, s[0] + 48, HM_KB * 4);
-  const __m512 vscale = _mm512_set1_ps(scale * HM_LOG2E), ninf = _mm512_set1_ps(-INFINITY);
-  const __m512i iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
   for (int r = 0; r < n; r++) {
-    __m512 x[HM_NC];
-    __m512 mxv = ninf;
-    for (int c = 0; c < HM_NC; c++) {
-      x[c] = _mm512_mul_ps(_mm512_load_ps(s[r] + 16 * c), vscale);
-      if (masked) { /* keys past the row's position */
-        const __m512i key = _mm512_add_epi32(iota, _mm512_set1_epi32(kb * HM_KB + 16 * c));
-        const __mmask16 late = _mm512_cmpgt_epi32_mask(key, _mm512_set1_epi32((int32_t)pos[r]));
-        x[c] = _mm512_mask_blend_ps(late, x[c], ninf);
-      }
-      mxv = _mm512_max_ps(mxv, x[c]);
-    }
-    const float mx = _mm512_reduce_max_ps(mxv);
-    const float mnew = mx > m[r] ? mx : m[r];
-    alpha[r] = hm_exp((m[r] - mnew) * HM_LN2); /* 0 on the first block (m = -inf) */
-    m[r] = mnew;
-    const __m512 vm = _mm512_set1_ps(mnew);
-    __m512 sum = _mm512_setzero_ps();
-    for (int c = 0; c < HM_NC; c += 2) {
-      const __m512 p0 = hm_exp2_bf16(_mm512_sub_ps(x[c], vm));
-      const __m512 p1 = hm_exp2_bf16(_mm512_sub_ps(x[c + 1], vm));
-      sum = _mm512_add_ps(sum, _mm512_add_ps(p0, p1));
-      const __m512bh packed = _mm512_cvtne2ps_pbh(p1, p0);
-      memcpy(pb[r] + 16 * c, &packed, sizeof packed);
-    }
-    l[r] = l[r] * alpha[r] + _mm512_reduce_add_ps(sum);
+    __m512 sc[HM_NC];
+    for (int c = 0; c < HM_NC; c++) sc[c] = _mm512_load_ps(s[r] + 16 * c);
+    alpha[r] = hm_softmax_row(sc, masked, kb, pos[r], scale, m + r, l + r, pb[r]);
   }
   if (n < HM_AMX_ROWS) /* rows past n: zero weights, whatever their queries held */
     memset(pb[n], 0, (size_t)(HM_AMX_ROWS - n) * HM_KB * 2);
