@@ -1,6 +1,6 @@
 """Store throughput between two processes: put and get of 256 KiB, 1 MiB and 16 MiB values over
-the shared-memory path and the gRPC path, beside a plain memcpy and Mooncake's store (TCP), all
-measured in this run. Ends with one JSON line.
+the shared-memory path, the bulk port (TCP: what other hosts use) and the gRPC path, beside a plain
+memcpy and Mooncake's store (TCP), all measured in this run. Ends with one JSON line.
 
     .venv/bin/python bench/kvstore.py [--total-mib 64] [--repeats 7] [--mooncake-python PATH]
 
@@ -348,7 +348,7 @@ def plot(results: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
-    series = [("shm", results["shm"]), ("grpc", results["grpc"])]
+    series = [("shm", results["shm"]), ("tcp", results["tcp"]), ("grpc", results["grpc"])]
     if "skipped" not in results["mooncake"]:
         series.append(("mooncake tcp", results["mooncake"]))
     width = 0.8 / len(series)
@@ -408,6 +408,7 @@ def main() -> int:
         shm = bench_store(address, "shm", total, args.repeats, tag=0)
         copies += memcpy_times(total, args.repeats)
         print(f"  memcpy: {2 * total / statistics.median(copies) / 1e9:.2f} GB/s (read+write)")
+        tcp = bench_store(address, "tcp", total, args.repeats, tag=250_000)
         grpc_ = bench_store(address, "grpc", total, args.repeats, tag=500_000)
     finally:
         proc.terminate()
@@ -420,7 +421,9 @@ def main() -> int:
         if args.skip_mooncake
         else bench_mooncake(args.mooncake_python, total, args.repeats)
     )
-    results = {"memcpy_rw_gbps": memcpy_rw, "shm": shm, "grpc": grpc_, "mooncake": mooncake}
+    results = {
+        "memcpy_rw_gbps": memcpy_rw, "shm": shm, "tcp": tcp, "grpc": grpc_, "mooncake": mooncake
+    }
     summary = {
         "bench": "kvstore",
         "total_mib_per_call": args.total_mib,
@@ -443,17 +446,23 @@ def main() -> int:
     summary["grpc_bare_stream_gbps"] = round(ceiling, 3)
     for s in SIZES:
         summary[f"grpc_get_vs_bare_stream_{s}"] = round(grpc_[s]["get_gbps"] / ceiling, 3)
+        summary[f"tcp_get_vs_grpc_{s}"] = round(tcp[s]["get_gbps"] / grpc_[s]["get_gbps"], 3)
+        summary[f"tcp_put_vs_grpc_{s}"] = round(tcp[s]["put_gbps"] / grpc_[s]["put_gbps"], 3)
     if "skipped" in mooncake:
         summary["mooncake"] = "skipped: " + mooncake["skipped"]
         for s in ("1m", "16m"):
-            summary[f"grpc_get_vs_mooncake_{s}"] = None
-            summary[f"grpc_put_vs_mooncake_{s}"] = None
+            for path in ("tcp", "grpc"):
+                summary[f"{path}_get_vs_mooncake_{s}"] = None
+                summary[f"{path}_put_vs_mooncake_{s}"] = None
     else:
         for s in SIZES:
             m = mooncake[s]
             # against Mooncake's better path each way (zero-copy get_into / put_from, mostly) ...
             best_get = max(m["get_gbps"], m["get_into_gbps"])
             best_put = max(m["put_gbps"], m["put_from_gbps"])
+            # the bulk port is what a worker on another host uses; gRPC is the fallback
+            summary[f"tcp_get_vs_mooncake_{s}"] = round(tcp[s]["get_gbps"] / best_get, 3)
+            summary[f"tcp_put_vs_mooncake_{s}"] = round(tcp[s]["put_gbps"] / best_put, 3)
             summary[f"grpc_get_vs_mooncake_{s}"] = round(grpc_[s]["get_gbps"] / best_get, 3)
             summary[f"grpc_put_vs_mooncake_{s}"] = round(grpc_[s]["put_gbps"] / best_put, 3)
             # ... and against its plain get/put, which take and return Python bytes

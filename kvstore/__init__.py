@@ -3,6 +3,7 @@
 import importlib
 
 from kvstore.block_header import FORMAT_VERSION, BlockCorrupt, BlockHeader
+from kvstore.bulk import BulkChannel, BulkError
 from kvstore.config import StoreConfig
 from kvstore.control import StoreControl, StoreUnavailable
 from kvstore.device import DeviceTier
@@ -75,6 +76,8 @@ __all__ = [
     "StoreNode",
     "StoreClient",
     "StoreControl",
+    "BulkChannel",
+    "BulkError",
     "BlockWriter",
     "PutResult",
     "StoreFull",

@@ -1,5 +1,6 @@
 """StoreClient: batch reads into and writes from a caller's tensors, over shared memory when the
-node is on this host and over gRPC otherwise (the tiers above it: kvstore.KVConnector)."""
+node is on this host, over its bulk port (kvstore/bulk.py) from other hosts, and over gRPC where
+neither is open (the tiers above it: kvstore.KVConnector)."""
 
 from __future__ import annotations
 
@@ -28,7 +29,35 @@ from kvstore.block_format import (
 )
 from kvstore.block_header import BlockCorrupt, BlockHeader, checksum, pack_header
 from kvstore.codecs import get_codec
-from kvstore.control import StoreUnavailable, clear_store, raise_rpc_error, store_stats
+from kvstore.bulk import (
+    COMMIT,
+    DATA,
+    DONE,
+    GET,
+    HEADERS,
+    PUT_OPEN,
+    SLOTS,
+    BulkChannel,
+    BulkError,
+    PutOpen,
+    decode_done,
+    decode_headers,
+    decode_slots,
+    encode_commit,
+    encode_data,
+    encode_keys,
+    encode_open,
+    expect,
+    recv_exact,
+    send_frame,
+)
+from kvstore.control import (
+    StoreUnavailable,
+    clear_store,
+    raise_rpc_error,
+    raise_status,
+    store_stats,
+)
 from kvstore.server import boot_id, grpc_options
 from kvstore.slab import ShmSlab
 from kvstore.store import StoreStats
@@ -79,6 +108,50 @@ def _byte_rows(data: torch.Tensor) -> np.ndarray | None:
     if list(data.stride()[1:]) != want[::-1]:
         return None
     return data.detach().view(torch.uint8).numpy().reshape(len(data), -1)
+
+
+_RUN_BYTES = 2 << 20  # raw blocks received in one call, then hashed while still in cache
+
+
+def _layers_ok(payload: memoryview, h: BlockHeader) -> bool:
+    return all(
+        checksum(payload[o : o + h.layer_bytes]) == h.checksums[layer]
+        for layer, o in enumerate(range(0, h.payload_len, h.layer_bytes))
+    )
+
+
+def _receive_blocks(sock: socket.socket, headers: list[BlockHeader], out: torch.Tensor) -> int:
+    """Receive the payloads of blocks `headers` (in order) into out[:len(headers)]; how many
+    arrived whole and passed their checksums (the stream is left unread after a bad one)."""
+    block_bytes = out[0].numel() * out.element_size()
+    out_bytes = out.view(-1).view(torch.uint8).numpy() if out.device.type == "cpu" else None
+
+    def direct(h: BlockHeader) -> bool:  # its payload is the block tensor's bytes
+        return out_bytes is not None and h.codec == "raw" and h.payload_len == block_bytes
+
+    b = 0
+    while b < len(headers):
+        h = headers[b]
+        if not direct(h):
+            block = np.empty(h.total_len, np.uint8)  # the payload after room for the header
+            recv_exact(sock, memoryview(block)[h.header_len :])
+            if not _layers_ok(memoryview(block)[h.header_len :], h):
+                return b
+            decode_layers(torch.from_numpy(block), h, out[b], range(h.num_layers))
+            b += 1
+            continue
+        run = 1
+        while b + run < len(headers) and run * block_bytes < _RUN_BYTES:
+            if not direct(headers[b + run]):
+                break
+            run += 1
+        view = memoryview(out_bytes[b * block_bytes : (b + run) * block_bytes])
+        recv_exact(sock, view)
+        for j in range(run):
+            if not _layers_ok(view[j * block_bytes : (j + 1) * block_bytes], headers[b + j]):
+                return b + j
+        b += run
+    return b
 
 
 class _Background:
@@ -160,13 +233,42 @@ def _is_slab_file(path: str) -> bool:
     return False
 
 
+class _Unread(Exception):
+    """A bulk reply's bytes were left unread (the prefix ended early): its connection closes."""
+
+
+def _bulk_call(what: str):
+    """Bulk-port failures as the exceptions gRPC's stand for (raise_status); a socket that fails
+    is StoreUnavailable."""
+
+    class _Map:
+        def __enter__(self):
+            return self
+
+        def __exit__(self, kind, exc, tb):
+            if isinstance(exc, BulkError):
+                raise_status(exc.code, exc.message)
+            if isinstance(exc, OSError):  # ConnectionError, timeouts, TLS errors
+                raise StoreUnavailable(f"store bulk {what}: {exc}") from None
+            return False
+
+    return _Map()
+
+
+def _host_of(address: str) -> str:
+    host = address.rpartition(":")[0]
+    return host[1:-1] if host.startswith("[") else host
+
+
 class PutResult(NamedTuple):
     stored: int  # blocks newly written
     held: int  # blocks of the put the store holds now
 
 
 class StoreClient:
-    """A client of one store node. transport: "auto" (shm on the same host), "shm" or "grpc"."""
+    """A client of one store node. transport: "auto" (shm on the same host, else the node's bulk
+    port, else gRPC), "shm", "tcp" (the bulk port) or "grpc". Under "auto", a bulk port that
+    cannot be opened leaves the client on gRPC: logged, and counted through on_fallback(why)."""
 
     def __init__(
         self,
@@ -174,6 +276,7 @@ class StoreClient:
         transport: str = "auto",
         timeout_s: float = 30.0,
         security: SecurityConfig | None = None,
+        on_fallback: Callable[[str], None] | None = None,
     ):
         self.address, self.timeout = address, timeout_s
         # TLS and the cluster token when the cluster is configured with them
@@ -189,10 +292,12 @@ class StoreClient:
             self.channel.close()
             raise_rpc_error(e)
         self.slab: ShmSlab | None = None
+        self.bulk: BulkChannel | None = None
         self._background = _Background()
-        if transport not in ("auto", "shm", "grpc"):
-            raise ValueError(f"transport must be auto, shm or grpc, got {transport!r}")
-        if transport != "grpc":
+        if transport not in ("auto", "shm", "tcp", "grpc"):
+            self.channel.close()
+            raise ValueError(f"transport must be auto, shm, tcp or grpc, got {transport!r}")
+        if transport in ("auto", "shm"):
             same_host = (
                 self.info.hostname == socket.gethostname()
                 and self.info.boot_id == boot_id()
@@ -208,8 +313,32 @@ class StoreClient:
             if transport == "shm" and self.slab is None:
                 self.channel.close()
                 raise ValueError(f"store {address} has no shared memory reachable from this host")
-        self.transport = "shm" if self.slab is not None else "grpc"
+        if transport == "tcp" or (transport == "auto" and self.slab is None):
+            self._open_bulk(transport, security, on_fallback)
+        self.transport = "shm" if self.slab else "tcp" if self.bulk else "grpc"
         self.chunk_bytes = self.info.chunk_bytes or (1 << 20)
+
+    def _open_bulk(self, transport: str, security, on_fallback) -> None:
+        why = ""
+        if not self.info.bulk_port:
+            why = "the node has no bulk port"
+        else:
+            bulk = BulkChannel(
+                _host_of(self.address), self.info.bulk_port, security, self.timeout
+            )
+            try:
+                bulk.open()
+                self.bulk = bulk
+                return
+            except (OSError, BulkError) as e:
+                bulk.close()
+                why = f"its bulk port {self.info.bulk_port} did not open: {e}"
+        if transport == "tcp":
+            self.channel.close()
+            raise StoreUnavailable(f"store {self.address}: {why}")
+        log.warning("store %s: %s; blocks go over gRPC", self.address, why)
+        if on_fallback is not None and self.info.bulk_port:
+            on_fallback(why)
 
     def _check_slab(self, shm_path: str) -> None:
         """Map the slab a lease's offsets refer to, if the node was restarted since we mapped
@@ -256,6 +385,8 @@ class StoreClient:
             return 0
         if self.slab is not None:
             return self._get_shm(keys, out)
+        if self.bulk is not None:
+            return self._get_tcp(keys, out)
         return self._get_grpc(keys, out)
 
     @staticmethod
@@ -362,6 +493,37 @@ class StoreClient:
         except (grpc.RpcError, ValueError) as e:  # ValueError: the channel was closed
             details = e.details() if isinstance(e, grpc.RpcError) else str(e)
             log.warning("lease %d release failed: %s", req.lease_id, details)
+
+    def _get_tcp(self, keys: list[bytes], out: torch.Tensor) -> int:
+        """get_into over the bulk port: unpadded raw blocks land straight in out (recv_into, no
+        staging, a run of them a call), checked layer by layer right after they land."""
+        shape, dtype = tuple(out.shape[1:]), out.dtype
+        headers, corrupt = [], []
+        try:
+            with _bulk_call("get"), self.bulk.connection() as sock:
+                send_frame(sock, GET, encode_keys(keys))
+                raw_headers, lengths = decode_headers(expect(sock, HEADERS))
+                for b, (raw, n) in enumerate(zip(raw_headers, lengths)):
+                    try:
+                        h = parse_header(raw)
+                        if h.payload_len != n or len(raw) != h.header_len:
+                            raise BlockCorrupt("length mismatch")
+                    except BlockCorrupt:
+                        corrupt.append(keys[b])
+                        break
+                    if not self._fits(h, shape, dtype):
+                        break
+                    headers.append(h)
+                got = _receive_blocks(sock, headers, out)
+                if got < len(headers):
+                    corrupt.append(keys[got])
+                if got < len(raw_headers):
+                    raise _Unread()  # the rest is not read: this connection closes
+        except _Unread:
+            pass
+        if corrupt:
+            self._release_later(0, corrupt)
+        return got
 
     def _get_grpc(self, keys: list[bytes], out: torch.Tensor) -> int:
         try:
@@ -498,7 +660,7 @@ class StoreClient:
             keys, tuple(blocks.shape[1:]), blocks.dtype, model_fingerprint, codec, parent
         )
         try:
-            if isinstance(w, _ShmWriter) and w.can_write_whole(blocks):
+            if isinstance(w, (_ShmWriter, _TcpWriter)) and w.can_write_whole(blocks):
                 w.write_whole(blocks)
             else:
                 for layer in range(blocks.shape[1]):
@@ -524,6 +686,8 @@ class StoreClient:
             return _NoWriter(self, [], header, parent)
         if self.slab is not None:
             return _ShmWriter(self, list(keys), header, parent)
+        if self.bulk is not None:
+            return _TcpWriter(self, list(keys), header, parent)
         return _GrpcWriter(self, list(keys), header, parent)
 
     # ------------------------------------------------------------------ the rest
@@ -539,6 +703,8 @@ class StoreClient:
 
     def close(self) -> None:
         self._background.close()
+        if self.bulk is not None:
+            self.bulk.close()
         if self.slab is not None:
             self.slab.close()
             self.slab = None
@@ -588,6 +754,21 @@ class BlockWriter:
     def _headers(self) -> list[bytes]:
         self._check_complete()
         return [self._header(i) for i in range(len(self.keys))]
+
+    def _stored_rows(self, data: torch.Tensor, indices):
+        """(i, block i's layer as stored) for each i of indices: the caller's own bytes where the
+        layer is unpadded raw, else encoded into a fresh buffer."""
+        h, layer_bytes = self.header, self.header.layer_bytes
+        n = self.codec.layer_nbytes(h.shape[1:], h.dtype)
+        rows = _byte_rows(data) if self.codec.name == "raw" and n == layer_bytes else None
+        for i in indices:
+            if rows is not None:
+                raw = memoryview(rows[i])
+            else:
+                buf = np.zeros(layer_bytes, np.uint8)
+                self.codec.encode_layer(data[i], torch.from_numpy(buf[:n]))
+                raw = memoryview(buf)
+            yield i, raw
 
     def write_layer(self, layer: int, data: torch.Tensor) -> None: ...
 
@@ -791,19 +972,10 @@ class _GrpcWriter(BlockWriter):
 
     def write_layer(self, layer, data):
         self._check_layer(layer, data)
-        h = self.header
-        n = self.codec.layer_nbytes(h.shape[1:], h.dtype)
         chunk = self.client.chunk_bytes
         parts, size = [], 0
-        start = h.layer_offset(layer)
-        rows = _byte_rows(data) if self.codec.name == "raw" and n == h.layer_bytes else None
-        for i in range(len(self.keys)):
-            if rows is not None:
-                raw = memoryview(rows[i])  # the caller's bytes as they are
-            else:
-                buf = np.zeros(h.layer_bytes, np.uint8)
-                self.codec.encode_layer(data[i], torch.from_numpy(buf[:n]))
-                raw = memoryview(buf)
+        start = self.header.layer_offset(layer)
+        for i, raw in self._stored_rows(data, range(len(self.keys))):
             self.sums[i][layer] = checksum(raw)
             for o in range(0, len(raw), chunk):
                 piece = raw[o : o + chunk]
@@ -835,3 +1007,103 @@ class _GrpcWriter(BlockWriter):
         self.closed = True
         self.call.cancel()
         self.q.put(None)
+
+
+class _TcpWriter(BlockWriter):
+    """A put over the bulk port: the node answers which blocks it takes (those it holds already
+    are never sent), each layer of those goes as it is written, and the node checks every
+    checksum at commit."""
+
+    def __init__(self, client, keys, header, parent):
+        super().__init__(client, keys, header, parent)
+        self.bulk = client.bulk
+        self.sock = None
+        with _bulk_call("put"):
+            self.sock = self.bulk.take()
+            try:
+                send_frame(
+                    self.sock,
+                    PUT_OPEN,
+                    encode_open(
+                        PutOpen(header.fingerprint, parent or b"", [header.total_len] * len(keys),
+                                keys)
+                    ),
+                )  # fmt: skip
+                self.slots = decode_slots(expect(self.sock, SLOTS))
+            except BaseException:
+                self._drop()
+                raise
+
+    def _drop(self) -> None:
+        self.closed = True
+        if self.sock is not None:
+            self.sock.close()
+            self.sock = None
+
+    def write_layer(self, layer, data):
+        self._check_layer(layer, data)
+        start, pieces = self.header.layer_offset(layer), []
+        for i, raw in self._stored_rows(data, self.slots):
+            self.sums[i][layer] = checksum(raw)
+            pieces.append((i, start, raw))
+        self._send(pieces)
+        self.written.add(layer)
+
+    def can_write_whole(self, blocks: torch.Tensor) -> bool:
+        h = self.header
+        return (
+            h.codec == "raw"
+            and self.codec.layer_nbytes(h.shape[1:], h.dtype) == h.layer_bytes
+            and _byte_rows(blocks) is not None
+            and tuple(blocks.shape[1:]) == h.shape
+            and blocks.dtype == h.dtype
+        )
+
+    def write_whole(self, blocks: torch.Tensor) -> None:
+        """All layers of unpadded raw blocks: each block's payload in one piece, from where it
+        lies."""
+        h, rows = self.header, _byte_rows(blocks)
+        pieces = []
+        for i in self.slots:
+            raw = memoryview(rows[i])
+            self.sums[i] = [
+                checksum(raw[o : o + h.layer_bytes]) for o in range(0, h.payload_len, h.layer_bytes)
+            ]
+            pieces.append((i, h.header_len, raw))
+        self._send(pieces)
+        self.written.update(range(h.num_layers))
+
+    def _send(self, pieces: list[tuple[int, int, memoryview]]) -> None:
+        """One DATA frame of (block, offset, bytes) pieces."""
+        if not pieces:
+            return
+        with _bulk_call("put"):
+            try:
+                send_frame(
+                    self.sock,
+                    DATA,
+                    encode_data([(i, off, len(raw)) for i, off, raw in pieces]),
+                    [raw for _, _, raw in pieces],
+                )
+            except BaseException:
+                self._drop()
+                raise
+
+    def commit(self):
+        self._check_complete()
+        with _bulk_call("put"):
+            try:
+                headers = [self._header(i) for i in self.slots]
+                send_frame(self.sock, COMMIT, encode_commit(headers))
+                stored, held = decode_done(expect(self.sock, DONE))
+            except BaseException:
+                self._drop()
+                raise
+        self.closed = True
+        self.bulk.give_back(self.sock)
+        self.sock = None
+        return PutResult(stored, held)
+
+    def abort(self):
+        if not self.closed:
+            self._drop()  # the node releases the reservation when the connection ends

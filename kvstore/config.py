@@ -27,6 +27,10 @@ class StoreConfig:
     # refused with RESOURCE_EXHAUSTED, and a few more threads keep Lookup, Lease, Stats and
     # health answering under a burst
     grpc_workers: int = 16
+    # The bulk port: Get and Put of block bytes over a plain TCP socket (TLS and the cluster token
+    # as the gRPC port), what clients on other hosts use; 0 = a free port, -1 = off (gRPC only)
+    bulk_port: int = 0
+    bulk_connections: int = 64  # connections open at once; the next is refused (busy)
     shm_dir: str = "/dev/shm"  # where the dram slab's file lives
     # Pace each gRPC Get stream to this many Gbit/s (a token bucket per stream; 0 = unlimited): a
     # thin cross-host link on one machine, for tests and benchmarks. StoreNode.set_link_gbps
@@ -45,6 +49,8 @@ class StoreConfig:
             raise ValueError(f"link_gbps must be >= 0, got {self.link_gbps}")
         if self.heartbeat_s <= 0 or self.lease_s <= 0 or self.index_timeout_s <= 0:
             raise ValueError("heartbeat_s, lease_s and index_timeout_s must be positive")
+        if self.bulk_port < -1 or self.bulk_connections < 1:
+            raise ValueError("bulk_port must be >= -1 and bulk_connections >= 1")
         if self.chunk_bytes <= 0 or self.chunk_bytes > self.max_message_bytes - (1 << 16):
             raise ValueError("chunk_bytes must be positive and below max_message_bytes - 64 KiB")
 

@@ -349,7 +349,14 @@ class KVConnector:
                 # update, which inference tensors would forbid.
                 with torch.inference_mode(False):
                     c = self._clients[(address, transport)] = StoreClient(
-                        address, transport, timeout_s=self.timeout_s, security=self.security
+                        address,
+                        transport,
+                        timeout_s=self.timeout_s,
+                        security=self.security,
+                        # a bulk port that would not open: blocks go over gRPC, counted
+                        on_fallback=lambda why: self.m_errors.labels(
+                            self.worker, "bulk_connect", "fallback"
+                        ).inc(),
                     )
             return c
 

@@ -19,16 +19,21 @@ class StoreUnavailable(ConnectionError):
 
 
 def raise_rpc_error(e: grpc.RpcError):
-    """A store RPC's failure as the exception it stands for: StoreFull, ValueError (a bad
-    argument), KeyError (not found), else StoreUnavailable."""
-    code, details = e.code(), e.details()
-    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+    """A store RPC's failure as the exception it stands for (raise_status)."""
+    raise_status(e.code().name, e.details())
+
+
+def raise_status(code: str, details: str):
+    """A store call's failure, by its gRPC status name (a bulk-port ERR carries one too), as the
+    exception it stands for: StoreFull, ValueError (a bad argument), KeyError (not found), else
+    StoreUnavailable."""
+    if code == "RESOURCE_EXHAUSTED":
         raise StoreFull(details) from None
-    if code == grpc.StatusCode.INVALID_ARGUMENT:
+    if code == "INVALID_ARGUMENT":
         raise ValueError(details) from None
-    if code == grpc.StatusCode.NOT_FOUND:
+    if code == "NOT_FOUND":
         raise KeyError(details) from None
-    raise StoreUnavailable(f"store {code.name}: {details}") from None
+    raise StoreUnavailable(f"store {code}: {details}") from None
 
 
 def store_stats(stub: pb_grpc.KVStoreStub, timeout_s: float) -> StoreStats:

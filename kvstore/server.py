@@ -11,15 +11,16 @@ from concurrent import futures
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from kvstore.block_header import BlockCorrupt, read_header
+from kvstore.block_header import BlockCorrupt
 from kvstore.config import StoreConfig
 from kvstore.index import Index
 from kvstore.index_publisher import IndexPublisher
-from kvstore.keys import KEY_BYTES
 from kvstore.metrics import StoreMetrics
 from kvstore.slab import ShmSlab, remove_stale
 from kvstore.ssd import SsdTier
-from kvstore.store import BlockStore, StoreFull
+from kvstore.bulk import Pacer
+from kvstore.bulk_server import BulkServer
+from kvstore.store import BlockStore, StoreFull, write_problem
 from kvstore.types import NodeInfo
 from kvstore.wire import BadChunk, Part, RawPutData, add_servicer, get_chunk
 from protos import kvstore_pb2 as pb
@@ -57,24 +58,9 @@ class _Servicer:
     # ------------------------------------------------------------------ checks
 
     def _check_write(self, ctx, keys, sizes, fingerprint: str) -> None:
-        if not keys:
-            ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, "put of no blocks")
-        if len(sizes) != len(keys):
-            ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{len(keys)} keys but {len(sizes)} sizes")
-        bad = [i for i, k in enumerate(keys) if len(k) != KEY_BYTES]
-        if bad:
-            ctx.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"block key {bad[0]} is {len(keys[bad[0]])} bytes, not {KEY_BYTES}",
-            )
-        if any(s <= 0 for s in sizes):
-            ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, "block sizes must be positive")
-        if self.cfg.model_fingerprint and fingerprint != self.cfg.model_fingerprint:
-            ctx.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"model fingerprint {fingerprint!r} is not this store's "
-                f"{self.cfg.model_fingerprint!r}",
-            )
+        problem = write_problem(keys, sizes, fingerprint, self.cfg.model_fingerprint)
+        if problem:
+            ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
 
     def _reserve(self, ctx, keys, sizes, parent: bytes):
         parents = [parent or None] + list(keys[:-1])
@@ -110,16 +96,10 @@ class _Servicer:
 
     def _paced(self, messages):
         """Yield `messages` no faster than the node's link_gbps (read per message, so a change
-        takes effect mid-stream): a token bucket of one message's depth."""
-        due = time.perf_counter()
+        takes effect mid-stream)."""
+        pacer = Pacer(lambda: self.node.link_gbps)
         for msg in messages:
-            gbps = self.node.link_gbps
-            if gbps > 0:
-                now = time.perf_counter()
-                size = len(msg) if isinstance(msg, bytes) else msg.ByteSize()
-                due = max(due, now - 0.001) + size * 8 / (gbps * 1e9)
-                if due > now:
-                    time.sleep(due - now)
+            pacer.wait(len(msg) if isinstance(msg, bytes) else msg.ByteSize())
             yield msg
 
     def _get(self, req):
@@ -128,16 +108,8 @@ class _Servicer:
         self.node.publish_soon()
         sent = 0
         try:
-            views, headers = [], []
-            for ref in refs:
-                view = self.store.read(ref)
-                try:
-                    h = read_header(view)
-                except BlockCorrupt:
-                    self.store.release(0, [ref.key])
-                    break
-                views.append(view)
-                headers.append(h)
+            headed = self.store.read_headed(refs)
+            views, headers = [v for v, _ in headed], [h for _, h in headed]
             yield pb.KVGetChunk(
                 headers=[bytes(v[: h.header_len]) for v, h in zip(views, headers)],
                 tiers=[r.tier for r in refs[: len(headers)]],
@@ -368,6 +340,7 @@ class _Servicer:
             max_message_bytes=self.cfg.max_message_bytes,
             chunk_bytes=self.cfg.chunk_bytes,
             lease_s=self.cfg.lease_s,
+            bulk_port=n.bulk_port,
         )
 
 
@@ -382,6 +355,8 @@ class StoreNode:
         self.publisher: IndexPublisher | None = None  # keeps the index current (with redis_url)
         self.server: grpc.Server | None = None
         self.address = ""
+        self.bulk: BulkServer | None = None  # the bulk port (kvstore/bulk.py), unless turned off
+        self.bulk_port = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.link_gbps = cfg.link_gbps
@@ -444,6 +419,9 @@ class StoreNode:
         if port == 0:
             raise RuntimeError(f"store node {cfg.node_id} could not bind {cfg.host}:{cfg.port}")
         self.address = f"{cfg.host}:{port}"
+        if cfg.bulk_port >= 0:
+            self.bulk = BulkServer(self)
+            self.bulk_port = self.bulk.start()
         if cfg.redis_url:
             self.index = Index(cfg.redis_url, timeout_s=cfg.index_timeout_s)
             self.publisher = IndexPublisher(
@@ -514,6 +492,9 @@ class StoreNode:
                 self.health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
             self.server.stop(grace).wait()
             self.server = None
+        if self.bulk is not None:
+            self.bulk.stop()
+            self.bulk = None
         self.metrics.stop()
         try:
             self.store.persist()

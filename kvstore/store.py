@@ -12,7 +12,8 @@ import time
 from collections import OrderedDict
 from typing import Callable, NamedTuple
 
-from kvstore.block_header import BlockCorrupt, check_bytes
+from kvstore.block_header import BlockCorrupt, BlockHeader, check_bytes, read_header
+from kvstore.keys import KEY_BYTES
 from kvstore.slab import SlabAllocator, ShmSlab
 from kvstore.ssd import SsdTier
 
@@ -28,6 +29,23 @@ MAX_EVENTS = 1 << 16
 class StoreFull(Exception):
     """Not enough evictable space for a put (RESOURCE_EXHAUSTED); nothing was stored. One put
     must fit in the dram tier at once."""
+
+
+def write_problem(keys: list[bytes], sizes: list[int], fingerprint: str, want: str) -> str:
+    """What is wrong with a put of `keys` with encoded `sizes` and model `fingerprint` on a node
+    that takes `want` ("" = any); "" when nothing is (every transport's put checks this)."""
+    if not keys:
+        return "put of no blocks"
+    if len(sizes) != len(keys):
+        return f"{len(keys)} keys but {len(sizes)} sizes"
+    bad = [i for i, k in enumerate(keys) if len(k) != KEY_BYTES]
+    if bad:
+        return f"block key {bad[0]} is {len(keys[bad[0]])} bytes, not {KEY_BYTES}"
+    if any(s <= 0 for s in sizes):
+        return "block sizes must be positive"
+    if want and fingerprint != want:
+        return f"model fingerprint {fingerprint!r} is not this store's {want!r}"
+    return ""
 
 
 class BlockRef(NamedTuple):
@@ -259,6 +277,19 @@ class BlockStore:
         if ref.data is not None:
             return ref.data
         return self.slab.view[ref.offset : ref.offset + ref.length]
+
+    def read_headed(self, refs: list[BlockRef]) -> list[tuple[memoryview | bytes, BlockHeader]]:
+        """The bytes and parsed header of each leased block in turn, up to the first whose header
+        does not parse (released as corrupt: it is dropped, and the prefix ends before it)."""
+        out = []
+        for ref in refs:
+            view = self.read(ref)
+            try:
+                out.append((view, read_header(view)))
+            except BlockCorrupt:
+                self.release(0, [ref.key])
+                break
+        return out
 
     # ------------------------------------------------------------------ writes
 

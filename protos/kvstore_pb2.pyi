@@ -240,7 +240,7 @@ class KVInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class KVInfoReply(_message.Message):
-    __slots__ = ("node_id", "hostname", "boot_id", "shm_path", "shm_size", "model_fingerprint", "max_message_bytes", "chunk_bytes", "lease_s")
+    __slots__ = ("node_id", "hostname", "boot_id", "shm_path", "shm_size", "model_fingerprint", "max_message_bytes", "chunk_bytes", "lease_s", "bulk_port")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     HOSTNAME_FIELD_NUMBER: _ClassVar[int]
     BOOT_ID_FIELD_NUMBER: _ClassVar[int]
@@ -250,6 +250,7 @@ class KVInfoReply(_message.Message):
     MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
     LEASE_S_FIELD_NUMBER: _ClassVar[int]
+    BULK_PORT_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     hostname: str
     boot_id: str
@@ -259,4 +260,5 @@ class KVInfoReply(_message.Message):
     max_message_bytes: int
     chunk_bytes: int
     lease_s: float
-    def __init__(self, node_id: _Optional[str] = ..., hostname: _Optional[str] = ..., boot_id: _Optional[str] = ..., shm_path: _Optional[str] = ..., shm_size: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., max_message_bytes: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., lease_s: _Optional[float] = ...) -> None: ...
+    bulk_port: int
+    def __init__(self, node_id: _Optional[str] = ..., hostname: _Optional[str] = ..., boot_id: _Optional[str] = ..., shm_path: _Optional[str] = ..., shm_size: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., max_message_bytes: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., lease_s: _Optional[float] = ..., bulk_port: _Optional[int] = ...) -> None: ...

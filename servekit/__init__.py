@@ -50,7 +50,10 @@ from servekit.security import (
     open_channel,
     security_config,
     server_interceptors,
+    ssl_client_context,
+    ssl_server_context,
     tenant_salt,
+    token_matches,
 )
 from servekit.timing import (
     DecodeTimeModel,
@@ -103,7 +106,10 @@ __all__ = [
     "open_channel",
     "security_config",
     "server_interceptors",
+    "ssl_client_context",
+    "ssl_server_context",
     "tenant_salt",
+    "token_matches",
     "Tokens",
     "IDLE_TRIM_S",
     "MemoryUsage",

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
+import ssl
 import subprocess
 import tempfile
 from dataclasses import dataclass, field
@@ -131,6 +132,41 @@ def add_port(server: grpc.Server, address: str, cfg: SecurityConfig, client_faci
     if cfg.tls:
         return server.add_secure_port(address, server_credentials(cfg, client_facing))
     return server.add_insecure_port(address)
+
+
+def ssl_server_context(cfg: SecurityConfig, client_facing: bool = False) -> ssl.SSLContext:
+    """The TLS side of a plain socket server (a store node's bulk port), as server_credentials
+    sets up gRPC's: this node's certificate; client certificates signed by tls_ca required on
+    internal servers under mutual_tls."""
+    if not cfg.tls_cert:
+        raise ValueError("security: a TLS server needs tls_cert and tls_key")
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    _read(cfg.tls_cert, "tls_cert"), _read(cfg.tls_key, "tls_key")  # errors that name the field
+    ctx.load_cert_chain(cfg.tls_cert, cfg.tls_key)
+    if cfg.mutual_tls and not client_facing:
+        ctx.verify_mode = ssl.CERT_REQUIRED
+        ctx.load_verify_locations(cadata=_read(cfg.tls_ca, "tls_ca").decode())
+    return ctx
+
+
+def ssl_client_context(cfg: SecurityConfig) -> ssl.SSLContext:
+    """The TLS side of a plain socket to a cluster node, as channel_credentials: verify it with
+    tls_ca; present this node's certificate when it has one (mutual TLS)."""
+    ctx = ssl.create_default_context(cadata=_read(cfg.tls_ca, "tls_ca").decode())
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    if cfg.tls_cert:
+        _read(cfg.tls_cert, "tls_cert"), _read(cfg.tls_key, "tls_key")
+        ctx.load_cert_chain(cfg.tls_cert, cfg.tls_key)
+    return ctx
+
+
+def token_matches(cfg: SecurityConfig, token: str) -> bool:
+    """Whether `token` is the cluster token (always, when none is configured): for internal calls
+    outside gRPC, which the AuthInterceptor does not see."""
+    if not cfg.cluster_token:
+        return True
+    return hmac.compare_digest(_digest(token), _digest(cfg.cluster_token))
 
 
 class _Bearer(

@@ -63,7 +63,7 @@ def make_node(tmp_path):
         node.stop()
 
 
-@pytest.fixture(params=["shm", "grpc"])
+@pytest.fixture(params=["shm", "tcp", "grpc"])
 def transport(request):
     return request.param
 

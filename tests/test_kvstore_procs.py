@@ -129,7 +129,7 @@ node.stop()
 """
 
 
-@pytest.mark.parametrize("transport", ["grpc", "shm"])
+@pytest.mark.parametrize("transport", ["grpc", "tcp", "shm"])
 def test_a_store_node_serves_blocks_without_importing_torch(transport):
     # A node stores and checks bytes and holds no tensors: torch would cost its process ~170 MB.
     import subprocess

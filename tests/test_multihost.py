@@ -244,19 +244,21 @@ def test_servers_run_on_their_hosts_and_hosts_share_no_memory(multi):
         assert slabs and all(f.startswith(f"halfmoon-{mine}-") for f in slabs), (spec.name, shm)
 
 
-def test_decode_pulls_kv_across_hosts_over_grpc_and_outputs_equal_engine(multi, engine):
+def test_decode_pulls_kv_across_hosts_over_the_bulk_port_and_outputs_equal_engine(multi, engine):
     rng = random.Random(1)
     store = multi.store_of_host["prefillhost"]
-    before = {p: multi.store_bytes(store, "get", p) for p in ("grpc", "shm")}
+    paths = ("tcp", "grpc", "shm")
+    before = {p: multi.store_bytes(store, "get", p) for p in paths}
     for n in (3 * BS + 5, 2 * BS, 7):
         prompt = rand_ids(rng, n)
         ids, last = multi.generate(token_ids=prompt, max_tokens=8)
         assert ids == greedy(engine, prompt, 8)
         assert last.usage.prefill_worker == "prefill-0" and last.usage.decode_worker
-    after = {p: multi.store_bytes(store, "get", p) for p in ("grpc", "shm")}
-    # 3 + 2 full blocks of 8 KiB crossed from the prefill host's store to a decode host
-    assert after["grpc"] - before["grpc"] >= 5 * 8192
-    assert after["shm"] == before["shm"]  # never shared memory across hosts
+    after = {p: multi.store_bytes(store, "get", p) for p in paths}
+    # 3 + 2 full blocks of 8 KiB crossed from the prefill host's store to a decode host, over
+    # its bulk port (TLS, the cluster token), not gRPC's stream nor shared memory
+    assert after["tcp"] - before["tcp"] >= 5 * 8192
+    assert after["grpc"] == before["grpc"] and after["shm"] == before["shm"]
 
 
 def _published(multi: Multi, engine: Engine, prompt: list[int], n_new: int):
