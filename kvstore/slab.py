@@ -7,6 +7,7 @@ import bisect
 import functools
 import mmap
 import os
+import re
 import time
 import uuid
 
@@ -65,7 +66,7 @@ class ShmSlab:
         safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in node_id)
         return cls(
             os.path.join(shm_dir, f"halfmoon-{safe}-{uuid.uuid4().hex[:12]}"), size, create=True
-        )
+        )  # named as SLAB_NAME matches
 
     def close(self) -> None:
         self.__dict__.pop("tensor", None)  # the torch view, if one was made
@@ -86,10 +87,15 @@ class ShmSlab:
                 pass
 
 
+# what ShmSlab.create names a slab: other halfmoon files share the directory (the workers' CPU
+# turn locks, halfmoon-cpus-*.lock, are held with flock and never mapped: not a slab to remove)
+SLAB_NAME = re.compile(r"halfmoon-[A-Za-z0-9_-]+-[0-9a-f]{12}")
+
+
 def remove_stale(shm_dir: str, min_age_s: float = 60.0) -> list[str]:
     """Unlink slab files that no live process maps (left by nodes that were killed); their paths."""
     try:
-        names = [n for n in os.listdir(shm_dir) if n.startswith("halfmoon-")]
+        names = [n for n in os.listdir(shm_dir) if SLAB_NAME.fullmatch(n)]
     except OSError:
         return []
     now = time.time()

@@ -512,14 +512,20 @@ def test_slab_allocator_coalesces():
 def test_stale_slabs_of_killed_nodes_are_removed(tmp_path):
     from kvstore.slab import ShmSlab, remove_stale
 
-    live = ShmSlab(str(tmp_path / "halfmoon-live-1"), 4096, create=True)
-    dead = tmp_path / "halfmoon-dead-1"
-    dead.write_bytes(b"\0" * 4096)  # a file nobody maps, as a killed node leaves it
+    live = ShmSlab.create(str(tmp_path), "live", 4096)
+    dead = ShmSlab.create(str(tmp_path), "dead", 4096)
+    dead.close()  # (a closed slab is unlinked by its owner: leave its file as a killed node does)
+    dead = tmp_path / os.path.basename(dead.path)
+    dead.write_bytes(b"\0" * 4096)
     other = tmp_path / "unrelated"
     other.write_bytes(b"x")
+    # the workers' CPU turn lock: never mapped, held with flock by live workers
+    turns = tmp_path / "halfmoon-cpus-0-1.lock"
+    turns.write_bytes(b"")
     try:
         assert remove_stale(str(tmp_path), min_age_s=0) == [str(dead)]
         assert os.path.exists(live.path) and other.exists() and not dead.exists()
+        assert turns.exists()
     finally:
         live.close()
 
