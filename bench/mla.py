@@ -11,7 +11,11 @@
    path (the latent rows up-projected by kv_b_proj to per-head keys and values, then ordinary
    attention) at --contexts tokens, at the V2-Lite shape (16 heads), batch --batch, fp32. Bytes
    read per second by the absorbed step against this run's copy bandwidth (a copy of a buffer
-   the cache's size; a copy reads and writes its bytes, so bandwidth = 2 x bytes / time).
+   the cache's size; a copy reads and writes its bytes, so bandwidth = 2 x bytes / time), and
+   its arithmetic against this run's fp32 matmul rate (torch.mm of 2048 x 2048, same threads):
+   every head attends over the same latent row, so the step does 16 x (576 + 512) x 2 FLOPs per
+   2,304 bytes read (15 a byte): it is bound by arithmetic, not by memory, and
+   `mla_decode_vs_sgemm` is the bound that means something.
 
 The last line printed is one JSON object.
 
@@ -114,6 +118,10 @@ def main(argv=None) -> int:
     w_uk, w_uv = w[:, :nope], w[:, nope:]  # [H, nope, rank], [H, v, rank]
     bs, batch = 16, args.batch
     rows: list[dict] = []
+    a, b_ = torch.randn(2048, 2048, generator=g), torch.randn(2048, 2048, generator=g)
+    sgemm_flops = 2 * 2048**3 / median_s(lambda: a @ b_, args.repeats)
+    result["sgemm_gflops"] = round(sgemm_flops / 1e9, 1)
+    say(f"fp32 matmul (2048^3) here: {sgemm_flops / 1e9:.1f} GFLOP/s")
     for ctx in [int(x) for x in args.contexts.split(",")]:
         nb = ctx // bs
         cache = torch.randn(batch * nb, bs, rank + rope, generator=g)
@@ -147,6 +155,8 @@ def main(argv=None) -> int:
         t_copy = median_s(lambda: dst.copy_(cache), args.repeats)
         copy_bw = 2 * nbytes / t_copy
         read_bw = nbytes / t_abs
+        # the kernel's arithmetic: scores over rank + rope, values over rank, for every head
+        flops = batch * nb * bs * heads * (2 * rank + rope) * 2 / t_abs
         row = {
             "context": ctx,
             "absorbed_ms": round(t_abs * 1000, 3),
@@ -155,6 +165,8 @@ def main(argv=None) -> int:
             "read_gb_s": round(read_bw / 1e9, 2),
             "copy_gb_s": round(copy_bw / 1e9, 2),
             "vs_copy_bw": round(read_bw / copy_bw, 3),
+            "gflops": round(flops / 1e9, 1),
+            "vs_sgemm": round(flops / sgemm_flops, 3),
             "max_abs_err": err,
         }
         rows.append(row)
@@ -162,13 +174,15 @@ def main(argv=None) -> int:
             f"context {ctx:6d} x batch {batch}: absorbed {row['absorbed_ms']:8.2f} ms, "
             f"non-absorbed {row['naive_ms']:9.2f} ms ({row['absorbed_speedup']}x); reads "
             f"{row['read_gb_s']} GB/s = {row['vs_copy_bw']} of copy bandwidth "
-            f"({row['copy_gb_s']} GB/s); max |diff| {err:.2e}"
+            f"({row['copy_gb_s']} GB/s), {row['gflops']} GFLOP/s = {row['vs_sgemm']} of the "
+            f"matmul's; max |diff| {err:.2e}"
         )
     result["decode"] = rows
     by = {r["context"]: r for r in rows}
     if 4096 in by:
         result["mla_absorbed_vs_naive_4k"] = by[4096]["absorbed_speedup"]
         result["mla_decode_vs_copy_bw"] = by[4096]["vs_copy_bw"]
+        result["mla_decode_vs_sgemm"] = by[4096]["vs_sgemm"]
     return finish(result, load0)
 
 

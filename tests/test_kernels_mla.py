@@ -155,3 +155,22 @@ def test_the_fused_cpu_kernel_matches_the_reference():
     assert torch.equal(
         kernels.paged_mla_decode_attention(q_latent, q_rope, cache, tables, lens, 0.3), out
     )
+
+
+@pytest.mark.parametrize("heads", [16, 4, 6])
+def test_the_fused_cpu_kernel_at_deepseek_v2_lite_widths(heads):
+    # latent 512 + rope 64: the AVX-512 tiled path where this CPU has it (16 and 4 heads: rows
+    # in fours), the row-at-a-time path for 6; ragged lengths end blocks mid-way
+    q_latent, q_rope, cache, tables, lens = _case(
+        8, [1, 37, 64, 0], heads=heads, rank=512, rope=64, block_size=16, num_blocks=24
+    )
+    ref = mla_decode_attention_reference(q_latent, q_rope, cache, tables, lens, 0.05)
+    out, lse = kernels.paged_mla_decode_attention(
+        q_latent, q_rope, cache, tables, lens, 0.05, backend="native", return_lse=True
+    )
+    assert (out - ref).abs().max() < 1e-5 and torch.all(out[3] == 0)
+    _, twin_lse = paged_mla_decode_attention_torch(
+        q_latent, q_rope, cache, tables, lens, 0.05, return_lse=True
+    )
+    finite = twin_lse.isfinite()
+    assert (lse[finite] - twin_lse[finite]).abs().max() < 1e-5

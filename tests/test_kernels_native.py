@@ -72,7 +72,10 @@ def dense(q, k, v, table, lens, scale):
     [
         ([0, 1, 16, 45], 64, 16, 3),
         ([7, 33], 40, 8, 1),
+        # head dims over 64 in multiples of it, groups of 4: the AVX-512 tiled path (tokens in
+        # fours with a short tail, rows in fours)
         ([5, 70, 2], 128, 6, 4),
+        ([1, 19, 64], 192, 16, 8),
         ([300], 64, 16, 3),
         # head_dim 64, blocks of <= 16: the AVX-512 block path, a group of 4 then the rest
         ([3, 20, 31], 64, 16, 5),

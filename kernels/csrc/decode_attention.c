@@ -650,6 +650,72 @@ static inline int hm_block8_rows(hm_state *st, int r0, int g, int n, const void 
   ((void)(kv), hm_block8_rows(st, r0, g, n, k, v, q, bias, HM_F32))
 #endif
 
+#ifdef HM_BLOCK64
+#define HM_TILED 1
+/* One block-head of a wide head (d > 64, a multiple of 64; g a multiple of 4 query rows) over
+ * fp32 rows in register tiles: MLA's absorbed decode (16 heads on one latent row of 576) and
+ * head dims of 128 and up. Where hm_scores loads a query vector per key vector and the key rows
+ * once per query row, a scores tile of 4 query rows x 4 key rows loads 8 vectors per 16 products
+ * and sums its 16 dot products at once (hm_tree16); a values tile holds 4 rows x 64 columns of
+ * the accumulator in registers while the block's value rows stream past (each value vector
+ * loaded once for the 4 rows, each probability broadcast once per 64 columns). */
+static void hm_tiled_rows(hm_state *st, int g, int n, const float *const *k,
+                          const float *const *v) {
+  const int d = st->d;
+  for (int t0 = 0; t0 < n; t0 += 4) {
+    const float *kt[4];
+    for (int j = 0; j < 4; j++) kt[j] = k[t0 + j < n ? t0 + j : n - 1]; /* a short tail repeats */
+    for (int r0 = 0; r0 < g; r0 += 4) {
+      const float *qr = st->q + (size_t)r0 * d;
+      __m512 acc[16];
+      for (int j = 0; j < 16; j++) acc[j] = _mm512_setzero_ps();
+      for (int i = 0; i < d; i += 16) {
+        const __m512 k0 = _mm512_loadu_ps(kt[0] + i), k1 = _mm512_loadu_ps(kt[1] + i);
+        const __m512 k2 = _mm512_loadu_ps(kt[2] + i), k3 = _mm512_loadu_ps(kt[3] + i);
+        for (int r = 0; r < 4; r++) {
+          const __m512 qv = _mm512_loadu_ps(qr + (size_t)r * d + i);
+          acc[4 * r] = _mm512_fmadd_ps(qv, k0, acc[4 * r]);
+          acc[4 * r + 1] = _mm512_fmadd_ps(qv, k1, acc[4 * r + 1]);
+          acc[4 * r + 2] = _mm512_fmadd_ps(qv, k2, acc[4 * r + 2]);
+          acc[4 * r + 3] = _mm512_fmadd_ps(qv, k3, acc[4 * r + 3]);
+        }
+      }
+      float sums[16];
+      _mm512_storeu_ps(sums, hm_tree16(acc));
+      for (int j = 0; j < 16; j++) { /* lane j: vector HM_TREE16[j] = 4 * row + key */
+        const int vec = HM_TREE16[j], t = t0 + (vec & 3);
+        if (t < n) st->s[(size_t)(r0 + (vec >> 2)) * HM_MAX_BS + t] = sums[j];
+      }
+    }
+  }
+  hm_softmax_block(st, 0, g, n);
+  for (int r0 = 0; r0 < g; r0 += 4) {
+    const float *p = st->s + (size_t)r0 * HM_MAX_BS;
+    for (int c = 0; c < d; c += 64) {
+      __m512 acc[16];
+      for (int r = 0; r < 4; r++)
+        for (int j = 0; j < 4; j++)
+          acc[4 * r + j] = _mm512_loadu_ps(st->acc + (size_t)(r0 + r) * d + c + 16 * j);
+      for (int t = 0; t < n; t++) {
+        const float *vt = v[t] + c;
+        const __m512 v0 = _mm512_loadu_ps(vt), v1 = _mm512_loadu_ps(vt + 16);
+        const __m512 v2 = _mm512_loadu_ps(vt + 32), v3 = _mm512_loadu_ps(vt + 48);
+        for (int r = 0; r < 4; r++) {
+          const __m512 pr = _mm512_set1_ps(p[(size_t)r * HM_MAX_BS + t]);
+          acc[4 * r] = _mm512_fmadd_ps(pr, v0, acc[4 * r]);
+          acc[4 * r + 1] = _mm512_fmadd_ps(pr, v1, acc[4 * r + 1]);
+          acc[4 * r + 2] = _mm512_fmadd_ps(pr, v2, acc[4 * r + 2]);
+          acc[4 * r + 3] = _mm512_fmadd_ps(pr, v3, acc[4 * r + 3]);
+        }
+      }
+      for (int r = 0; r < 4; r++)
+        for (int j = 0; j < 4; j++)
+          _mm512_storeu_ps(st->acc + (size_t)(r0 + r) * d + c + 16 * j, acc[4 * r + j]);
+    }
+  }
+}
+#endif
+
 /* A pool of full-precision blocks: k and v are [num_blocks, block_size, kv_heads, head_dim]
  * views with element strides (blk, tok, head) and unit stride along head_dim. */
 typedef struct {
@@ -719,6 +785,12 @@ static int hm_full_blocks(hm_state *st, const hm_full_pool *p, const int32_t *ta
     if (hm_block64_rows(st, 0, g, n, (const void *const *)krow, (const void *const *)vrow, st->q,
                         NULL, 0, NULL))
       continue;
+#endif
+#ifdef HM_TILED
+    if (d > 64 && d % 64 == 0 && g % 4 == 0) {
+      hm_tiled_rows(st, g, n, krow, vrow);
+      continue;
+    }
 #endif
     for (int r = 0; r < g; r++)
       hm_scores(st->q + (size_t)r * d, krow, n, d, 0.0f, st->s + (size_t)r * HM_MAX_BS);
