@@ -448,9 +448,40 @@ def paged_mla_decode_attention_native(
             return_lse=return_lse,
         )  # fmt: skip
     q = torch.cat([q_latent.float(), q_rope.float()], dim=-1)
-    out, lse = paged_attention_full(q, rows, rows, block_tables, seq_lens, scale)
+    parts = torch.get_num_threads() // q.shape[0]
+    if parts > 1 and int(seq_lens.max()) >= _MLA_SPLIT_TOKENS:
+        out, lse = _split_sequences(q, rows, block_tables, seq_lens, scale, parts)
+    else:
+        out, lse = paged_attention_full(q, rows, rows, block_tables, seq_lens, scale)
     out = out[..., : q_latent.shape[-1]]
     return (out, lse) if return_lse else out
+
+
+# A work item of the C kernel is one (sequence, KV head), and MLA has one KV head: below a
+# sequence a thread, sequences this long are split among the idle threads (shorter ones gain less
+# than the split and merge cost).
+_MLA_SPLIT_TOKENS = 1024
+
+
+def _split_sequences(q, rows, block_tables, seq_lens, scale, parts: int):
+    """paged_attention_full with each sequence's blocks cut into `parts` runs, each run a
+    sequence of its own (its own work item), merged back by their log-sum-exps (exact)."""
+    batch, bs = q.shape[0], rows.shape[1]
+    per = -(-block_tables.shape[1] // parts)  # blocks a run
+    tables = torch.zeros(batch, parts * per, dtype=block_tables.dtype)
+    tables[:, : block_tables.shape[1]] = block_tables
+    starts = torch.arange(parts, dtype=seq_lens.dtype) * (per * bs)
+    lens = (seq_lens.view(-1, 1) - starts).clamp(0, per * bs)
+    out, lse = paged_attention_full(
+        q.repeat_interleave(parts, 0), rows, rows, tables.view(batch * parts, per),
+        lens.reshape(-1), scale,
+    )  # fmt: skip
+    out, lse = out.view(batch, parts, *out.shape[1:]), lse.view(batch, parts, -1)
+    top = lse.amax(1, keepdim=True)
+    w = torch.where(lse.isfinite(), torch.exp(lse - top), 0.0)  # an empty run weighs nothing
+    mass = w.sum(1)
+    merged = (out * w.unsqueeze(-1)).sum(1) / mass.clamp_min(1e-30).unsqueeze(-1)
+    return merged, torch.where(mass > 0, top.squeeze(1) + mass.log(), float("-inf"))
 
 
 # ---- the linear over packed panels (csrc/linear.c) ----

@@ -174,3 +174,31 @@ def test_the_fused_cpu_kernel_at_deepseek_v2_lite_widths(heads):
     )
     finite = twin_lse.isfinite()
     assert (lse[finite] - twin_lse[finite]).abs().max() < 1e-5
+
+
+def test_sequences_split_among_idle_threads_merge_exactly(monkeypatch):
+    # Fewer sequences than threads: each is cut into runs of blocks, one work item each, merged
+    # by their log-sum-exps. An empty sequence and a run past a short sequence's end weigh nothing.
+    import kernels.native as native
+
+    monkeypatch.setattr(native, "_MLA_SPLIT_TOKENS", 8)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(6)  # 3 runs a sequence at a batch of 2
+    try:
+        for lens in ([0, 300], [40, 301], [7, 5]):
+            q_latent, q_rope, cache, tables, seq_lens = _case(
+                9, lens, heads=8, rank=64, rope=16, block_size=16, num_blocks=48
+            )
+            ref, ref_lse = paged_mla_decode_attention_torch(
+                q_latent, q_rope, cache, tables, seq_lens, 0.2, return_lse=True
+            )
+            out, lse = kernels.paged_mla_decode_attention(
+                q_latent, q_rope, cache, tables, seq_lens, 0.2, backend="native", return_lse=True
+            )
+            assert (out - ref).abs().max() < 1e-5, lens
+            assert torch.equal(lse.isfinite(), ref_lse.isfinite())
+            finite = ref_lse.isfinite()
+            assert (lse[finite] - ref_lse[finite]).abs().max() < 1e-5
+            assert torch.all(out[seq_lens == 0] == 0)
+    finally:
+        torch.set_num_threads(threads)
