@@ -92,9 +92,11 @@ def sdpa_step_seconds(pool, table, q, timed, repeats: int) -> float:
 def make_workload(device, dtype):
     g = torch.Generator(device="cpu").manual_seed(0)
     num_blocks = BATCH * TOKENS // BLOCK
-    pool = torch.randn(num_blocks, LAYERS, 2, BLOCK, KV_HEADS, HEAD_DIM, generator=g).to(
-        device=device, dtype=dtype
+    # allocated as the workers' pools are (kernels.KVLayout.empty_blocks: on huge pages on the CPU)
+    pool = kernels.zeros_on_huge_pages(
+        (num_blocks, LAYERS, 2, BLOCK, KV_HEADS, HEAD_DIM), dtype, device
     )
+    pool.copy_(torch.randn(num_blocks, LAYERS, 2, BLOCK, KV_HEADS, HEAD_DIM, generator=g))
     table = (
         torch.randperm(num_blocks, generator=g).view(BATCH, -1).to(device=device, dtype=torch.int32)
     )

@@ -46,6 +46,7 @@ _LAZY = {
         ),
         "kernels.kivi",
     ),
+    **dict.fromkeys(("HUGE_PAGE", "advise_huge_pages", "zeros_on_huge_pages"), "kernels.pages"),
     **dict.fromkeys(
         (
             "FullKVLayout",
@@ -109,6 +110,9 @@ def __getattr__(name: str):
 
 
 __all__ = [
+    "HUGE_PAGE",
+    "advise_huge_pages",
+    "zeros_on_huge_pages",
     "dtype_name",
     "full_layout_id",
     "kivi_layout_id",

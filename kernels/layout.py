@@ -17,6 +17,7 @@ import torch
 
 from kernels.dispatch import kivi_dequantize, kivi_quantize
 from kernels.layout_id import dtype_name, full_layout_id, kivi_layout_id, mla_layout_id
+from kernels.pages import zeros_on_huge_pages
 from kernels.kivi import (
     KIVI_FIELD_DTYPES,
     KiviPacked,
@@ -63,8 +64,9 @@ class KVLayout(abc.ABC):
         return self.block_bytes // self.num_layers
 
     def empty_blocks(self, num_blocks: int, device: torch.device | str = "cpu") -> torch.Tensor:
-        """A zero-filled pool `[num_blocks, *block_shape]`; zeros so unwritten KV is inert."""
-        return torch.zeros((num_blocks, *self.block_shape), dtype=self.dtype, device=device)
+        """A zero-filled pool `[num_blocks, *block_shape]`; zeros so unwritten KV is inert. On the
+        CPU on huge pages (kernels/pages.py: a decode step's block reads miss the TLB less)."""
+        return zeros_on_huge_pages((num_blocks, *self.block_shape), self.dtype, device)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,47 @@
+"""kernels/pages.py: a KV pool on the CPU asks for transparent huge pages before its first touch."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+import kernels
+from kernels import FullKVLayout
+
+THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+def thp_mode() -> str:
+    try:
+        return re.search(r"\[(\w+)\]", THP.read_text()).group(1)
+    except (OSError, AttributeError):
+        return ""
+
+
+def eligible(t: torch.Tensor) -> bool:
+    """Whether the kernel may back the mapping holding t's middle with huge pages
+    (/proc/self/smaps: THPeligible of the area around the address)."""
+    addr = t.data_ptr() + t.numel() * t.element_size() // 2
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        m = re.match(r"^([0-9a-f]+)-([0-9a-f]+) ", line)
+        if m:
+            inside = int(m.group(1), 16) <= addr < int(m.group(2), 16)
+        elif inside and line.startswith("THPeligible:"):
+            return line.split()[1] == "1"
+    raise AssertionError("no mapping holds the tensor")
+
+
+@pytest.mark.skipif(thp_mode() != "madvise", reason="needs transparent huge pages on madvise")
+def test_a_kv_pool_is_on_huge_pages_and_a_plain_tensor_is_not():
+    layout = FullKVLayout(30, 3, 64, 16, torch.bfloat16)
+    pool = layout.empty_blocks(256)  # 45 MiB
+    assert not pool.any() and pool.shape == (256, *layout.block_shape)
+    assert eligible(pool)
+    plain = torch.zeros(pool.shape, dtype=pool.dtype)
+    assert not eligible(plain)  # under `madvise`, only what asked
+    small = kernels.zeros_on_huge_pages((1024,), torch.float32)  # under 4 MiB: not worth asking
+    assert not small.any() and not kernels.advise_huge_pages(small)
