@@ -125,8 +125,12 @@ class BulkServer:
         try:
             conn.settimeout(HANDSHAKE_S)
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            if self._tls is not None:
-                conn = self._tls.wrap_socket(sock, server_side=True)
+            if self._tls is not None:  # the TLS socket takes over sock's fd
+                conn = self._tls.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
+                with self._lock:  # what stop() shuts down, before the handshake can block
+                    self._conns.discard(sock)
+                    self._conns.add(conn)
+                conn.do_handshake()
             self._hello(conn)
             while True:
                 conn.settimeout(IDLE_S)
@@ -154,6 +158,7 @@ class BulkServer:
             conn.close()
             with self._lock:
                 self._conns.discard(sock)
+                self._conns.discard(conn)
 
     def _hello(self, conn: socket.socket) -> None:
         frame = recv_frame(conn, max_body=4096)
@@ -254,8 +259,9 @@ class BulkServer:
                         self.node.publish_soon()
                     done = True
                     held = self.store.count_held(op.keys)
-                    send_frame(conn, DONE, encode_done(stored, held))
+                    # counted before the answer: a writer that reads the metrics next sees it
                     self.node.metrics.record("put", "tcp", received, time.perf_counter() - t0)
+                    send_frame(conn, DONE, encode_done(stored, held))
                     return
                 else:
                     raise BulkError("INVALID_ARGUMENT", f"unexpected {OP_NAMES.get(kind, kind)}")

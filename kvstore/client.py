@@ -233,10 +233,6 @@ def _is_slab_file(path: str) -> bool:
     return False
 
 
-class _Unread(Exception):
-    """A bulk reply's bytes were left unread (the prefix ended early): its connection closes."""
-
-
 def _bulk_call(what: str):
     """Bulk-port failures as the exceptions gRPC's stand for (raise_status); a socket that fails
     is StoreUnavailable."""
@@ -313,6 +309,7 @@ class StoreClient:
             if transport == "shm" and self.slab is None:
                 self.channel.close()
                 raise ValueError(f"store {address} has no shared memory reachable from this host")
+        self._on_fallback = on_fallback
         if transport == "tcp" or (transport == "auto" and self.slab is None):
             self._open_bulk(transport, security, on_fallback)
         self.transport = "shm" if self.slab else "tcp" if self.bulk else "grpc"
@@ -339,6 +336,19 @@ class StoreClient:
         log.warning("store %s: %s; blocks go over gRPC", self.address, why)
         if on_fallback is not None and self.info.bulk_port:
             on_fallback(why)
+
+    def _bulk_socket(self, op: str):
+        """A bulk connection for one call; None (logged, counted through on_fallback) when no
+        new one opens (every connection of the node taken, or the port gone): the call then goes
+        over gRPC."""
+        try:
+            return self.bulk.take()
+        except (OSError, BulkError) as e:
+            why = f"no bulk connection for a {op} ({e})"
+            log.warning("store %s: %s: over gRPC", self.address, why)
+            if self._on_fallback is not None:
+                self._on_fallback(why)
+            return None
 
     def _check_slab(self, shm_path: str) -> None:
         """Map the slab a lease's offsets refer to, if the node was restarted since we mapped
@@ -385,8 +395,9 @@ class StoreClient:
             return 0
         if self.slab is not None:
             return self._get_shm(keys, out)
-        if self.bulk is not None:
-            return self._get_tcp(keys, out)
+        sock = self._bulk_socket("get") if self.bulk is not None else None
+        if sock is not None:
+            return self._get_tcp(keys, out, sock)
         return self._get_grpc(keys, out)
 
     @staticmethod
@@ -494,13 +505,14 @@ class StoreClient:
             details = e.details() if isinstance(e, grpc.RpcError) else str(e)
             log.warning("lease %d release failed: %s", req.lease_id, details)
 
-    def _get_tcp(self, keys: list[bytes], out: torch.Tensor) -> int:
-        """get_into over the bulk port: unpadded raw blocks land straight in out (recv_into, no
-        staging, a run of them a call), checked layer by layer right after they land."""
+    def _get_tcp(self, keys: list[bytes], out: torch.Tensor, sock) -> int:
+        """get_into over the bulk connection `sock`: unpadded raw blocks land straight in out
+        (recv_into, no staging, a run of them a call), checked layer by layer right after they
+        land. The connection goes back to the pool after a reply read whole, else it closes."""
         shape, dtype = tuple(out.shape[1:]), out.dtype
-        headers, corrupt = [], []
+        headers, corrupt, whole = [], [], False
         try:
-            with _bulk_call("get"), self.bulk.connection() as sock:
+            with _bulk_call("get"):
                 send_frame(sock, GET, encode_keys(keys))
                 raw_headers, lengths = decode_headers(expect(sock, HEADERS))
                 for b, (raw, n) in enumerate(zip(raw_headers, lengths)):
@@ -517,10 +529,12 @@ class StoreClient:
                 got = _receive_blocks(sock, headers, out)
                 if got < len(headers):
                     corrupt.append(keys[got])
-                if got < len(raw_headers):
-                    raise _Unread()  # the rest is not read: this connection closes
-        except _Unread:
-            pass
+                whole = got == len(raw_headers)  # else the rest is not read: the socket closes
+        finally:
+            if whole:
+                self.bulk.give_back(sock)
+            else:
+                sock.close()
         if corrupt:
             self._release_later(0, corrupt)
         return got
@@ -686,8 +700,9 @@ class StoreClient:
             return _NoWriter(self, [], header, parent)
         if self.slab is not None:
             return _ShmWriter(self, list(keys), header, parent)
-        if self.bulk is not None:
-            return _TcpWriter(self, list(keys), header, parent)
+        sock = self._bulk_socket("put") if self.bulk is not None else None
+        if sock is not None:
+            return _TcpWriter(self, list(keys), header, parent, sock)
         return _GrpcWriter(self, list(keys), header, parent)
 
     # ------------------------------------------------------------------ the rest
@@ -1014,12 +1029,10 @@ class _TcpWriter(BlockWriter):
     are never sent), each layer of those goes as it is written, and the node checks every
     checksum at commit."""
 
-    def __init__(self, client, keys, header, parent):
+    def __init__(self, client, keys, header, parent, sock):
         super().__init__(client, keys, header, parent)
-        self.bulk = client.bulk
-        self.sock = None
+        self.bulk, self.sock = client.bulk, sock
         with _bulk_call("put"):
-            self.sock = self.bulk.take()
             try:
                 send_frame(
                     self.sock,
