@@ -22,7 +22,6 @@ the client's next call opens a fresh one. Torch-free: the store node serves this
 
 from __future__ import annotations
 
-import logging
 import select
 import socket
 import ssl
@@ -35,7 +34,6 @@ from typing import Iterator, NamedTuple
 from kvstore.keys import KEY_BYTES
 from servekit.security import SecurityConfig, ssl_client_context
 
-log = logging.getLogger(__name__)
 
 HELLO, OK, ERR, GET, HEADERS, PUT_OPEN, SLOTS, DATA, COMMIT, DONE = range(1, 11)
 OP_NAMES = {

@@ -4,6 +4,7 @@ neither is open (the tiers above it: kvstore.KVConnector)."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import os
@@ -27,7 +28,7 @@ from kvstore.block_format import (
     parse_header,
     u8view,
 )
-from kvstore.block_header import BlockCorrupt, BlockHeader, checksum, pack_header
+from kvstore.block_header import BlockCorrupt, BlockHeader, checksum, layer_ok, pack_header
 from kvstore.codecs import get_codec
 from kvstore.bulk import (
     COMMIT,
@@ -113,11 +114,10 @@ def _byte_rows(data: torch.Tensor) -> np.ndarray | None:
 _RUN_BYTES = 2 << 20  # raw blocks received in one call, then hashed while still in cache
 
 
-def _layers_ok(payload: memoryview, h: BlockHeader) -> bool:
-    return all(
-        checksum(payload[o : o + h.layer_bytes]) == h.checksums[layer]
-        for layer, o in enumerate(range(0, h.payload_len, h.layer_bytes))
-    )
+def _payload_ok(payload: memoryview, h: BlockHeader) -> bool:
+    """Whether every layer of a block's payload (its bytes after the header) matches its
+    checksum."""
+    return all(layer_ok(payload, h, layer, -h.header_len) for layer in range(h.num_layers))
 
 
 def _receive_blocks(sock: socket.socket, headers: list[BlockHeader], out: torch.Tensor) -> int:
@@ -135,7 +135,7 @@ def _receive_blocks(sock: socket.socket, headers: list[BlockHeader], out: torch.
         if not direct(h):
             block = np.empty(h.total_len, np.uint8)  # the payload after room for the header
             recv_exact(sock, memoryview(block)[h.header_len :])
-            if not _layers_ok(memoryview(block)[h.header_len :], h):
+            if not _payload_ok(memoryview(block)[h.header_len :], h):
                 return b
             decode_layers(torch.from_numpy(block), h, out[b], range(h.num_layers))
             b += 1
@@ -148,7 +148,7 @@ def _receive_blocks(sock: socket.socket, headers: list[BlockHeader], out: torch.
         view = memoryview(out_bytes[b * block_bytes : (b + run) * block_bytes])
         recv_exact(sock, view)
         for j in range(run):
-            if not _layers_ok(view[j * block_bytes : (j + 1) * block_bytes], headers[b + j]):
+            if not _payload_ok(view[j * block_bytes : (j + 1) * block_bytes], headers[b + j]):
                 return b + j
         b += run
     return b
@@ -233,22 +233,16 @@ def _is_slab_file(path: str) -> bool:
     return False
 
 
+@contextlib.contextmanager
 def _bulk_call(what: str):
     """Bulk-port failures as the exceptions gRPC's stand for (raise_status); a socket that fails
     is StoreUnavailable."""
-
-    class _Map:
-        def __enter__(self):
-            return self
-
-        def __exit__(self, kind, exc, tb):
-            if isinstance(exc, BulkError):
-                raise_status(exc.code, exc.message)
-            if isinstance(exc, OSError):  # ConnectionError, timeouts, TLS errors
-                raise StoreUnavailable(f"store bulk {what}: {exc}") from None
-            return False
-
-    return _Map()
+    try:
+        yield
+    except BulkError as e:
+        raise_status(e.code, e.message)
+    except OSError as e:  # ConnectionError, timeouts, TLS errors
+        raise StoreUnavailable(f"store bulk {what}: {e}") from None
 
 
 def _host_of(address: str) -> str:
@@ -311,11 +305,17 @@ class StoreClient:
                 raise ValueError(f"store {address} has no shared memory reachable from this host")
         self._on_fallback = on_fallback
         if transport == "tcp" or (transport == "auto" and self.slab is None):
-            self._open_bulk(transport, security, on_fallback)
+            self._open_bulk(transport, security)
         self.transport = "shm" if self.slab else "tcp" if self.bulk else "grpc"
         self.chunk_bytes = self.info.chunk_bytes or (1 << 20)
 
-    def _open_bulk(self, transport: str, security, on_fallback) -> None:
+    def _fell_back(self, why: str, what_goes: str) -> None:
+        """A transfer that could have used the bulk port goes over gRPC: logged and counted."""
+        log.warning("store %s: %s; %s over gRPC", self.address, why, what_goes)
+        if self._on_fallback is not None:
+            self._on_fallback(why)
+
+    def _open_bulk(self, transport: str, security) -> None:
         why = ""
         if not self.info.bulk_port:
             why = "the node has no bulk port"
@@ -333,9 +333,10 @@ class StoreClient:
         if transport == "tcp":
             self.channel.close()
             raise StoreUnavailable(f"store {self.address}: {why}")
-        log.warning("store %s: %s; blocks go over gRPC", self.address, why)
-        if on_fallback is not None and self.info.bulk_port:
-            on_fallback(why)
+        if self.info.bulk_port:
+            self._fell_back(why, "blocks go")
+        else:  # a node without the port: nothing fell back
+            log.warning("store %s: %s; blocks go over gRPC", self.address, why)
 
     def _bulk_socket(self, op: str):
         """A bulk connection for one call; None (logged, counted through on_fallback) when no
@@ -344,10 +345,7 @@ class StoreClient:
         try:
             return self.bulk.take()
         except (OSError, BulkError) as e:
-            why = f"no bulk connection for a {op} ({e})"
-            log.warning("store %s: %s: over gRPC", self.address, why)
-            if self._on_fallback is not None:
-                self._on_fallback(why)
+            self._fell_back(f"no bulk connection for a {op} ({e})", "this call goes")
             return None
 
     def _check_slab(self, shm_path: str) -> None:
@@ -413,6 +411,18 @@ class StoreClient:
             return False
         return True
 
+    @staticmethod
+    def _header_of(raw, total_len: int, header_len: int | None = None) -> BlockHeader | None:
+        """The header `raw` begins with, if it parses and says the block is `total_len` bytes
+        (its header `header_len` of them, when given); None: the block is corrupt."""
+        try:
+            h = parse_header(raw)
+        except BlockCorrupt:
+            return None
+        if h.total_len != total_len or header_len not in (None, h.header_len):
+            return None
+        return h
+
     def _get_shm(self, keys: list[bytes], out: torch.Tensor) -> int:
         try:
             reply = self.stub.Lease(
@@ -454,11 +464,8 @@ class StoreClient:
 
         for index, off, length, data in slots:
             view = slab_view[off : off + length] if off >= 0 else memoryview(data)
-            try:
-                h = parse_header(view)
-                if h.total_len != length or len(view) != length:
-                    raise BlockCorrupt("length mismatch")
-            except BlockCorrupt:
+            h = self._header_of(view, length) if len(view) == length else None
+            if h is None:
                 corrupt.append(keys[index])
                 break
             if not self._fits(h, shape, dtype):
@@ -516,11 +523,8 @@ class StoreClient:
                 send_frame(sock, GET, encode_keys(keys))
                 raw_headers, lengths = decode_headers(expect(sock, HEADERS))
                 for b, (raw, n) in enumerate(zip(raw_headers, lengths)):
-                    try:
-                        h = parse_header(raw)
-                        if h.payload_len != n or len(raw) != h.header_len:
-                            raise BlockCorrupt("length mismatch")
-                    except BlockCorrupt:
+                    h = self._header_of(raw, len(raw) + n, len(raw))
+                    if h is None:
                         corrupt.append(keys[b])
                         break
                     if not self._fits(h, shape, dtype):
@@ -770,12 +774,23 @@ class BlockWriter:
         self._check_complete()
         return [self._header(i) for i in range(len(self.keys))]
 
+    @property
+    def _raw_unpadded(self) -> bool:
+        """Whether a stored layer is the block tensor's layer as it is (raw, no padding)."""
+        h = self.header
+        return h.codec == "raw" and self.codec.layer_nbytes(h.shape[1:], h.dtype) == h.layer_bytes
+
+    def _fits_whole(self, blocks: torch.Tensor) -> bool:
+        """Whether `blocks` [n, *block shape] are stored exactly as their bytes lie."""
+        h = self.header
+        return self._raw_unpadded and tuple(blocks.shape[1:]) == h.shape and blocks.dtype == h.dtype
+
     def _stored_rows(self, data: torch.Tensor, indices):
         """(i, block i's layer as stored) for each i of indices: the caller's own bytes where the
         layer is unpadded raw, else encoded into a fresh buffer."""
         h, layer_bytes = self.header, self.header.layer_bytes
         n = self.codec.layer_nbytes(h.shape[1:], h.dtype)
-        rows = _byte_rows(data) if self.codec.name == "raw" and n == layer_bytes else None
+        rows = _byte_rows(data) if self._raw_unpadded else None
         for i in indices:
             if rows is not None:
                 raw = memoryview(rows[i])
@@ -877,15 +892,7 @@ class _ShmWriter(BlockWriter):
         self.hashed_in_copy = False  # hashed from the slab after the copy, not in it
 
     def can_copy_layers(self, pool: torch.Tensor) -> bool:
-        h = self.header
-        return (
-            h.codec == "raw"
-            and self.codec.layer_nbytes(h.shape[1:], h.dtype) == h.layer_bytes
-            and pool.device.type == "cpu"
-            and pool.is_contiguous()
-            and tuple(pool.shape[1:]) == h.shape
-            and pool.dtype == h.dtype
-        )
+        return pool.device.type == "cpu" and pool.is_contiguous() and self._fits_whole(pool)
 
     def copy_layer(self, layer, pool, offsets):
         if self.closed:
@@ -905,14 +912,7 @@ class _ShmWriter(BlockWriter):
         self.hashed_in_copy = len(self._copied) == h.num_layers and not self._hashed_after
 
     def can_write_whole(self, blocks: torch.Tensor) -> bool:
-        h = self.header
-        return (
-            h.codec == "raw"
-            and self.codec.layer_nbytes(h.shape[1:], h.dtype) == h.layer_bytes
-            and blocks.is_contiguous()
-            and tuple(blocks.shape[1:]) == h.shape
-            and blocks.dtype == h.dtype
-        )
+        return blocks.is_contiguous() and self._fits_whole(blocks)
 
     def write_whole(self, blocks: torch.Tensor) -> None:
         """All layers of unpadded raw blocks: one copy per block, each layer's checksum taken
@@ -1063,14 +1063,7 @@ class _TcpWriter(BlockWriter):
         self.written.add(layer)
 
     def can_write_whole(self, blocks: torch.Tensor) -> bool:
-        h = self.header
-        return (
-            h.codec == "raw"
-            and self.codec.layer_nbytes(h.shape[1:], h.dtype) == h.layer_bytes
-            and _byte_rows(blocks) is not None
-            and tuple(blocks.shape[1:]) == h.shape
-            and blocks.dtype == h.dtype
-        )
+        return _byte_rows(blocks) is not None and self._fits_whole(blocks)
 
     def write_whole(self, blocks: torch.Tensor) -> None:
         """All layers of unpadded raw blocks: each block's payload in one piece, from where it

@@ -134,6 +134,12 @@ def add_port(server: grpc.Server, address: str, cfg: SecurityConfig, client_faci
     return server.add_insecure_port(address)
 
 
+def _check_readable(cfg: SecurityConfig) -> None:
+    """ValueError naming the field whose file cannot be read (ssl's own error names neither)."""
+    for path, what in ((cfg.tls_cert, "tls_cert"), (cfg.tls_key, "tls_key")):
+        _read(path, what)
+
+
 def ssl_server_context(cfg: SecurityConfig, client_facing: bool = False) -> ssl.SSLContext:
     """The TLS side of a plain socket server (a store node's bulk port), as server_credentials
     sets up gRPC's: this node's certificate; client certificates signed by tls_ca required on
@@ -142,7 +148,7 @@ def ssl_server_context(cfg: SecurityConfig, client_facing: bool = False) -> ssl.
         raise ValueError("security: a TLS server needs tls_cert and tls_key")
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     ctx.minimum_version = ssl.TLSVersion.TLSv1_2
-    _read(cfg.tls_cert, "tls_cert"), _read(cfg.tls_key, "tls_key")  # errors that name the field
+    _check_readable(cfg)
     ctx.load_cert_chain(cfg.tls_cert, cfg.tls_key)
     if cfg.mutual_tls and not client_facing:
         ctx.verify_mode = ssl.CERT_REQUIRED
@@ -156,7 +162,7 @@ def ssl_client_context(cfg: SecurityConfig) -> ssl.SSLContext:
     ctx = ssl.create_default_context(cadata=_read(cfg.tls_ca, "tls_ca").decode())
     ctx.minimum_version = ssl.TLSVersion.TLSv1_2
     if cfg.tls_cert:
-        _read(cfg.tls_cert, "tls_cert"), _read(cfg.tls_key, "tls_key")
+        _check_readable(cfg)
         ctx.load_cert_chain(cfg.tls_cert, cfg.tls_key)
     return ctx
 
