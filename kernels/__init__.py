@@ -59,8 +59,10 @@ _LAZY = {
     ),
     **dict.fromkeys(
         (
+            "CopyChecked",
             "NativeStatus",
             "ReleasingThreadPool",
+            "copy_checked",
             "copy_hashed",
             "copy_hashed_available",
             "native_status",
@@ -130,9 +132,11 @@ __all__ = [
     "KiviBlocks",
     "LayerWeights",
     "MlaKVLayout",
+    "CopyChecked",
     "NativeStatus",
     "ReleasingThreadPool",
     "available_backends",
+    "copy_checked",
     "copy_hashed",
     "copy_hashed_available",
     "gather_blocks",

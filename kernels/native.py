@@ -159,6 +159,8 @@ def _library() -> tuple[ctypes.CDLL | None, str]:
     lib.hm_release_threads.restype = ctypes.c_int
     lib.hm_copy_hashed.restype = None
     lib.hm_copy_hashed.argtypes = [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _ptr, _ptr]
+    lib.hm_copy_checked.restype = _i64
+    lib.hm_copy_checked.argtypes = [_ptr, _ptr, _ptr, _ptr, _i64, _ptr, *[_i64] * 6, _ptr, _ptr]
     for suffix, extra in (("bf16", [_i32]), ("f32", [])):  # bf16 takes `amx` last
         getattr(lib, f"hm_prefill_attention_{suffix}_available").restype = ctypes.c_int
         fn = getattr(lib, f"hm_prefill_attention_{suffix}")
@@ -774,3 +776,52 @@ def copy_hashed(
         nbytes, layer_bytes, _xxh3_64(), sums.ctypes.data,
     )  # fmt: skip
     return sums
+
+
+class CopyChecked(NamedTuple):
+    """What copy_checked did with a run of self-checking blocks."""
+
+    passed: int  # blocks from the first that were copied and matched their checksums
+    why: int  # 0: all passed; 1: block `passed` has another header; 2: it failed a checksum
+
+
+def copy_checked(
+    dst: np.ndarray,
+    dst_offsets: list[int],
+    src: np.ndarray,
+    header_offsets: list[int],
+    template: bytes,
+    table_offset: int,
+    header_sum_offset: int,
+    header_len: int,
+    nbytes: int,
+    layer_bytes: int,
+) -> CopyChecked:
+    """Blocks that carry their checksums in a header, copied and checked in one call (flat uint8
+    arrays). Block i's header is at src[header_offsets[i]:]: its first len(template) bytes must
+    be `template`, the XXH3-64 of its bytes before `header_sum_offset` the u64 there, and the
+    u64 table at `table_offset` each layer's checksum. Its `nbytes` of payload, `header_len` on,
+    go to dst[dst_offsets[i]:], each `layer_bytes` layer hashed from the copy against the table.
+    Stops at the first block that fails (see CopyChecked). Call only where
+    copy_hashed_available()."""
+    lib, _ = _library()
+    flat = all(a.dtype == np.uint8 and a.ndim == 1 and a.flags.c_contiguous for a in (dst, src))
+    if not flat or len(dst_offsets) != len(header_offsets):
+        raise ValueError("copy_checked: flat contiguous uint8 arrays, one offset each per block")
+    layers = -(-nbytes // layer_bytes)
+    if not len(template) <= table_offset <= header_sum_offset - 8 * layers < header_len - 8:
+        raise ValueError("copy_checked: the header's fields overlap or run past its length")
+    d_off = np.asarray(dst_offsets, dtype=np.int64)
+    h_off = np.asarray(header_offsets, dtype=np.int64)
+    if len(d_off) == 0:
+        return CopyChecked(0, 0)
+    low = min(d_off.min(), h_off.min())
+    if low < 0 or d_off.max() + nbytes > len(dst) or h_off.max() + header_len + nbytes > len(src):
+        raise ValueError("copy_checked: a block lies outside its array")
+    why = ctypes.c_int32(0)
+    passed = lib.hm_copy_checked(
+        dst.ctypes.data, d_off.ctypes.data, src.ctypes.data, h_off.ctypes.data, len(d_off),
+        template, len(template), table_offset, header_sum_offset, header_len, nbytes,
+        layer_bytes, _xxh3_64(), ctypes.byref(why),
+    )  # fmt: skip
+    return CopyChecked(int(passed), why.value)

@@ -228,6 +228,15 @@ def read_header(data) -> BlockHeader:
         raise BlockCorrupt(f"malformed block header: {e}") from None
 
 
+def table_offsets(data, h: BlockHeader) -> tuple[int, int]:
+    """Where the header `data` begins with (parsed as `h`) holds its layers' checksum table and
+    its own checksum (a hash of every byte before it): what a reader checking many blocks of one
+    layout in one pass needs (kernels.copy_checked). The bytes before the table are the layout's
+    fixed fields, the same in every block of it."""
+    (fixed_len,) = struct.unpack_from("<H", data, 6)
+    return fixed_len, fixed_len + 8 * h.num_layers
+
+
 def check_bytes(
     data, fingerprint: str = "", payload: bool = True, parse=read_header
 ) -> BlockHeader:

@@ -28,7 +28,14 @@ from kvstore.block_format import (
     parse_header,
     u8view,
 )
-from kvstore.block_header import BlockCorrupt, BlockHeader, checksum, layer_ok, pack_header
+from kvstore.block_header import (
+    BlockCorrupt,
+    BlockHeader,
+    checksum,
+    layer_ok,
+    pack_header,
+    table_offsets,
+)
 from kvstore.codecs import get_codec
 from kvstore.bulk import (
     COMMIT,
@@ -440,29 +447,14 @@ class StoreClient:
         got, corrupt = 0, []
         shape, dtype = tuple(out.shape[1:]), out.dtype
         block_bytes = out[0].numel() * out.element_size()
-        # unpadded raw blocks are the block tensor's bytes: copied as plain bytes into out, those
-        # in the slab in one call per run of them
+        # unpadded raw blocks are the block tensor's bytes: copied as plain bytes into out, a run
+        # of those in the slab in one call that also checks their headers (_copy_run)
         out_bytes = out.view(-1).view(torch.uint8).numpy() if out.device.type == "cpu" else None
-        slab_view, slab_array = self.slab.view, self.slab.array
-        run: list[tuple[int, int, tuple[int, ...]]] = []  # (key index, payload offset, checksums)
-        layer_bytes = 0
-
-        def copy_run() -> bool:
-            """The run into out's next rows; False (the key counted corrupt) at a bad one."""
-            nonlocal got
-            sums = _copy_hashed(
-                out_bytes, [(got + i) * block_bytes for i in range(len(run))], slab_array,
-                [off for _, off, _ in run], block_bytes, layer_bytes,
-            )  # fmt: skip
-            for (index, _, want), have in zip(run, sums):
-                if have != list(want):
-                    corrupt.append(keys[index])
-                    return False
-                got += 1
-            run.clear()
-            return True
-
-        for index, off, length, data in slots:
+        slab_view = self.slab.view
+        slots = list(slots)
+        i = 0
+        while i < len(slots):
+            index, off, length, data = slots[i]
             view = slab_view[off : off + length] if off >= 0 else memoryview(data)
             h = self._header_of(view, length) if len(view) == length else None
             if h is None:
@@ -472,11 +464,12 @@ class StoreClient:
                 break
             raw = out_bytes is not None and h.codec == "raw" and h.payload_len == block_bytes
             if raw and off >= 0:
-                run.append((index, off + h.header_len, h.checksums))
-                layer_bytes = h.layer_bytes
-                continue
-            if run and not copy_run():
-                break
+                passed, failed = self._copy_run(slots, i, view, h, out_bytes, got)
+                got, i = got + passed, i + passed
+                if failed:
+                    corrupt.append(keys[slots[i][0]])
+                    break
+                continue  # done, or slot i has a header of its own: read above
             if raw:  # inline
                 payload = np.frombuffer(view, np.uint8, block_bytes, h.header_len)
                 sums = _copy_hashed(
@@ -494,11 +487,37 @@ class StoreClient:
                 corrupt.append(keys[index])
                 break
             got += 1
-        if run and not corrupt:
-            copy_run()
+            i += 1
         if reply.lease_id or corrupt:
             self._release_later(reply.lease_id, corrupt)
         return got
+
+    def _copy_run(self, slots, i: int, view, h: BlockHeader, out_bytes, got: int):
+        """The raw blocks in the slab from slots[i] on (slot i's header `view`, parsed as `h`)
+        copied into out's rows from `got` on while their headers are h's layout: (how many
+        passed, whether the next one failed a checksum). One C call checks every header and
+        layer (kernels.copy_checked) where the kernels are built, else one block at a time."""
+        block_bytes = h.payload_len
+        run = []  # (slot offset) of the blocks in the slab, of h's length, from slot i on
+        for _, off, length, _ in itertools.islice(slots, i, None):
+            if off < 0 or length != h.total_len:
+                break
+            run.append(off)
+        if kernels.copy_hashed_available():
+            table, header_sum = table_offsets(view, h)
+            res = kernels.copy_checked(
+                out_bytes, [(got + j) * block_bytes for j in range(len(run))], self.slab.array,
+                run, bytes(view[:table]), table, header_sum, h.header_len, block_bytes,
+                h.layer_bytes,
+            )  # fmt: skip
+            if res.passed or res.why != 1:
+                return res.passed, res.why == 2
+            # slot i's own header refused there (more layers than the C side holds): alone here
+        sums = _copy_hashed(
+            out_bytes, [got * block_bytes], self.slab.array, [run[0] + h.header_len],
+            block_bytes, h.layer_bytes,
+        )  # fmt: skip
+        return (1, False) if sums[0] == list(h.checksums) else (0, True)
 
     def _release_later(self, lease_id: int, corrupt: list[bytes]) -> None:
         # Released in the background: the copies are done, nothing waits on the answer.

@@ -256,3 +256,57 @@ def test_copy_hashed_copies_blocks_and_hashes_their_layers_as_the_block_format_d
     with pytest.raises(ValueError, match="outside"):
         kernels.copy_hashed(dst, [0, 11_000], src, [0, 0], nbytes, layer)
     assert np.array_equal(dst, before)
+
+
+def test_copy_checked_copies_a_run_of_encoded_blocks_and_stops_at_the_first_bad_one():
+    """The shared-memory get's run copy (csrc/copy_hashed.c hm_copy_checked): blocks encoded by
+    the block format are copied while each header matches the run's layout, its own checksum
+    and each layer's; it stops at a block of another layout (1: the caller reads that header)
+    and at a flipped payload byte or header checksum (2 and 1), never copying past it."""
+    from kvstore.block_format import encode_block, parse_header
+    from kvstore.block_header import table_offsets
+
+    g = torch.Generator().manual_seed(0)
+    shape = (3, 2, 4, 2, 8)  # 3 layers of [2, T, H, D]
+    blocks = [torch.randn(shape, generator=g).to(torch.bfloat16) for _ in range(4)]
+    other = encode_block(blocks[3], "fq")  # same lengths and offsets, another fixed part
+    encoded = [encode_block(b, "fp") for b in blocks[:3]] + [other]
+    size = len(encoded[0])
+    assert len(other) == size
+    h = parse_header(encoded[0])
+    nbytes = h.payload_len
+    table, header_sum = table_offsets(encoded[0], h)
+
+    def run(src_blocks):
+        src = np.frombuffer(b"".join(src_blocks), dtype=np.uint8).copy()
+        dst = np.zeros(nbytes * len(src_blocks), dtype=np.uint8)
+        res = kernels.copy_checked(
+            dst, [i * nbytes for i in range(len(src_blocks))], src,
+            [i * size for i in range(len(src_blocks))], encoded[0][:table], table, header_sum,
+            h.header_len, nbytes, h.layer_bytes,
+        )  # fmt: skip
+        return res, dst
+
+    res, dst = run(encoded)
+    assert (res.passed, res.why) == (3, 1)  # the fourth is another model's: its header differs
+    want = torch.stack(blocks[:3]).view(-1).view(torch.uint8).numpy()
+    assert np.array_equal(dst[: 3 * nbytes], want)
+    assert not dst[3 * nbytes :].any()
+
+    flipped = bytearray(encoded[1])
+    flipped[h.layer_offset(2) + 5] ^= 0x10  # a byte of block 1's last layer
+    res, dst = run([encoded[0], bytes(flipped), encoded[2]])
+    assert (res.passed, res.why) == (1, 2)
+    assert not dst[2 * nbytes :].any()
+
+    bad_header = bytearray(encoded[1])
+    bad_header[table + 3] ^= 0x01  # a layer's checksum in the table: the header's own fails
+    res, _ = run([encoded[0], bytes(bad_header)])
+    assert (res.passed, res.why) == (1, 1)
+    assert run(encoded[:3])[0] == (3, 0)
+
+    with pytest.raises(ValueError, match="outside"):
+        kernels.copy_checked(
+            np.zeros(nbytes, np.uint8), [0], np.zeros(size - 1, np.uint8), [0],
+            encoded[0][:table], table, header_sum, h.header_len, nbytes, h.layer_bytes,
+        )  # fmt: skip

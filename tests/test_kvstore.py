@@ -22,6 +22,7 @@ from kvstore import (
     encode_block,
     parse_header,
 )
+from kvstore.block_header import table_offsets
 from kvstore.slab import SlabAllocator
 from protos import kvstore_pb2 as pb
 from protos import kvstore_pb2_grpc as pb_grpc
@@ -210,6 +211,25 @@ def test_corrupt_block_is_a_miss_and_dropped(make_node, transport):
         c.stats()  # waits for the release that reports the corruption
         assert c.lookup(keys).num_blocks == 2  # dropped: the next put rewrites it
         assert c.put(keys, x, FP) == 4 and c.get_into(keys, out) == 4 and torch.equal(out, x)
+
+
+def test_corrupt_header_ends_the_prefix_and_a_later_run_still_copies(make_node, transport):
+    """A block whose header fails its own checksum (a flipped byte of its layer checksum table)
+    ends the prefix, on every transport: the shm path checks a run of headers in one C call, so
+    a bad header in the middle of the run must stop it there, and the blocks before it land."""
+    node = make_node()
+    with StoreClient(node.address, transport=transport) as c:
+        keys, x = chain(5), blocks(5)
+        c.put(keys, x, FP)
+        ((_, off, size),) = _slots(node, keys[3:4])
+        h = parse_header(node.slab.view[off : off + size])
+        table, _ = table_offsets(node.slab.view[off : off + size], h)
+        node.slab.view[off + table + 2] ^= 0x04
+        out = torch.zeros(5, *SHAPE)
+        assert c.get_into(keys, out) == 3
+        assert torch.equal(out[:3], x[:3])
+        c.stats()  # waits for the release that reports the corruption
+        assert c.lookup(keys).num_blocks == 3
 
 
 def _slots(node, keys):

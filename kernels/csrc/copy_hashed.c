@@ -35,3 +35,48 @@ void hm_copy_hashed(uint8_t *dst, const int64_t *dst_off, const uint8_t *src,
     }
   }
 }
+
+/* Blocks that carry their own checksums, copied and checked in one call: the shared-memory get's
+ * path for a run of blocks of one layout, where a Python loop parsing each block's header cost
+ * as much as the Lease call (256 blocks of 256 KiB: ~1.6 of 9.6 ms a get).
+ *
+ * Block i's header starts at src + hdr_off[i]: its first prefix_len bytes must equal `tmpl` (the
+ * layout's fixed fields, as the caller parsed them from a block of the run), its hash of bytes
+ * [0, hsum_off) must equal the u64 at hsum_off, and the u64 table at table_off holds each
+ * layer's checksum. Its n payload bytes, from header_len on, are copied to dst + dst_off[i] and
+ * each layer of the copy hashed (as hm_copy_hashed) against the table. Returns how many blocks
+ * from the first passed; *why: 0 every block passed, 1 block [returned] has another header (the
+ * caller reads it itself), 2 a layer of block [returned] failed its checksum (its copy is
+ * scratch). The caller checked that every block lies inside src and dst. */
+int64_t hm_copy_checked(uint8_t *dst, const int64_t *dst_off, const uint8_t *src,
+                        const int64_t *hdr_off, int64_t count, const uint8_t *tmpl,
+                        int64_t prefix_len, int64_t table_off, int64_t hsum_off,
+                        int64_t header_len, int64_t n, int64_t layer_bytes, hm_hash_fn hash,
+                        int32_t *why) {
+  const int64_t layers = (n + layer_bytes - 1) / layer_bytes;
+  uint64_t sums[1024];
+  *why = 0;
+  if (layers > 1024) { /* more layers than any model here: the caller's own loop */
+    *why = 1;
+    return 0;
+  }
+  for (int64_t i = 0; i < count; i++) {
+    const uint8_t *h = src + hdr_off[i];
+    uint64_t want;
+    memcpy(&want, h + hsum_off, sizeof want);
+    if (memcmp(h, tmpl, (size_t)prefix_len) || hash(h, (size_t)hsum_off) != want) {
+      *why = 1;
+      return i;
+    }
+    hm_copy_hashed(dst, dst_off + i, h + header_len, (const int64_t[]){0}, 1, n, layer_bytes,
+                   hash, sums);
+    for (int64_t l = 0; l < layers; l++) {
+      memcpy(&want, h + table_off + 8 * l, sizeof want);
+      if (sums[l] != want) {
+        *why = 2;
+        return i;
+      }
+    }
+  }
+  return count;
+}
