@@ -11,6 +11,9 @@ medians of --repeats rounds run in turn so that load drifts fall on every system
 - roofline: a decode step reads every weight once, so its floor is the weights' bytes plus the
   step's KV bytes over the read bandwidth measured in this run (a sum over 512 MiB);
   `decode_16_vs_roofline` is that floor over the achieved step time (1.0 = at the floor).
+  Beside it the arithmetic floor: the step's FLOPs at this run's rate for one large matmul
+  (`matmul_gflops`); `decode_16_vs_roofline_and_compute` puts the higher of the two floors over
+  the step time (at batch 16 on 2 cores the FLOPs can take longer than the reads).
 Last line: one JSON object, with the CPU's flags and the load.
 
     .venv/bin/python bench/model_speed.py [--threads N] [--new-tokens 33] \
@@ -140,6 +143,26 @@ def read_bandwidth() -> float:
     return x.numel() * 4 / median_s(lambda: x.sum(), 5)
 
 
+def matmul_rate(dtype: torch.dtype) -> float:
+    """FLOP/s of one large square matmul in `dtype` (torch's, oneDNN's on the CPU): the
+    arithmetic ceiling a decode step's matmuls could reach here."""
+    n = 2048
+    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+    return 2 * n**3 / median_s(lambda: a @ b, 7)
+
+
+def step_flops(c, batch: int, context: int) -> int:
+    """FLOPs of one Llama-family decode step over `batch` sequences of `context` tokens: every
+    projection and the LM head once per row, attention's scores and values over the context."""
+    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    per_layer = c.hidden_size * (q + 2 * kv) + q * c.hidden_size + 3 * c.hidden_size * (
+        c.intermediate_size
+    )
+    matmuls = c.num_layers * per_layer + c.vocab_size * c.hidden_size
+    attention = c.num_layers * 2 * 2 * context * q
+    return 2 * batch * matmuls + batch * attention
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
@@ -219,6 +242,10 @@ def main() -> None:
     kv = b * context * c.num_layers * 2 * c.num_kv_heads * c.head_dim * dtype.itemsize
     floor_s = (weights + kv) / bw
     step_s = b / res[f"decode_b{b}_tok_s"]
+    # the arithmetic floor beside it: the step's FLOPs at this run's large-matmul rate (a decode
+    # step's floor is the higher of the two: the roofline's other ceiling)
+    flop_rate = matmul_rate(dtype)
+    compute_s = step_flops(c, b, context) / flop_rate
     summary = {
         "bench": "model_speed",
         "model": "smollm2-135m",
@@ -233,6 +260,9 @@ def main() -> None:
         f"decode_b{b}_floor_ms": round(floor_s * 1e3, 2),
         f"decode_b{b}_step_ms": round(step_s * 1e3, 2),
         f"decode_{b}_vs_roofline": round(floor_s / step_s, 3),
+        "matmul_gflops": round(flop_rate / 1e9, 1),
+        f"decode_b{b}_compute_floor_ms": round(compute_s * 1e3, 2),
+        f"decode_{b}_vs_roofline_and_compute": round(max(floor_s, compute_s) / step_s, 3),
         "prefill_forward_vs_transformers_forward": round(
             res["prefill_tok_s"] / res["hf_prefill_tok_s"], 3
         ),
@@ -247,7 +277,9 @@ def main() -> None:
     print(
         f"decode at batch {b}: step {step_s * 1e3:.1f} ms against a floor of "
         f"{floor_s * 1e3:.1f} ms ({weights / 2**20:.0f} MiB of weights + {kv / 2**20:.0f} MiB "
-        f"of KV at {bw / 1e9:.1f} GB/s read): {floor_s / step_s:.2f} of the roofline",
+        f"of KV at {bw / 1e9:.1f} GB/s read): {floor_s / step_s:.2f} of the roofline; its "
+        f"FLOPs at this run's {flop_rate / 1e9:.0f} GFLOP/s matmul rate take {compute_s * 1e3:.1f}"
+        f" ms: {max(floor_s, compute_s) / step_s:.2f} of the higher floor",
         flush=True,
     )
     if args.plot:
