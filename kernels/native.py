@@ -161,6 +161,8 @@ def _library() -> tuple[ctypes.CDLL | None, str]:
     lib.hm_copy_hashed.argtypes = [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _ptr, _ptr]
     lib.hm_copy_checked.restype = _i64
     lib.hm_copy_checked.argtypes = [_ptr, _ptr, _ptr, _ptr, _i64, _ptr, *[_i64] * 6, _ptr, _ptr]
+    lib.hm_seal_headers.restype = None
+    lib.hm_seal_headers.argtypes = [_ptr, _ptr, _i64, _ptr, _i64, _ptr, _i64, _i64, _ptr]
     for suffix, extra in (("bf16", [_i32]), ("f32", [])):  # bf16 takes `amx` last
         getattr(lib, f"hm_prefill_attention_{suffix}_available").restype = ctypes.c_int
         fn = getattr(lib, f"hm_prefill_attention_{suffix}")
@@ -825,3 +827,26 @@ def copy_checked(
         layer_bytes, _xxh3_64(), ctypes.byref(why),
     )  # fmt: skip
     return CopyChecked(int(passed), why.value)
+
+
+def seal_headers(
+    dst: np.ndarray, offsets: list[int], fixed: bytes, sums: np.ndarray, header_len: int
+) -> None:
+    """Headers of the block format written at dst[offsets[i]:] (a flat uint8 array): the
+    layout's `fixed` fields, block i's layer checksums sums[i] (uint64 [blocks, layers]), the
+    XXH3-64 of those two, zeros to `header_len`. Call only where copy_hashed_available()."""
+    lib, _ = _library()
+    if dst.dtype != np.uint8 or dst.ndim != 1 or not dst.flags.c_contiguous:
+        raise ValueError("seal_headers: a flat contiguous uint8 array")
+    sums = np.ascontiguousarray(sums, dtype=np.uint64)
+    if sums.ndim != 2 or sums.shape[0] != len(offsets):
+        raise ValueError("seal_headers: one row of layer checksums per header")
+    if len(fixed) + 8 * sums.shape[1] + 8 > header_len:
+        raise ValueError("seal_headers: the fields overrun header_len")
+    off = np.asarray(offsets, dtype=np.int64)
+    if len(off) and (off.min() < 0 or off.max() + header_len > len(dst)):
+        raise ValueError("seal_headers: a header lies outside its array")
+    lib.hm_seal_headers(
+        dst.ctypes.data, off.ctypes.data, len(off), fixed, len(fixed), sums.ctypes.data,
+        sums.shape[1], header_len, _xxh3_64(),
+    )  # fmt: skip

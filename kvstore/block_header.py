@@ -228,6 +228,12 @@ def read_header(data) -> BlockHeader:
         raise BlockCorrupt(f"malformed block header: {e}") from None
 
 
+def fixed_fields(h: BlockHeader) -> bytes:
+    """The bytes a packed header of `h` begins with, before its checksum table: the same in
+    every block of one layout (what a writer sealing many headers at once copies into each)."""
+    return _packed_fixed(h[:7] + h[8:])[0]
+
+
 def table_offsets(data, h: BlockHeader) -> tuple[int, int]:
     """Where the header `data` begins with (parsed as `h`) holds its layers' checksum table and
     its own checksum (a hash of every byte before it): what a reader checking many blocks of one

@@ -32,6 +32,7 @@ from kvstore.block_header import (
     BlockCorrupt,
     BlockHeader,
     checksum,
+    fixed_fields,
     layer_ok,
     pack_header,
     table_offsets,
@@ -957,10 +958,7 @@ class _ShmWriter(BlockWriter):
         self.closed = True
         if not self.slots:
             return PutResult(0, len(self.keys))
-        slab = self.client.slab
-        for i, off in self.slots:
-            header = self._header(i)
-            slab.view[off : off + len(header)] = header
+        self._seal_headers()
         try:
             reply = self.client.stub.Commit(
                 pb.KVCommitRequest(lease_id=self.lease_id, writer_hashed=self.hashed_in_copy),
@@ -971,6 +969,23 @@ class _ShmWriter(BlockWriter):
         # the node answers for the blocks it reserved; the others were held when the lease was
         # granted
         return PutResult(reply.stored, reply.held + len(self.keys) - len(self.slots))
+
+    def _seal_headers(self) -> None:
+        """Every reserved block's header into the slab: one C call where the kernels are built
+        (kernels.seal_headers: the same bytes as pack_header's), else one at a time."""
+        slab, slots = self.client.slab, list(self.slots)
+        if kernels.copy_hashed_available():
+            kernels.seal_headers(
+                slab.array, [off for _, off in slots], fixed_fields(self.header),
+                np.array([self.sums[i] for i, _ in slots], dtype=np.uint64).reshape(
+                    len(slots), self.header.num_layers
+                ),
+                self.header.header_len,
+            )  # fmt: skip
+            return
+        for i, off in slots:
+            header = self._header(i)
+            slab.view[off : off + len(header)] = header
 
     def abort(self):
         if self.closed:

@@ -310,3 +310,26 @@ def test_copy_checked_copies_a_run_of_encoded_blocks_and_stops_at_the_first_bad_
             np.zeros(nbytes, np.uint8), [0], np.zeros(size - 1, np.uint8), [0],
             encoded[0][:table], table, header_sum, h.header_len, nbytes, h.layer_bytes,
         )  # fmt: skip
+
+
+def test_seal_headers_writes_the_block_formats_headers_byte_for_byte():
+    """A put's headers sealed in one C call (hm_seal_headers) are pack_header's bytes: fixed
+    fields, each block's checksum table, the header's own checksum, zero padding (the buffer
+    starts dirty, so the padding must be written too); a header past the array is an error
+    before anything is written."""
+    from kvstore.block_format import make_header
+    from kvstore.block_header import fixed_fields, pack_header
+
+    h = make_header("raw", torch.bfloat16, (3, 2, 4, 2, 8), "fp")
+    g = np.random.default_rng(1)
+    sums = g.integers(0, 2**64 - 1, (2, 3), dtype=np.uint64, endpoint=True)
+    dst = np.full(3 * h.header_len, 0xAB, dtype=np.uint8)
+    kernels.seal_headers(dst, [0, 2 * h.header_len], fixed_fields(h), sums, h.header_len)
+    for row, at in zip(sums.tolist(), (0, 2 * h.header_len)):
+        want = pack_header(h._replace(checksums=tuple(row)))
+        assert dst[at : at + h.header_len].tobytes() == want
+    assert (dst[h.header_len : 2 * h.header_len] == 0xAB).all()
+    before = dst.copy()
+    with pytest.raises(ValueError, match="outside"):
+        kernels.seal_headers(dst, [0, 2 * h.header_len + 1], fixed_fields(h), sums, h.header_len)
+    assert np.array_equal(dst, before)

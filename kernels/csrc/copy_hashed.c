@@ -80,3 +80,22 @@ int64_t hm_copy_checked(uint8_t *dst, const int64_t *dst_off, const uint8_t *src
   }
   return count;
 }
+
+/* The headers of blocks whose layers' checksums are known, written in one call: a put's commit,
+ * where packing each header in Python cost ~1 ms of a 256-block put's ~11. Header i at dst +
+ * off[i]: the layout's fixed fields (`fixed`, fixed_len bytes), the table of its layers'
+ * checksums (sums[i * layers ..], little-endian u64 as the block format's), the hash of those two,
+ * then zeros to header_len. The caller checked that every header lies inside dst. */
+void hm_seal_headers(uint8_t *dst, const int64_t *off, int64_t count, const uint8_t *fixed,
+                     int64_t fixed_len, const uint64_t *sums, int64_t layers, int64_t header_len,
+                     hm_hash_fn hash) {
+  const int64_t body = fixed_len + 8 * layers;
+  for (int64_t i = 0; i < count; i++) {
+    uint8_t *h = dst + off[i];
+    memcpy(h, fixed, (size_t)fixed_len);
+    memcpy(h + fixed_len, sums + i * layers, (size_t)(8 * layers));
+    const uint64_t sum = hash(h, (size_t)body);
+    memcpy(h + body, &sum, sizeof sum);
+    memset(h + body + 8, 0, (size_t)(header_len - body - 8));
+  }
+}
