@@ -581,7 +581,7 @@ static inline __attribute__((always_inline)) __m256 hm_load8(const void *row, in
 
 static inline __attribute__((always_inline)) void hm_block8(
     hm_state *st, int r0, int g, int n, const void *const *k, const void *const *v,
-    const float *qrows, const float *bias, const int dtype) {
+    const float *qrows, const float *bias, const int dtype, const hm_next_rows *next) {
   const __m256i lane = _mm256_set_epi32(7, 6, 5, 4, 3, 2, 1, 0);
   const __m256 dead = _mm256_set1_ps(-INFINITY);
   /* lanes of the two score vectors that hold a key of this block */
@@ -633,6 +633,10 @@ static inline __attribute__((always_inline)) void hm_block8(
     for (int t = 0; t < n; t++) mass += prob[t];
     st->l[row] += mass;
     for (int t = 0; t < n; t++) {
+      if (next && r == 0) { /* the next block's rows, spread as in hm_block64 */
+        hm_prefetch(next->k + t * next->stride, next->bytes);
+        hm_prefetch(next->v + t * next->stride, next->bytes);
+      }
       const __m256 pt = _mm256_set1_ps(prob[t]);
       for (int c = 0; c < 8; c++) acc[c] = _mm256_fmadd_ps(pt, hm_load8(v[t], 8 * c, dtype), acc[c]);
     }
@@ -645,14 +649,14 @@ static inline __attribute__((always_inline)) void hm_block8(
  * bias each (NULL: none); 0 where it does not apply. */
 static inline int hm_block8_rows(hm_state *st, int r0, int g, int n, const void *const *k,
                                  const void *const *v, const float *qrows, const float *bias,
-                                 int dtype) {
+                                 int dtype, const hm_next_rows *next) {
   if (st->d != 64 || n > 16) return 0;
   if (dtype == HM_BF16)
-    hm_block8(st, r0, g, n, k, v, qrows, bias, HM_BF16);
+    hm_block8(st, r0, g, n, k, v, qrows, bias, HM_BF16, next);
   else if (dtype == HM_F16)
-    hm_block8(st, r0, g, n, k, v, qrows, bias, HM_F16);
+    hm_block8(st, r0, g, n, k, v, qrows, bias, HM_F16, next);
   else
-    hm_block8(st, r0, g, n, k, v, qrows, bias, HM_F32);
+    hm_block8(st, r0, g, n, k, v, qrows, bias, HM_F32, next);
   return 1;
 }
 #endif
@@ -664,7 +668,7 @@ static inline int hm_block8_rows(hm_state *st, int r0, int g, int n, const void 
   hm_block64_rows(st, r0, g, n, k, v, q, bias, 0, kv, NULL)
 #elif defined(HM_BLOCK8)
 #define HM_BLOCK_ROWS(st, r0, g, n, k, v, q, bias, kv) \
-  ((void)(kv), hm_block8_rows(st, r0, g, n, k, v, q, bias, HM_F32))
+  ((void)(kv), hm_block8_rows(st, r0, g, n, k, v, q, bias, HM_F32, NULL))
 #endif
 
 #ifdef HM_BLOCK64
@@ -775,8 +779,8 @@ static int hm_full_blocks(hm_state *st, const hm_full_pool *p, const int32_t *ta
     if (blk < 0 || blk >= p->num_blocks) return 1;
     const int n = len - j * block_size < block_size ? len - j * block_size : block_size;
     /* the next block's rows of this head only (a row is d values; the other heads' rows
-     * between them are other work items'): spread over this block on the bf16 block path,
-     * else issued here */
+     * between them are other work items'): spread over this block on the block paths that
+     * read rows as they lie, else issued here */
     const int ahead =
         (j + 1) * block_size < len && table[j + 1] >= 0 && table[j + 1] < p->num_blocks;
     const int64_t next_at =
@@ -792,18 +796,26 @@ static int hm_full_blocks(hm_state *st, const hm_full_pool *p, const int32_t *ta
         continue; /* (0 without AVX-512 BF16: the paths below) */
     }
 #endif
-    if (ahead)
-      for (int t = 0; t < block_size; t++) {
-        hm_prefetch(next.k + t * next.stride, next.bytes);
-        hm_prefetch(next.v + t * next.stride, next.bytes);
-      }
 #ifdef HM_BLOCK8
     if (d == 64 && n <= 16) { /* hm_block8 widens every dtype in registers */
       const void *kraw[16], *vraw[16];
       hm_rows_at(p, base, n, esize, kraw, vraw);
-      if (hm_block8_rows(st, 0, g, n, kraw, vraw, st->q, NULL, p->dtype)) continue;
+      if (hm_block8_rows(st, 0, g, n, kraw, vraw, st->q, NULL, p->dtype, ahead ? &next : NULL))
+        continue;
     }
 #endif
+#ifdef HM_BLOCK64
+    /* fp32 rows are read where they lie (hm_row widens nothing): prefetched as on the bf16
+     * path */
+    const int spread = ahead && p->dtype == HM_F32 && d == 64 && n <= 16;
+#else
+    const int spread = 0;
+#endif
+    if (ahead && !spread)
+      for (int t = 0; t < block_size; t++) {
+        hm_prefetch(next.k + t * next.stride, next.bytes);
+        hm_prefetch(next.v + t * next.stride, next.bytes);
+      }
     for (int t = 0; t < n; t++) {
       const int64_t off = (base + t * p->tok_stride) * esize;
       krow[t] = hm_row((const char *)p->k + off, p->dtype, d, st->kbuf + (size_t)t * d);
@@ -811,7 +823,7 @@ static int hm_full_blocks(hm_state *st, const hm_full_pool *p, const int32_t *ta
     }
 #ifdef HM_BLOCK64
     if (hm_block64_rows(st, 0, g, n, (const void *const *)krow, (const void *const *)vrow, st->q,
-                        NULL, 0, NULL, NULL))
+                        NULL, 0, NULL, spread ? &next : NULL))
       continue;
 #endif
 #ifdef HM_TILED
