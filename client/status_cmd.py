@@ -78,6 +78,7 @@ def format_status(reply) -> str:
                 [
                     s.node_id,
                     s.address,
+                    str(s.bulk_port) if s.bulk_port else "off",
                     t.tier,
                     f"{_bytes(t.used_bytes)} / {_bytes(t.capacity_bytes)}",
                     f"{100 * t.used_bytes / t.capacity_bytes:.1f}%" if t.capacity_bytes else "-",
@@ -87,7 +88,17 @@ def format_status(reply) -> str:
                 ]
             )
     lines += _table(
-        ["store", "address", "tier", "used / capacity", "full", "blocks", "hit_rate", "evictions"],
+        [
+            "store",
+            "address",
+            "bulk_port",
+            "tier",
+            "used / capacity",
+            "full",
+            "blocks",
+            "hit_rate",
+            "evictions",
+        ],
         rows,
     )
     lines.append("")

@@ -928,11 +928,13 @@ class Conductor(GrpcServer, pb_grpc.ConductorServicer):
         )
 
     def _store_status(self, address: str) -> pb.StoreStatus:
-        """One store node's tiers; an unreachable store shows up with none (logged, counted)."""
+        """One store node's tiers and bulk port; an unreachable store shows up with none (logged,
+        counted)."""
         st = pb.StoreStatus(address=address)
         try:
             with self._store(address) as store:
                 stats = store.stats()
+                st.bulk_port = store.bulk_port()
         except Exception as exc:  # noqa: BLE001 - any failure: report the store empty, say why
             self.m_errors.labels("store_status").inc()
             log.warning("store %s did not answer a stats request: %r", address, exc)

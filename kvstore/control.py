@@ -67,7 +67,7 @@ def clear_store(stub: pb_grpc.KVStoreStub, timeout_s: float) -> int:
 
 
 class StoreControl:
-    """A control connection to one store node: its stats, and clearing it."""
+    """A control connection to one store node: its stats, its bulk port, and clearing it."""
 
     def __init__(
         self, address: str, timeout_s: float = 30.0, security: SecurityConfig | None = None
@@ -82,6 +82,13 @@ class StoreControl:
 
     def clear(self) -> int:
         return clear_store(self.stub, self.timeout)
+
+    def bulk_port(self) -> int:
+        """The node's bulk port (on its own host), 0 where it has none."""
+        try:
+            return self.stub.Info(pb.KVInfoRequest(), timeout=self.timeout).bulk_port
+        except grpc.RpcError as e:
+            raise_rpc_error(e)
 
     def close(self) -> None:
         self.channel.close()

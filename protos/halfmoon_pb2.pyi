@@ -167,16 +167,18 @@ class WorkerStatus(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., kind: _Optional[str] = ..., address: _Optional[str] = ..., healthy: _Optional[bool] = ..., load: _Optional[_Union[WorkerLoad, _Mapping]] = ...) -> None: ...
 
 class StoreStatus(_message.Message):
-    __slots__ = ("node_id", "address", "tiers", "memory")
+    __slots__ = ("node_id", "address", "tiers", "memory", "bulk_port")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     TIERS_FIELD_NUMBER: _ClassVar[int]
     MEMORY_FIELD_NUMBER: _ClassVar[int]
+    BULK_PORT_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     address: str
     tiers: _containers.RepeatedCompositeFieldContainer[TierUsage]
     memory: MemoryReport
-    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., tiers: _Optional[_Iterable[_Union[TierUsage, _Mapping]]] = ..., memory: _Optional[_Union[MemoryReport, _Mapping]] = ...) -> None: ...
+    bulk_port: int
+    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., tiers: _Optional[_Iterable[_Union[TierUsage, _Mapping]]] = ..., memory: _Optional[_Union[MemoryReport, _Mapping]] = ..., bulk_port: _Optional[int] = ...) -> None: ...
 
 class MemoryReport(_message.Message):
     __slots__ = ("rss_bytes", "uss_bytes", "pss_bytes", "configured_bytes")

@@ -19,6 +19,7 @@ import pytest
 from client import SHIPPED_TRACE, AsyncClient, Client, Scaling, replay_trace
 from client.cli import main as cli_main
 from deploy import Cluster, load_cluster_config
+from kvstore import StoreControl
 from ports import free_port_run
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -166,6 +167,12 @@ def test_status_command_prints_the_cluster(cluster, capsys):
     assert cli_main(["status", "--address", c.address, "--json"]) == 0
     status = json.loads(capsys.readouterr().out)
     assert {w["kind"] for w in status["workers"]} == {"prefill", "decode"}
+    # each store's bulk port (the one its Info advertises to readers on other hosts) is shown
+    (store,) = status["stores"]
+    with StoreControl(store["address"]) as control:
+        assert store["bulk_port"] == control.bulk_port() > 0
+    table = out.split("bulk_port", 1)[1].splitlines()  # the stores table from its header on
+    assert f" {store['bulk_port']} " in table[2]  # its first row, under the header and its rule
 
 
 def test_replay_compares_policies_on_the_cluster(cluster, tmp_path):
