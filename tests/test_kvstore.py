@@ -11,6 +11,7 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+import kernels
 from kvstore import (
     LookupResult,
     StoreClient,
@@ -230,6 +231,23 @@ def test_corrupt_header_ends_the_prefix_and_a_later_run_still_copies(make_node, 
         assert torch.equal(out[:3], x[:3])
         c.stats()  # waits for the release that reports the corruption
         assert c.lookup(keys).num_blocks == 3
+
+
+def test_shm_path_without_the_c_kernels_copies_checks_and_seals_the_same(make_node, monkeypatch):
+    """Where the C copy kernels are not built, the shared-memory put seals each header and the
+    get checks each block in Python: the same blocks round trip, and a corrupt layer still ends
+    the prefix."""
+    monkeypatch.setattr(kernels, "copy_hashed_available", lambda: False)
+    node = make_node()
+    with StoreClient(node.address, transport="shm") as c:
+        keys, x = chain(4), blocks(4)
+        assert c.put(keys, x, FP) == 4
+        out = torch.zeros(4, *SHAPE)
+        assert c.get_into(keys, out) == 4 and torch.equal(out, x)
+        ((_, off, size),) = _slots(node, keys[1:2])
+        h = parse_header(node.slab.view[off : off + size])
+        node.slab.view[off + h.layer_offset(0) + 1] ^= 0x20
+        assert c.get_into(keys, torch.zeros(4, *SHAPE)) == 1
 
 
 def _slots(node, keys):
