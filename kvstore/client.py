@@ -499,7 +499,7 @@ class StoreClient:
         passed, whether the next one failed a checksum). One C call checks every header and
         layer (kernels.copy_checked) where the kernels are built, else one block at a time."""
         block_bytes = h.payload_len
-        run = []  # (slot offset) of the blocks in the slab, of h's length, from slot i on
+        run = []  # the slab offsets of the blocks from slot i on that are in the slab, h's length
         for _, off, length, _ in itertools.islice(slots, i, None):
             if off < 0 or length != h.total_len:
                 break
