@@ -56,6 +56,8 @@ _ROLES = ("system", "user", "assistant", "tool")
 # when it answered: it counts as routed after the report.
 _SKEW_S = 0.005
 _MAX_MESSAGE = 256 << 20  # a prefill reply carries the tail block inline
+# the deadline of the calls an administrative request makes when its caller set none
+ADMIN_TIMEOUT_S = 30.0
 
 
 class _Invalid(Exception):
@@ -902,7 +904,7 @@ class Conductor(GrpcServer, pb_grpc.ConductorServicer):
         reply = pb.ClearCacheReply()
         for address in self.config.store_addresses:
             try:
-                with self._store(address) as store:
+                with self._store(address, self._admin_timeout(context)) as store:
                     reply.store_blocks += store.clear()
             except Exception as exc:  # noqa: BLE001 - a half-cleared cluster must say so
                 context.abort(
@@ -911,7 +913,7 @@ class Conductor(GrpcServer, pb_grpc.ConductorServicer):
         for w in [w for w in self._workers if w.kind == "prefill"]:
             try:
                 cleared = w.stub.ClearCache(
-                    pb.ClearCacheRequest(), timeout=self.config.load_timeout_s
+                    pb.ClearCacheRequest(), timeout=self._admin_timeout(context)
                 )
             except grpc.RpcError as exc:
                 context.abort(
@@ -921,11 +923,22 @@ class Conductor(GrpcServer, pb_grpc.ConductorServicer):
             reply.device_blocks += cleared.device_blocks
         return reply
 
-    def _store(self, address: str) -> StoreControl:
-        """A control connection to one store node (TLS and the cluster token as configured)."""
+    def _store(self, address: str, timeout_s: float | None = None) -> StoreControl:
+        """A control connection to one store node (TLS and the cluster token as configured);
+        its calls' deadline `timeout_s`, else a load poll's."""
         return StoreControl(
-            address, timeout_s=self.config.load_timeout_s, security=self.config.security
+            address,
+            timeout_s=timeout_s or self.config.load_timeout_s,
+            security=self.config.security,
         )
+
+    def _admin_timeout(self, context: grpc.ServicerContext) -> float:
+        """The deadline for the calls an administrative request makes (ClearCache): what is left
+        of the caller's own, not a load poll's. A store's Clear waits up to 2 s for its index to
+        hear of it, so with the load poll's 2 s the call raced its own deadline (the demo's replay
+        failed on a loaded machine)."""
+        left = context.time_remaining()
+        return max(left, 0.01) if left is not None else ADMIN_TIMEOUT_S
 
     def _store_status(self, address: str) -> pb.StoreStatus:
         """One store node's tiers and bulk port; an unreachable store shows up with none (logged,

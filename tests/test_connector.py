@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import random
+import signal
 import time
 
 import pytest
@@ -218,3 +220,18 @@ def test_load_walks_device_then_the_hosts_store(lm, redis):
     finally:
         c.close()
         node.stop()
+
+
+def test_clear_cache_gives_the_stores_the_callers_deadline_not_a_load_polls(lm):
+    """ClearCache is an administrative call: its store and worker clears get what is left of
+    the caller's deadline, not a load poll's (2 s). A store's Clear waits up to 2 s for its
+    index to hear of it, so with the index slow (its Redis stopped here) the clear raced the
+    load poll's deadline and failed UNAVAILABLE, as the demo's replay once did."""
+    with Cluster(lm) as c:
+        c.generate(token_ids=list(range(3, 40)), max_tokens=2)
+        os.kill(c.redis.proc.pid, signal.SIGSTOP)
+        try:
+            reply = c.stub.ClearCache(pb.ClearCacheRequest(), timeout=20)
+        finally:
+            os.kill(c.redis.proc.pid, signal.SIGCONT)
+        assert reply.store_blocks >= 2
