@@ -749,6 +749,18 @@ def copy_hashed_available() -> bool:
     return lib is not None and _xxh3_64() is not None
 
 
+def _offsets_in(name: str, array: np.ndarray, offsets, span: int) -> np.ndarray:
+    """`offsets` as int64, after checking that `array` is a flat contiguous uint8 array and that
+    every [offset, offset + span) lies inside it: the copy kernels' argument checks, made before
+    anything is written."""
+    if array.dtype != np.uint8 or array.ndim != 1 or not array.flags.c_contiguous:
+        raise ValueError(f"{name}: flat contiguous uint8 arrays, one offset each per block")
+    off = np.asarray(offsets, dtype=np.int64)
+    if len(off) and (off.min() < 0 or off.max() + span > len(array)):
+        raise ValueError(f"{name}: a block lies outside its array")
+    return off
+
+
 def copy_hashed(
     dst: np.ndarray,
     dst_offsets: list[int],
@@ -761,18 +773,13 @@ def copy_hashed(
     arrays), and the XXH3-64 of each `layer_bytes` layer of each copy, hashed while it is in
     cache: uint64 [len(offsets), layers]. Call only where copy_hashed_available()."""
     lib, _ = _library()
-    flat = all(a.dtype == np.uint8 and a.ndim == 1 and a.flags.c_contiguous for a in (dst, src))
-    if not flat or len(dst_offsets) != len(src_offsets):
+    if len(dst_offsets) != len(src_offsets):
         raise ValueError("copy_hashed: flat contiguous uint8 arrays, one offset each per block")
-    d_off = np.asarray(dst_offsets, dtype=np.int64)
-    s_off = np.asarray(src_offsets, dtype=np.int64)
-    layers = -(-nbytes // layer_bytes)
-    sums = np.empty((len(d_off), layers), dtype=np.uint64)
+    d_off = _offsets_in("copy_hashed", dst, dst_offsets, nbytes)
+    s_off = _offsets_in("copy_hashed", src, src_offsets, nbytes)
+    sums = np.empty((len(d_off), -(-nbytes // layer_bytes)), dtype=np.uint64)
     if len(d_off) == 0:
         return sums
-    low = min(d_off.min(), s_off.min())
-    if low < 0 or d_off.max() + nbytes > len(dst) or s_off.max() + nbytes > len(src):
-        raise ValueError("copy_hashed: a block lies outside its array")
     lib.hm_copy_hashed(
         dst.ctypes.data, d_off.ctypes.data, src.ctypes.data, s_off.ctypes.data, len(d_off),
         nbytes, layer_bytes, _xxh3_64(), sums.ctypes.data,
@@ -807,19 +814,15 @@ def copy_checked(
     Stops at the first block that fails (see CopyChecked). Call only where
     copy_hashed_available()."""
     lib, _ = _library()
-    flat = all(a.dtype == np.uint8 and a.ndim == 1 and a.flags.c_contiguous for a in (dst, src))
-    if not flat or len(dst_offsets) != len(header_offsets):
+    if len(dst_offsets) != len(header_offsets):
         raise ValueError("copy_checked: flat contiguous uint8 arrays, one offset each per block")
     layers = -(-nbytes // layer_bytes)
     if not len(template) <= table_offset <= header_sum_offset - 8 * layers < header_len - 8:
         raise ValueError("copy_checked: the header's fields overlap or run past its length")
-    d_off = np.asarray(dst_offsets, dtype=np.int64)
-    h_off = np.asarray(header_offsets, dtype=np.int64)
+    d_off = _offsets_in("copy_checked", dst, dst_offsets, nbytes)
+    h_off = _offsets_in("copy_checked", src, header_offsets, header_len + nbytes)
     if len(d_off) == 0:
         return CopyChecked(0, 0)
-    low = min(d_off.min(), h_off.min())
-    if low < 0 or d_off.max() + nbytes > len(dst) or h_off.max() + header_len + nbytes > len(src):
-        raise ValueError("copy_checked: a block lies outside its array")
     why = ctypes.c_int32(0)
     passed = lib.hm_copy_checked(
         dst.ctypes.data, d_off.ctypes.data, src.ctypes.data, h_off.ctypes.data, len(d_off),
@@ -836,16 +839,12 @@ def seal_headers(
     layout's `fixed` fields, block i's layer checksums sums[i] (uint64 [blocks, layers]), the
     XXH3-64 of those two, zeros to `header_len`. Call only where copy_hashed_available()."""
     lib, _ = _library()
-    if dst.dtype != np.uint8 or dst.ndim != 1 or not dst.flags.c_contiguous:
-        raise ValueError("seal_headers: a flat contiguous uint8 array")
     sums = np.ascontiguousarray(sums, dtype=np.uint64)
     if sums.ndim != 2 or sums.shape[0] != len(offsets):
         raise ValueError("seal_headers: one row of layer checksums per header")
     if len(fixed) + 8 * sums.shape[1] + 8 > header_len:
         raise ValueError("seal_headers: the fields overrun header_len")
-    off = np.asarray(offsets, dtype=np.int64)
-    if len(off) and (off.min() < 0 or off.max() + header_len > len(dst)):
-        raise ValueError("seal_headers: a header lies outside its array")
+    off = _offsets_in("seal_headers", dst, offsets, header_len)
     lib.hm_seal_headers(
         dst.ctypes.data, off.ctypes.data, len(off), fixed, len(fixed), sums.ctypes.data,
         sums.shape[1], header_len, _xxh3_64(),

@@ -1066,17 +1066,24 @@ class _TcpWriter(BlockWriter):
     def __init__(self, client, keys, header, parent, sock):
         super().__init__(client, keys, header, parent)
         self.bulk, self.sock = client.bulk, sock
+        with self._exchange():
+            send_frame(
+                self.sock,
+                PUT_OPEN,
+                encode_open(
+                    PutOpen(header.fingerprint, parent or b"", [header.total_len] * len(keys),
+                            keys)
+                ),
+            )  # fmt: skip
+            self.slots = decode_slots(expect(self.sock, SLOTS))
+
+    @contextlib.contextmanager
+    def _exchange(self):
+        """Frames to and from the node: a failure closes the connection (the node then drops
+        the reservation) and is raised as _bulk_call raises it."""
         with _bulk_call("put"):
             try:
-                send_frame(
-                    self.sock,
-                    PUT_OPEN,
-                    encode_open(
-                        PutOpen(header.fingerprint, parent or b"", [header.total_len] * len(keys),
-                                keys)
-                    ),
-                )  # fmt: skip
-                self.slots = decode_slots(expect(self.sock, SLOTS))
+                yield
             except BaseException:
                 self._drop()
                 raise
@@ -1117,28 +1124,20 @@ class _TcpWriter(BlockWriter):
         """One DATA frame of (block, offset, bytes) pieces."""
         if not pieces:
             return
-        with _bulk_call("put"):
-            try:
-                send_frame(
-                    self.sock,
-                    DATA,
-                    encode_data([(i, off, len(raw)) for i, off, raw in pieces]),
-                    [raw for _, _, raw in pieces],
-                )
-            except BaseException:
-                self._drop()
-                raise
+        with self._exchange():
+            send_frame(
+                self.sock,
+                DATA,
+                encode_data([(i, off, len(raw)) for i, off, raw in pieces]),
+                [raw for _, _, raw in pieces],
+            )
 
     def commit(self):
         self._check_complete()
-        with _bulk_call("put"):
-            try:
-                headers = [self._header(i) for i in self.slots]
-                send_frame(self.sock, COMMIT, encode_commit(headers))
-                stored, held = decode_done(expect(self.sock, DONE))
-            except BaseException:
-                self._drop()
-                raise
+        with self._exchange():
+            headers = [self._header(i) for i in self.slots]
+            send_frame(self.sock, COMMIT, encode_commit(headers))
+            stored, held = decode_done(expect(self.sock, DONE))
         self.closed = True
         self.bulk.give_back(self.sock)
         self.sock = None
