@@ -61,6 +61,7 @@ _LAZY = {
         (
             "CopyChecked",
             "NativeStatus",
+            "argmax_rows",
             "ReleasingThreadPool",
             "copy_checked",
             "copy_hashed",
@@ -136,6 +137,7 @@ __all__ = [
     "CopyChecked",
     "NativeStatus",
     "ReleasingThreadPool",
+    "argmax_rows",
     "available_backends",
     "copy_checked",
     "copy_hashed",

@@ -47,6 +47,7 @@ _CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = tuple(
     _CSRC / name
     for name in (
+        "argmax.c",
         "copy_hashed.c",
         "decode_attention.c",
         "decode_step.c",
@@ -157,6 +158,8 @@ def _library() -> tuple[ctypes.CDLL | None, str]:
     lib.hm_linear_bf16_pack.argtypes = [_ptr, _i32, _i32, _ptr, _i32]
     lib.hm_linear_bf16_available.restype = ctypes.c_int
     lib.hm_release_threads.restype = ctypes.c_int
+    lib.hm_argmax_f32.restype = None
+    lib.hm_argmax_f32.argtypes = [_ptr, _i64, _i32, _i64, _ptr, _i32]
     lib.hm_copy_hashed.restype = None
     lib.hm_copy_hashed.argtypes = [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _ptr, _ptr]
     lib.hm_copy_checked.restype = _i64
@@ -596,8 +599,8 @@ def _panel_operands(x: torch.Tensor, panels: torch.Tensor) -> tuple[int, int, to
 
 def linear_silu_panels(x: torch.Tensor, panels: torch.Tensor) -> torch.Tensor | None:
     """SwiGLU's silu(gate) * up of x [..., K] times bf16 panels of gate's rows, then up's:
-    [..., N/2], the values of silu_mul(linear_panels(x, panels)) in one pass (AMX tiles: the
-    gate/up output never goes to memory); None where this CPU or shape has no such pass."""
+    [..., N/2], the values of silu_mul(linear_panels(x, panels)) in one pass (the gate/up
+    output never goes to memory); None where the shape has no such pass (N/16 odd)."""
     if panels.dtype != torch.bfloat16:
         return None
     lib, _ = _library()
@@ -667,6 +670,19 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     kernel(rows.data_ptr(), rows.stride(0), rows.shape[0], inter, out.data_ptr(), inter,
            torch.get_num_threads())  # fmt: skip
     return out.reshape(*gate_up.shape[:-1], inter)
+
+
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor | None:
+    """torch.argmax(logits, dim=-1) of fp32 rows [B, V] (the first largest, or the first NaN), in
+    one pass per row; None where the library is not here (the caller takes torch's)."""
+    lib, _ = _library()
+    if lib is None or logits.dtype != torch.float32 or logits.dim() != 2 or not logits.numel():
+        return None
+    rows = logits if logits.stride(1) == 1 else logits.contiguous()
+    out = torch.empty(rows.shape[0], dtype=torch.int64)
+    lib.hm_argmax_f32(rows.data_ptr(), rows.stride(0), rows.shape[0], rows.shape[1],
+                      out.data_ptr(), torch.get_num_threads())  # fmt: skip
+    return out
 
 
 def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

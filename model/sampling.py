@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+import kernels
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -45,7 +47,9 @@ def sample(
     generators: list[torch.Generator | None] | None = None,
 ) -> torch.Tensor:
     """Next token per row of logits [B, V] (greedy rows by argmax); LongTensor [B]."""
-    out = logits.argmax(dim=-1)
+    out = kernels.argmax_rows(logits)  # torch's argmax, one pass per row (csrc/argmax.c)
+    if out is None:
+        out = logits.argmax(dim=-1)
     if all(p.greedy for p in params):
         return out
     for i, p in enumerate(params):

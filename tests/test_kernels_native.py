@@ -333,3 +333,28 @@ def test_seal_headers_writes_the_block_formats_headers_byte_for_byte():
     with pytest.raises(ValueError, match="outside"):
         kernels.seal_headers(dst, [0, 2 * h.header_len + 1], fixed_fields(h), sums, h.header_len)
     assert np.array_equal(dst, before)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_argmax_rows_picks_what_torch_argmax_picks(threads, torch_threads):
+    torch_threads(threads)
+    g = torch.Generator().manual_seed(7)
+    # widths around the 16-lane vector loop: a tail only, a tail after whole vectors, a vocab
+    for rows, width in ((3, 5), (5, 16), (6, 47), (16, 49152)):
+        x = torch.randn(rows, width, generator=g)
+        assert torch.equal(kernels.argmax_rows(x), x.argmax(-1)), (rows, width)
+    x = torch.zeros(7, 100)
+    x[0, 40] = x[0, 90] = 1.0  # a tie across vector lanes: the first index
+    x[1, 3] = x[1, 19] = 2.0  # a tie in one lane
+    x[2, 97] = 5.0  # the largest in the scalar tail
+    x[3, 50] = x[3, 60] = float("nan")  # the first NaN, as torch's argmax
+    x[4, 98] = float("nan")  # a NaN in the tail beats a larger value before it
+    x[4, 10] = 9.0
+    x[5] = float("-inf")  # nothing larger than the first
+    x[6, 0] = -0.0
+    got = kernels.argmax_rows(x)
+    assert got.tolist() == x.argmax(-1).tolist() == [40, 3, 97, 50, 98, 0, 0]
+    # a strided view (every other column) is read as its values
+    wide = torch.randn(4, 200, generator=g)[:, ::2]
+    assert torch.equal(kernels.argmax_rows(wide), wide.argmax(-1))
+    assert kernels.argmax_rows(x.double()) is None  # only fp32: the caller takes torch's

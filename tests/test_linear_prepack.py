@@ -220,10 +220,10 @@ def test_bf16_panels_equal_a_bf16_matmul_rounded_once(rows, amx, monkeypatch):
 @pytest.mark.parametrize("amx", [True, False], ids=["amx", "vdpbf16ps"])
 @pytest.mark.parametrize("rows", [1, 7, 16, 17, 40, 70])
 def test_swiglu_in_the_matmuls_pass_equals_the_two_steps(rows, amx, monkeypatch):
-    """linear_silu_mul on bf16 panels: on AMX tiles gate's and up's panels meet in the matmul's
-    epilogue (csrc/linear_bf16.c), rounded as the unfused matmul and silu_mul round, so the
-    values are the two steps' bit for bit; without AMX it is those two steps. 6 panels of gate
-    and 6 of up: the 32-row blocks, the 16-row tail and a short one."""
+    """linear_silu_mul on bf16 panels: gate's and up's panels meet in the matmul's epilogue
+    (csrc/linear_bf16.c), on AMX tiles or on `vdpbf16ps`, rounded as the unfused matmul and
+    silu_mul round, so the values are the two steps' bit for bit. 6 panels of gate and 6 of up:
+    the 32-row blocks, the 16-row tail and a short one."""
     if amx and not native._library()[0].hm_linear_bf16_amx_available():
         pytest.skip("no AMX here")
     monkeypatch.setattr(native, "AMX_MIN_ROWS", 1 if amx else 1 << 30)
@@ -231,9 +231,11 @@ def test_swiglu_in_the_matmuls_pass_equals_the_two_steps(rows, amx, monkeypatch)
     w = kernels.prepack(torch.randn(192, 64, generator=g).bfloat16())
     x = torch.randn(rows, 64, generator=g).bfloat16()
     fused = native.linear_silu_panels(x, w)
-    assert (fused is not None) == amx  # the one pass runs exactly where it exists
     two_steps = kernels.silu_mul(kernels.linear(x, w))
+    assert fused is not None and torch.equal(fused, two_steps)
     assert torch.equal(kernels.linear_silu_mul(x, w), two_steps)
+    # an odd number of panels has no gate/up pairs: the two steps
+    assert native.linear_silu_panels(x, kernels.prepack(torch.ones(48, 64).bfloat16())) is None
     gate, up = (x.double() @ kernels.unpack(w).double().T).chunk(2, dim=-1)
     want = torch.nn.functional.silu(gate) * up
     # four bf16 roundings (gate, silu, up, the product), gate's carried through silu' <= 1.1

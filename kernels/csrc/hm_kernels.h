@@ -22,6 +22,8 @@ void hm_silu_mul_bf16(const uint16_t *gu, int64_t ldg, int rows, int inter, uint
                       int64_t ldo, int threads);
 void hm_rope(void *x, int64_t ldx, int64_t ldh, int rows, int heads, int d, const void *cos,
              const void *sin, int dtype, int threads);
+void hm_rope_row(void *x, int64_t ldx, int64_t ldh, int n, int heads, int d, const void *cos,
+                 const void *sin, int dtype);
 int hm_paged_attention_full(const float *q, const void *k, const void *v, int dtype,
                             int64_t num_blocks, int64_t blk_stride, int64_t tok_stride,
                             int64_t head_stride, const int32_t *tables, int64_t table_stride,

@@ -26,9 +26,10 @@
 #include "hm_amx.h"
 
 #define HM_NR 16 /* outputs per panel */
-/* Element-wise steps split rows among threads from this many rows up (a prefill chunk); a decode
- * batch's few rows cost less than waking the threads. */
-#define HM_PARALLEL_ROWS 64
+/* Element-wise steps split rows among threads from this many rows up. Below it a row costs less
+ * than a parallel region. At 16 rows, in a decode step whose threads are already awake, the
+ * two RMSNorms ran on one thread while the other waited (each norm ~9 us of a layer's ~450). */
+#define HM_PARALLEL_ROWS 8
 /* Rows of x per micro-kernel call: 16 accumulators (of 32 registers), so a decode batch of 16
  * streams each panel from memory once, one `vdpbf16ps` per row per line loaded. Against 8 rows
  * a call (each panel streamed twice), on a 2-core AVX-512 BF16 CPU without AMX, 16 rows took
@@ -309,6 +310,12 @@ static void hm_linear_bf16_amx(const uint16_t *x, int64_t ldx, int m, const uint
 }
 #endif
 
+/* Rows of x worked on at once (a multiple of HM_MR): HM_X_BLOCK_BYTES of them. */
+static int hm_x_block_rows(int k) {
+  const int mb = (int)(HM_X_BLOCK_BYTES / ((int64_t)k * 2)) / HM_MR * HM_MR;
+  return mb < HM_MR ? HM_MR : mb;
+}
+
 /* out [M, N] bf16 (row stride ldo) = x [M, K] bf16 (row stride ldx) times the panels' W^T, or
  * out += that when `add` (a residual connection in the same pass). The panels must be 64-byte
  * aligned. AMX tiles where the CPU has them and K is a multiple of 32 (from `amx_min_rows` rows
@@ -324,8 +331,7 @@ int hm_linear_bf16(const uint16_t *x, int64_t ldx, int m, const uint16_t *panels
 #else
   (void)amx_min_rows;
 #endif
-  int mb = (int)(HM_X_BLOCK_BYTES / ((int64_t)k * 2)) / HM_MR * HM_MR;
-  mb = mb < HM_MR ? HM_MR : mb;
+  const int mb = hm_x_block_rows(k);
   for (int m0 = 0; m0 < m; m0 += mb) {
     const int rows = m - m0 < mb ? m - m0 : mb;
     const uint16_t *xb = x + (int64_t)m0 * ldx;
@@ -385,23 +391,55 @@ void hm_rms_norm_bf16(const uint16_t *x, int64_t ldx, int rows, int dim, const u
   }
 }
 
+/* hm_linear_silu_bf16 on `vdpbf16ps`: gate's panel p and up's panel p + np/2 go to the same
+ * thread, 16 rows at a time, both micro-kernels' bf16 outputs into a 16 x 32 tile on its stack
+ * (what the unfused matmul writes to memory), then SwiGLU's step from the tile into out. The
+ * [M, N] gate/up output is never written and read back, and a decode batch's SwiGLU, which
+ * hm_silu_mul_bf16 runs on one thread below HM_PARALLEL_ROWS rows, runs on every thread. */
+static void hm_linear_silu_dp(const uint16_t *x, int64_t ldx, int m, const uint16_t *panels,
+                              int np, int k, uint16_t *out, int64_t ldo, int threads) {
+  const int kh = k / 2, half = np / 2, mb = hm_x_block_rows(k);
+  const int64_t panel_elems = (int64_t)kh * 2 * HM_NR;
+  for (int m0 = 0; m0 < m; m0 += mb) {
+    const int rows = m - m0 < mb ? m - m0 : mb;
+    const uint16_t *xb = x + (int64_t)m0 * ldx;
+    uint16_t *ob = out + (int64_t)m0 * ldo;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int p = 0; p < half; p++) {
+      const uint16_t *gate = panels + p * panel_elems, *up = gate + half * panel_elems;
+      uint16_t tile[HM_MR * 2 * HM_NR] __attribute__((aligned(64)));
+      for (int r = 0, ahead = 1; r < rows; r += HM_MR, ahead = 0) { /* the first pass prefetches */
+        const int mr = rows - r < HM_MR ? rows - r : HM_MR;
+        hm_micros_bf16[mr](xb + r * ldx, ldx, gate, kh, tile, 2 * HM_NR, ahead, 0);
+        hm_micros_bf16[mr](xb + r * ldx, ldx, up, kh, tile + HM_NR, 2 * HM_NR, ahead, 0);
+        for (int i = 0; i < mr; i++) {
+          const uint16_t *t = tile + i * 2 * HM_NR;
+          hm_store_bf16(ob + (int64_t)(r + i) * ldo + p * HM_NR,
+                        hm_silu_mul16(hm_bf16_to_ps(t), hm_bf16_to_ps(t + HM_NR)));
+        }
+      }
+    }
+  }
+}
+
 /* out [M, N/2] bf16 (row stride ldo) = SwiGLU's silu(gate) * up of x [M, K] times the panels'
  * W^T, gate's panels first, then up's: the values hm_linear_bf16 then hm_silu_mul_bf16 give, in
- * one pass on AMX tiles (from amx_min_rows rows up). Returns 0, or 2 where it has no such pass
- * here (no AMX, K not a multiple of 32, N/16 odd, fewer rows; nothing written): the caller runs
- * those two. */
+ * one pass: on AMX tiles (from amx_min_rows rows up, K a multiple of 32), else on `vdpbf16ps`.
+ * Returns 0, or 2 where N/16 is odd (nothing written): the caller runs those two. */
 int hm_linear_silu_bf16(const uint16_t *x, int64_t ldx, int m, const uint16_t *panels, int n,
                         int k, uint16_t *out, int64_t ldo, int threads, int amx_min_rows) {
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
   const int np = n / HM_NR;
-  if (m >= amx_min_rows && k % HM_AMX_K == 0 && np % 2 == 0 && hm_amx_request()) {
+  if (np % 2) return 2;
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  if (m >= amx_min_rows && k % HM_AMX_K == 0 && hm_amx_request()) {
     hm_linear_bf16_amx(x, ldx, m, panels, np, k, out, ldo, 0, 1, threads);
     return 0;
   }
+#else
+  (void)amx_min_rows;
 #endif
-  (void)x, (void)ldx, (void)m, (void)panels, (void)n, (void)k, (void)out, (void)ldo;
-  (void)threads, (void)amx_min_rows;
-  return 2;
+  hm_linear_silu_dp(x, ldx, m, panels, np, k, out, ldo, threads);
+  return 0;
 }
 
 /* out[r][i] = bf16(bf16(silu(g)) * u) for g = gu[r][i], u = gu[r][inter + i]. */

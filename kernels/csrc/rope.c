@@ -17,31 +17,35 @@ enum { HM_ROPE_F32 = 0, HM_ROPE_BF16 = 1 };
  * dtype. */
 void hm_rope(void *x, int64_t ldx, int64_t ldh, int rows, int heads, int d, const void *cos,
              const void *sin, int dtype, int threads) {
-  const int half = d / 2;
 #pragma omp parallel for num_threads(threads) if (rows >= 64) schedule(static)
-  for (int n = 0; n < rows; n++) {
-    for (int h = 0; h < heads; h++) {
-      if (dtype == HM_ROPE_F32) {
-        float *a = (float *)x + n * ldx + h * ldh, *b = a + half;
-        const float *c = (const float *)cos + (int64_t)n * half;
-        const float *s = (const float *)sin + (int64_t)n * half;
+  for (int n = 0; n < rows; n++) hm_rope_row(x, ldx, ldh, n, heads, d, cos, sin, dtype);
+}
+
+/* Row n of hm_rope's x, on the calling thread. */
+void hm_rope_row(void *x, int64_t ldx, int64_t ldh, int n, int heads, int d, const void *cos,
+                 const void *sin, int dtype) {
+  const int half = d / 2;
+  for (int h = 0; h < heads; h++) {
+    if (dtype == HM_ROPE_F32) {
+      float *a = (float *)x + n * ldx + h * ldh, *b = a + half;
+      const float *c = (const float *)cos + (int64_t)n * half;
+      const float *s = (const float *)sin + (int64_t)n * half;
 #pragma omp simd
-        for (int i = 0; i < half; i++) {
-          const float x1 = a[i], x2 = b[i];
-          a[i] = x1 * c[i] - x2 * s[i];
-          b[i] = x2 * c[i] + x1 * s[i];
-        }
-      } else {
-        uint16_t *a = (uint16_t *)x + n * ldx + h * ldh, *b = a + half;
-        const uint16_t *c = (const uint16_t *)cos + (int64_t)n * half;
-        const uint16_t *s = (const uint16_t *)sin + (int64_t)n * half;
+      for (int i = 0; i < half; i++) {
+        const float x1 = a[i], x2 = b[i];
+        a[i] = x1 * c[i] - x2 * s[i];
+        b[i] = x2 * c[i] + x1 * s[i];
+      }
+    } else {
+      uint16_t *a = (uint16_t *)x + n * ldx + h * ldh, *b = a + half;
+      const uint16_t *c = (const uint16_t *)cos + (int64_t)n * half;
+      const uint16_t *s = (const uint16_t *)sin + (int64_t)n * half;
 #pragma omp simd
-        for (int i = 0; i < half; i++) {
-          const float x1 = hm_bf16_scalar(a[i]), x2 = hm_bf16_scalar(b[i]);
-          const float ci = hm_bf16_scalar(c[i]), si = hm_bf16_scalar(s[i]);
-          a[i] = hm_round_bf16(hm_bf16_round(x1 * ci) - hm_bf16_round(x2 * si));
-          b[i] = hm_round_bf16(hm_bf16_round(x2 * ci) + hm_bf16_round(x1 * si));
-        }
+      for (int i = 0; i < half; i++) {
+        const float x1 = hm_bf16_scalar(a[i]), x2 = hm_bf16_scalar(b[i]);
+        const float ci = hm_bf16_scalar(c[i]), si = hm_bf16_scalar(s[i]);
+        a[i] = hm_round_bf16(hm_bf16_round(x1 * ci) - hm_bf16_round(x2 * si));
+        b[i] = hm_round_bf16(hm_bf16_round(x2 * ci) + hm_bf16_round(x1 * si));
       }
     }
   }
