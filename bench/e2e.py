@@ -13,7 +13,7 @@ configured to hold (weights, pools, in-memory tiers).
 The last line printed is one JSON object, with the CPU's flags, the load and the pinning used.
 
     .venv/bin/python bench/e2e.py [--dtype auto] [--repeats 3] [--vllm-python PATH]
-        [--prefill-cpus 0-1 --decode-cpus 0-1]
+        [--prefill-cpus 0-1 --decode-cpus 0-1] [--stream-interval 8]
 """
 
 from __future__ import annotations
@@ -59,7 +59,13 @@ def token_prompts(vocab: int, seed: int) -> dict:
 
 
 def process_cluster(
-    model: str, dtype: str, fingerprint: str, threads: int, device_cache: bool, cpus: tuple
+    model: str,
+    dtype: str,
+    fingerprint: str,
+    threads: int,
+    device_cache: bool,
+    cpus: tuple,
+    stream_interval: int = 1,
 ):
     """Store node, prefill worker, decode worker and conductor, each in its own process, as a
     deployment runs them (one interpreter each, no shared GIL), with an embedded Redis index:
@@ -82,7 +88,12 @@ def process_cluster(
                 "device_cache": device_cache,
                 "cpus": prefill_cpus,
             },
-            "decode": {**workers, "max_batch": 32, "cpus": decode_cpus},
+            "decode": {
+                **workers,
+                "max_batch": 32,
+                "cpus": decode_cpus,
+                "stream_interval": stream_interval,
+            },
             "conductor": {"load_poll_s": 0.05},
         }
     )
@@ -137,7 +148,14 @@ def configured_bytes(stub) -> dict[str, int]:
 
 
 def run_halfmoon(
-    lm, prompts: dict, dtype: str, threads: int, device_cache: bool, cpus: tuple, repeats: int
+    lm,
+    prompts: dict,
+    dtype: str,
+    threads: int,
+    device_cache: bool,
+    cpus: tuple,
+    repeats: int,
+    stream_interval: int,
 ) -> dict:
     import grpc
 
@@ -159,7 +177,9 @@ def run_halfmoon(
 
     out: dict = {}
     say("halfmoon: starting the store node, the workers and the conductor (one process each)")
-    cluster = process_cluster(lm.name, dtype, lm.fingerprint, threads, device_cache, cpus)
+    cluster = process_cluster(
+        lm.name, dtype, lm.fingerprint, threads, device_cache, cpus, stream_interval
+    )
     sampler = MemorySampler(cluster.servers)
     try:
         sampler.sample()
@@ -410,6 +430,13 @@ def main(argv=None) -> int:
         help="prefill worker keeps no blocks in its own pool: "
         "warm prefixes come from the store's DRAM tier",
     )
+    ap.add_argument(
+        "--stream-interval",
+        type=int,
+        default=8,
+        help="tokens a decode stream sends at once (decode.stream_interval; vLLM's offline "
+        "generate, the baseline, streams nothing back)",
+    )
     ap.add_argument("--plot", default="runs/bench/e2e.png")
     args = ap.parse_args(argv)
 
@@ -430,13 +457,21 @@ def main(argv=None) -> int:
     prompts = token_prompts(lm.config.vocab_size, seed=0)
     cpus = (args.prefill_cpus, args.decode_cpus)
     ours = run_halfmoon(
-        lm, prompts, args.dtype, args.threads, not args.no_device_cache, cpus, args.repeats
+        lm,
+        prompts,
+        args.dtype,
+        args.threads,
+        not args.no_device_cache,
+        cpus,
+        args.repeats,
+        args.stream_interval,
     )
     result = {
         "model": args.model,
         "dtype": args.dtype,
         "torch_threads": args.threads or torch.get_num_threads(),
         "repeats": args.repeats,
+        "stream_interval": args.stream_interval,
         "pinning": {
             "halfmoon_prefill_cpus": args.prefill_cpus or "any",
             "halfmoon_decode_cpus": args.decode_cpus or "any",

@@ -40,6 +40,10 @@ class DecodeConfig:
     # KV pool size in bytes (0 = num_blocks blocks): the same bytes hold more tokens packed
     kv_cache_bytes: int = 0
     max_batch: int = 64  # sequences decoding together at most
+    # Tokens a stream sends at once (SGLang's --stream-interval): 1 sends each as it comes; more
+    # send fewer messages (each token's time still rides with it), which leaves the host's cores
+    # to the decode steps when many streams share them
+    stream_interval: int = 1
     max_waiting: int = (
         1024  # sequences waiting for admission beyond this are refused (RESOURCE_EXHAUSTED)
     )
@@ -83,6 +87,10 @@ class DecodeConfig:
         if self.kv_timeout_s <= 0:
             raise ValueError(
                 f"DecodeConfig: kv_timeout_s must be positive, got {self.kv_timeout_s}"
+            )
+        if self.stream_interval <= 0:
+            raise ValueError(
+                f"DecodeConfig: stream_interval must be positive, got {self.stream_interval}"
             )
         check_dtype_device("DecodeConfig", self.dtype, self.device, self.prepack_weights)
         parse_cpu_list("DecodeConfig.cpus", self.cpus)

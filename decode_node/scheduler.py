@@ -231,10 +231,14 @@ class DecodeScheduler:
         self.max_batch_seen = max(self.max_batch_seen, b)
         for s, tok in zip(batch, new):
             s.out.append(tok)
-            s.events.put(("tok", tok, s.ms(), b))
+            s.held.append((tok, s.ms(), b))
             reason = self.runner.finish_reason(s)
             if reason:
                 self.finish(s, reason, publish=True)
+            elif len(s.held) >= self.config.stream_interval:
+                # a stream's thread wakes once per `stream_interval` tokens: each wake-up took
+                # a core from the step's threads, whose barriers then waited
+                s.send_held()
 
     # ---- endings ----
 
@@ -257,6 +261,7 @@ class DecodeScheduler:
     def _end_stream(self, s: Seq, reason: str, note: str = "") -> None:
         self.requests_done += 1
         self.metrics.requests.labels(self.config.worker_id, reason).inc()
+        s.send_held()  # the tokens before the end go first
         s.events.put(("end", reason, note))
 
     def _release(self, s: Seq) -> None:

@@ -24,13 +24,20 @@ class Seq:
         self.table: list[int] = []  # pool blocks (KIVI: packed blocks, the first n_packed used)
         self.window: list[int] = []  # KIVI: full-precision window blocks, oldest first
         self.n_packed = 0  # KIVI: leading tokens' blocks held packed
-        # ("admitted",) | ("tok", id, ms, batch) | ("end", reason, note)
+        # ("admitted",) | ("toks", [(id, ms, batch), ...]) | ("end", reason, note)
         self.events: queue.Queue = queue.Queue()
+        self.held: list[tuple[int, float, int]] = []  # tokens not yet put in events
         self.arrived = time.perf_counter()
         self.cancelled = False
         self.pull: Future | None = None
         self.transfer_ms = 0.0
         self.recomputed = 0
+
+    def send_held(self) -> None:
+        """Put the held tokens in the stream's events, as one event."""
+        if self.held:
+            self.events.put(("toks", self.held))
+            self.held = []
 
     @property
     def position(self) -> int:

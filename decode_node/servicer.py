@@ -107,11 +107,11 @@ class DecodeWorker(WorkerServer, pb_grpc.DecodeWorkerServicer):
             for kind, *payload in evs:
                 if kind == "admitted":
                     yield pb.DecodeResponse(admitted=True)
-                elif kind == "tok":
-                    tok, t_ms, batch = payload
-                    msg.token_ids.append(tok)
-                    msg.token_times_ms.append(t_ms)
-                    msg.batch_sizes.append(batch)
+                elif kind == "toks":
+                    for tok, t_ms, batch in payload[0]:
+                        msg.token_ids.append(tok)
+                        msg.token_times_ms.append(t_ms)
+                        msg.batch_sizes.append(batch)
                 else:
                     msg.finished, msg.finish_reason = True, payload[0]
                     msg.transfer_ms, msg.recomputed_tokens = seq.transfer_ms, seq.recomputed

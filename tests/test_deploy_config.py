@@ -64,6 +64,7 @@ def test_local_config_loads_with_overrides():
         ("prefill_workers=0", "prefill_workers"),
         ("prefill=7", "mapping"),
         ("decode.dtype=int3", "dtype"),
+        ("decode.stream_interval=0", "stream_interval must be positive"),
     ],
 )
 def test_bad_overrides_name_the_key(override, words):

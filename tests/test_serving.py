@@ -105,6 +105,27 @@ def test_cluster_equals_local_engine(cluster, engine, lm):
         assert 0 < u.queue_ms + u.prefill_ms <= u.prefill_answered_ms <= u.ttft_ms
 
 
+def test_a_stream_interval_sends_the_same_tokens_in_groups(lm, engine):
+    # decode.stream_interval = 4: the decode worker hands its stream every 4th token (fewer
+    # messages, fewer wake-ups beside the steps), each with its own time; the answer is the same
+    ids = list(range(3, 3 + BS + 4))
+    want = solo(engine, ids, 11)
+    with Cluster(lm, decode={"stream_interval": 4}) as c:
+        sizes, got, last = [], [], None
+        for msg in c.stub.Generate(request(token_ids=ids, max_tokens=11), timeout=120):
+            if msg.token_ids:
+                sizes.append(len(msg.token_ids))
+            got.extend(msg.token_ids)
+            last = msg
+        assert got == want
+        # the prefill's token, then groups of 4 (several, where the reader fell behind), then
+        # the rest with the end
+        assert sizes[0] == 1 and len(sizes) < 11, sizes
+        assert all(n % 4 == 0 for n in sizes[1:-1]), sizes
+        assert last.finished and last.usage.completion_tokens == 11
+        assert last.usage.tbt_mean_ms > 0  # each token's time came with it
+
+
 @pytest.mark.parametrize("device_cache", [True, False])
 def test_shared_prefix_computes_only_new_tokens(lm, engine, device_cache):
     rng = random.Random(1)
