@@ -233,8 +233,14 @@ def main() -> None:
             print(f"  {k:<24} {res[f'{k}_tok_s']:>9.1f} tok/s (median)", flush=True)
         print(f"{work}: {time.perf_counter() - t0:.0f} s", flush=True)
 
+    # the machine's two ceilings, each the median of `repeats` measurements (on this shared
+    # machine one read pass has measured 25 to 55 GB/s, one matmul 216 to 415 GFLOP/s)
+    bws, flop_rates = [], []
+    for _ in range(max(args.repeats, 3)):
+        bws.append(read_bandwidth())
+        flop_rates.append(matmul_rate(dtype))
+    bw, flop_rate = statistics.median(bws), statistics.median(flop_rates)
     # the floor of a batch-b decode step: every weight read once, plus the step's KV
-    bw = read_bandwidth()
     # parameters and buffers: a tied head packed as the embedding is a buffer, read every step
     weights = tensor_bytes(*lm.model.parameters(), *lm.model.buffers())
     c = lm.config
@@ -244,7 +250,6 @@ def main() -> None:
     step_s = b / res[f"decode_b{b}_tok_s"]
     # the arithmetic floor beside it: the step's FLOPs at this run's large-matmul rate (a decode
     # step's floor is the higher of the two: the roofline's other ceiling)
-    flop_rate = matmul_rate(dtype)
     compute_s = step_flops(c, b, context) / flop_rate
     summary = {
         "bench": "model_speed",
@@ -256,11 +261,13 @@ def main() -> None:
         "load_average_end": round(os.getloadavg()[0], 2),
         **res,
         "read_gbps": round(bw / 1e9, 2),
+        "read_gbps_range": [round(min(bws) / 1e9, 1), round(max(bws) / 1e9, 1)],
         "weights_mb": round(weights / 2**20, 1),
         f"decode_b{b}_floor_ms": round(floor_s * 1e3, 2),
         f"decode_b{b}_step_ms": round(step_s * 1e3, 2),
         f"decode_{b}_vs_roofline": round(floor_s / step_s, 3),
         "matmul_gflops": round(flop_rate / 1e9, 1),
+        "matmul_gflops_range": [round(min(flop_rates) / 1e9), round(max(flop_rates) / 1e9)],
         f"decode_b{b}_compute_floor_ms": round(compute_s * 1e3, 2),
         f"decode_{b}_vs_roofline_and_compute": round(max(floor_s, compute_s) / step_s, 3),
         "prefill_forward_vs_transformers_forward": round(

@@ -533,21 +533,32 @@ AMX_MIN_ROWS = 1
 _PANEL_DTYPES = (torch.float32, torch.bfloat16)
 
 
-def pack_panels(weight: torch.Tensor) -> torch.Tensor:
+def panels_layout(weight: torch.Tensor) -> tuple[int, int, int]:
+    """The shape pack_panels gives `weight` [N, K]: fp32 [N/16, K, 16], bf16 [N/16, K/2, 32]."""
+    n, k = weight.shape
+    if weight.dtype == torch.bfloat16:
+        return n // PANEL, k // 2, 2 * PANEL
+    return n // PANEL, k, PANEL
+
+
+def pack_panels(weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """`weight` [N, K] as panels (fp32: [N/16, K, 16], panel p, row k holding outputs
-    16p..16p+15 at input k; bf16: [N/16, K/2, 32], the outputs' pairs of inputs 2k, 2k+1);
+    16p..16p+15 at input k; bf16: [N/16, K/2, 32], the outputs' pairs of inputs 2k, 2k+1),
+    written into `out` where given (contiguous, that shape and dtype, 64-byte aligned);
     call only where panels_supported(weight)."""
     lib, _ = _library()
     w = weight.detach().contiguous()
     n, k = w.shape
-    threads = torch.get_num_threads()
-    if w.dtype == torch.bfloat16:
-        panels = torch.empty(n // PANEL, k // 2, 2 * PANEL, dtype=torch.bfloat16)
-        lib.hm_linear_bf16_pack(w.data_ptr(), n, k, panels.data_ptr(), threads)
-        return panels
-    panels = torch.empty(n // PANEL, k, PANEL, dtype=torch.float32)
-    lib.hm_linear_pack(w.data_ptr(), n, k, panels.data_ptr(), threads)
-    return panels
+    shape = panels_layout(w)
+    if out is None:
+        out = torch.empty(shape, dtype=w.dtype)
+    elif out.shape != shape or out.dtype != w.dtype or not out.is_contiguous():
+        raise ValueError(f"panels of {tuple(w.shape)} {w.dtype} go in {shape}, not {out.shape}")
+    elif out.data_ptr() % 64:
+        raise ValueError("panels must start on a 64-byte boundary")
+    pack = lib.hm_linear_bf16_pack if w.dtype == torch.bfloat16 else lib.hm_linear_pack
+    pack(w.data_ptr(), n, k, out.data_ptr(), torch.get_num_threads())
+    return out
 
 
 def panels_shape(panels: torch.Tensor) -> tuple[int, int]:

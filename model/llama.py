@@ -144,21 +144,26 @@ class LlamaModel(nn.Module):
             return False
         self._fused_layers = None
         with torch.no_grad():
-            for layer in self.layers:
-                for name in _PACKED_PROJECTIONS:
-                    weight = getattr(layer, name)
-                    if not kernels.is_packed(weight):
-                        setattr(layer, name, nn.Parameter(kernels.prepack(weight, form), False))
+            # (module, attribute) of each weight still plain, in the order a step reads them
+            todo = [
+                (layer, name)
+                for layer in self.layers
+                for name in _PACKED_PROJECTIONS
+                if not kernels.is_packed(getattr(layer, name))
+            ]
             if self.lm_head is not None and not kernels.is_packed(self.lm_head):
-                self.lm_head = nn.Parameter(kernels.prepack(self.lm_head, form), False)
-            elif self.lm_head is None and self.packed_head is None:
+                todo.append((self, "lm_head"))
+            packed = kernels.prepack_many([getattr(m, name) for m, name in todo], form)
+            if self.lm_head is None and self.packed_head is None:
                 # "auto" packs a tied head in panels whatever it picks for the projections: the
                 # head multiplies a few rows (decode steps, prefill's last tokens), where panels
                 # are the fastest form, and panels double as the embedding
                 head_form = "panels" if form == "auto" else form
-                self.packed_head = kernels.prepack(self.embed_tokens, head_form)
+                (self.packed_head,) = kernels.prepack_many([self.embed_tokens], head_form)
                 if not self.packed_head.is_mkldnn:  # panels: lookups read them (embed)
                     self.embed_tokens = None
+            for (module, name), weight in zip(todo, packed):
+                setattr(module, name, nn.Parameter(weight, False))
         return True
 
     def _head(self) -> torch.Tensor:

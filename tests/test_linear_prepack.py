@@ -308,3 +308,25 @@ def test_rope_in_place_gives_the_reference_bits(rows, dtype):
     assert kernels.rope_(x, cos, sin) is x
     assert torch.equal(x, want)
     assert torch.equal(qkv[:, 16 * 8 :], v)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prepack_many_lays_the_panels_end_to_end_in_one_buffer(dtype):
+    """A model's weights packed together (prepack_many): the panels are prepack's, each in its
+    place in one buffer (advised onto huge pages), whose bytes are the weights' own; a weight that
+    does not fit panels is packed as prepack packs it."""
+    if not panels_supported(torch.ones(16, 2, dtype=dtype)):
+        pytest.skip(f"no panels for {dtype} here")
+    g = torch.Generator().manual_seed(3)
+    ws = [torch.randn(n, 64, generator=g).to(dtype) for n in (32, 48, 80, 7)]
+    packed = kernels.prepack_many(ws)
+    for w, p in zip(ws, packed):
+        assert torch.equal(kernels.unpack(p), w)
+    panels = packed[:3]
+    for w, p in zip(ws, panels):
+        assert torch.equal(p, kernels.prepack(w)) and p.data_ptr() % 64 == 0
+    assert len({p.untyped_storage().data_ptr() for p in panels}) == 1
+    assert tensor_bytes(*panels) == sum(w.numel() * w.element_size() for w in ws[:3])
+    assert packed[3].dim() != 3  # 7 outputs: no panels
+    with pytest.raises(ValueError, match="unknown packed form"):
+        kernels.prepack_many(ws, "tiles")
