@@ -5,11 +5,13 @@ Two workloads, each beside vLLM's CPU build on the same workload and dtype when 
 - TTFT of a 1024-token prompt cold, and with its first 960 tokens already cached;
 - decode throughput (generated tokens per second, end to end) of 16 concurrent requests versus 1.
 Every figure is a median of --repeats runs (3 prompts for each TTFT), taken the same way for both
-systems. The dtype is the machine's fastest (`auto`: bf16 with avx512_bf16, else fp32), the same
-for both. Each halfmoon server's resident memory: its peak RSS (the kernel's high-water mark),
-and its peak PSS (shared pages split among their mappers, so the store's slab, which the workers
-map too, counts once; sampled between workloads, never during one) against what it was
-configured to hold (weights, pools, in-memory tiers).
+systems; halfmoon runs once before vLLM and once after it, and its figures are the medians over
+both runs (each run's own medians are in the JSON as `<figure>_runs`), so that a drift of the
+shared machine weighs on both systems alike. The dtype is the machine's fastest (`auto`: bf16 with
+avx512_bf16, else fp32), the same for both. Each halfmoon server's resident memory: its peak RSS
+(the kernel's high-water mark), and its peak PSS (shared pages split among their mappers, so the
+store's slab, which the workers map too, counts once; sampled between workloads, never during one)
+against what it was configured to hold (weights, pools, in-memory tiers).
 The last line printed is one JSON object, with the CPU's flags, the load and the pinning used.
 
     .venv/bin/python bench/e2e.py [--dtype auto] [--repeats 3] [--vllm-python PATH]
@@ -176,6 +178,7 @@ def run_halfmoon(
         return first, n, time.perf_counter() - t0, last.usage
 
     out: dict = {}
+    samples: dict[str, list[float]] = {}  # each figure's measurements, for merge_runs
     say("halfmoon: starting the store node, the workers and the conductor (one process each)")
     cluster = process_cluster(
         lm.name, dtype, lm.fingerprint, threads, device_cache, cpus, stream_interval
@@ -213,6 +216,7 @@ def run_halfmoon(
             )
         out["ttft_cold_ms"] = statistics.median(cold)
         out["ttft_warm_ms"] = statistics.median(warm)
+        samples["ttft_cold_ms"], samples["ttft_warm_ms"] = cold, warm
         out["warm_tier"] = "device" if u.cached_device_tokens else "dram"
         sampler.sample()
 
@@ -221,6 +225,7 @@ def run_halfmoon(
             _, n, wall, _ = one(stub, prompts["decode"][0], NEW_TOKENS)
             rates.append(n / wall)
         out["decode_1_tok_s"] = statistics.median(rates)
+        samples["decode_1_tok_s"] = rates
         sampler.sample()
         say(f"halfmoon: 1 x {NEW_TOKENS} tokens: {out['decode_1_tok_s']:7.1f} tok/s (median)")
 
@@ -245,6 +250,7 @@ def run_halfmoon(
             sampler.sample()
             batches.append(max(r[3].max_decode_batch for r in results))
         out["decode_16_tok_s"] = statistics.median(rates)
+        samples["decode_16_tok_s"] = rates
         out["decode_16_max_batch"] = max(batches)
         say(
             f"halfmoon: {CONCURRENCY} x {NEW_TOKENS} tokens: {out['decode_16_tok_s']:7.1f} tok/s "
@@ -273,6 +279,21 @@ def run_halfmoon(
         channel.close()
     finally:
         cluster.stop()
+    return out, samples
+
+
+def merge_runs(runs: list[tuple[dict, dict]]) -> dict:
+    """One result of several halfmoon runs: each figure the median of every run's measurements,
+    each server's memory its peak over the runs, and each run's own medians beside them."""
+    out = dict(runs[-1][0])
+    for key in runs[0][1]:
+        out[key] = statistics.median(x for _, samples in runs for x in samples[key])
+        out[f"{key}_runs"] = [round(r[key], 1) for r, _ in runs]
+    for key in [k for k in out if k.startswith(("rss_peak_mb_", "pss_peak_mb_"))]:
+        out[key] = max(r[key] for r, _ in runs)
+    pss = sum(v for k, v in out.items() if k.startswith("pss_peak_mb_"))
+    configured = sum(v for k, v in out.items() if k.startswith("configured_mb_"))
+    out["rss_vs_configured"] = round(pss / configured, 3) if configured else None
     return out
 
 
@@ -456,21 +477,37 @@ def main(argv=None) -> int:
     lm = load_model(args.model, dtype=args.dtype)
     prompts = token_prompts(lm.config.vocab_size, seed=0)
     cpus = (args.prefill_cpus, args.decode_cpus)
-    ours = run_halfmoon(
-        lm,
-        prompts,
-        args.dtype,
-        args.threads,
-        not args.no_device_cache,
-        cpus,
-        args.repeats,
-        args.stream_interval,
+    def halfmoon_run():
+        return run_halfmoon(
+            lm,
+            prompts,
+            args.dtype,
+            args.threads,
+            not args.no_device_cache,
+            cpus,
+            args.repeats,
+            args.stream_interval,
+        )
+
+    # halfmoon runs before vLLM and again after it, and each figure is the median over both:
+    # this shared machine drifts by tens of percent over minutes, and so both systems' figures
+    # are centred on the same moment
+    runs = [halfmoon_run()]
+    vllm, why = (
+        run_vllm(args.vllm_python, lm, prompts, args.dtype, args.repeats)
+        if args.vllm_python
+        else (None, "skipped (--vllm-python '')")
     )
+    if vllm is not None:
+        say("halfmoon: the second run, after vLLM's")
+        runs.append(halfmoon_run())
+    ours = merge_runs(runs)
     result = {
         "model": args.model,
         "dtype": args.dtype,
         "torch_threads": args.threads or torch.get_num_threads(),
         "repeats": args.repeats,
+        "halfmoon_runs": len(runs),
         "stream_interval": args.stream_interval,
         "pinning": {
             "halfmoon_prefill_cpus": args.prefill_cpus or "any",
@@ -488,11 +525,6 @@ def main(argv=None) -> int:
         f"decode 16/1 = {result['decode_16_vs_1']:.2f}"
     )
 
-    vllm, why = (
-        run_vllm(args.vllm_python, lm, prompts, args.dtype, args.repeats)
-        if args.vllm_python
-        else (None, "skipped (--vllm-python '')")
-    )
     if vllm is not None:
         result.update({f"vllm_{k}": v for k, v in vllm.items()})
         result["ttft_warm_vs_vllm"] = ours["ttft_warm_ms"] / vllm["ttft_warm_ms"]

@@ -332,11 +332,15 @@ int hm_linear_bf16(const uint16_t *x, int64_t ldx, int m, const uint16_t *panels
   (void)amx_min_rows;
 #endif
   const int mb = hm_x_block_rows(k);
+  /* one parallel region for every block of x: a thread goes on to its panels of the next block
+   * without waiting for the other's (the same panels: a static schedule splits each block's
+   * loop alike), so a thread that fell behind in one block does not stall both */
+#pragma omp parallel num_threads(threads)
   for (int m0 = 0; m0 < m; m0 += mb) {
     const int rows = m - m0 < mb ? m - m0 : mb;
     const uint16_t *xb = x + (int64_t)m0 * ldx;
     uint16_t *ob = out + (int64_t)m0 * ldo;
-#pragma omp parallel for num_threads(threads) schedule(static)
+#pragma omp for schedule(static) nowait
     for (int p = 0; p < np; p++) {
       const uint16_t *panel = panels + (int64_t)p * kh * 2 * HM_NR;
       uint16_t *o = ob + (int64_t)p * HM_NR;
@@ -400,11 +404,12 @@ static void hm_linear_silu_dp(const uint16_t *x, int64_t ldx, int m, const uint1
                               int np, int k, uint16_t *out, int64_t ldo, int threads) {
   const int kh = k / 2, half = np / 2, mb = hm_x_block_rows(k);
   const int64_t panel_elems = (int64_t)kh * 2 * HM_NR;
+#pragma omp parallel num_threads(threads) /* as in hm_linear_bf16 */
   for (int m0 = 0; m0 < m; m0 += mb) {
     const int rows = m - m0 < mb ? m - m0 : mb;
     const uint16_t *xb = x + (int64_t)m0 * ldx;
     uint16_t *ob = out + (int64_t)m0 * ldo;
-#pragma omp parallel for num_threads(threads) schedule(static)
+#pragma omp for schedule(static) nowait
     for (int p = 0; p < half; p++) {
       const uint16_t *gate = panels + p * panel_elems, *up = gate + half * panel_elems;
       uint16_t tile[HM_MR * 2 * HM_NR] __attribute__((aligned(64)));
