@@ -9,11 +9,12 @@ medians of --repeats rounds run in turn so that load drifts fall on every system
 - decode: tokens after each sequence's first one over the time from the first to the last step,
   at batch 1 and 16 (ours: the engine's own step timing; transformers: `generate`'s streamer).
 - roofline: a decode step reads every weight once, so its floor is the weights' bytes plus the
-  step's KV bytes over the read bandwidth measured in this run (a sum over 512 MiB);
+  step's KV bytes over the read bandwidth (a sum over 512 MiB) measured in each round of the
+  batch-16 runs, beside them (median, with its range);
   `decode_16_vs_roofline` is that floor over the achieved step time (1.0 = at the floor).
-  Beside it the arithmetic floor: the step's FLOPs at this run's rate for one large matmul
-  (`matmul_gflops`); `decode_16_vs_roofline_and_compute` puts the higher of the two floors over
-  the step time (at batch 16 on 2 cores the FLOPs can take longer than the reads).
+  Beside it the arithmetic floor: the step's FLOPs at the rate of one large matmul, measured
+  likewise (`matmul_gflops`); `decode_16_vs_roofline_and_compute` puts the higher of the two
+  floors over the step time (at batch 16 on 2 cores the FLOPs can take longer than the reads).
 Last line: one JSON object, with the CPU's flags and the load.
 
     .venv/bin/python bench/model_speed.py [--threads N] [--new-tokens 33] \
@@ -220,6 +221,11 @@ def main() -> None:
             lambda: decode_ours(lm, b, args.prompt_len, args.new_tokens),
         ),
     ]
+    # the machine's two ceilings, measured in each round of the batch-b decode runs, beside them
+    # (on this shared machine one read pass has measured 25 to 56 GB/s over minutes, one matmul
+    # 216 to 415 GFLOP/s): the read floor is taken at the moment of the step it bounds
+    bws: list[float] = []
+    flop_rates: list[float] = []
     for work, make_theirs, make_ours in workloads:
         t0 = time.perf_counter()
         runs = {f"hf_{work}": make_theirs(), work: make_ours()}
@@ -228,17 +234,14 @@ def main() -> None:
             print(f"{work}: round {r + 1}/{args.repeats}", flush=True)
             for k, run in runs.items():
                 rates[k].append(run())
+            if work == f"decode_b{b}":
+                bws.append(read_bandwidth())
+                flop_rates.append(matmul_rate(dtype))
         for k, v in rates.items():
             res[f"{k}_tok_s"] = round(statistics.median(v), 2)
             print(f"  {k:<24} {res[f'{k}_tok_s']:>9.1f} tok/s (median)", flush=True)
         print(f"{work}: {time.perf_counter() - t0:.0f} s", flush=True)
 
-    # the machine's two ceilings, each the median of `repeats` measurements (on this shared
-    # machine one read pass has measured 25 to 55 GB/s, one matmul 216 to 415 GFLOP/s)
-    bws, flop_rates = [], []
-    for _ in range(max(args.repeats, 3)):
-        bws.append(read_bandwidth())
-        flop_rates.append(matmul_rate(dtype))
     bw, flop_rate = statistics.median(bws), statistics.median(flop_rates)
     # the floor of a batch-b decode step: every weight read once, plus the step's KV
     # parameters and buffers: a tied head packed as the embedding is a buffer, read every step
