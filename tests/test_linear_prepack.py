@@ -186,7 +186,7 @@ _BF16_PANELS = native.panels_supported(torch.ones(16, 2, dtype=torch.bfloat16))
 
 @pytest.mark.skipif(not _BF16_PANELS, reason="no C compiler or no AVX-512 BF16")
 @pytest.mark.parametrize("amx", [True, False], ids=["amx", "vdpbf16ps"])
-@pytest.mark.parametrize("rows", [1, 7, 16, 17, 40])
+@pytest.mark.parametrize("rows", [1, 7, 16, 17, 40, 64, 65])
 def test_bf16_panels_equal_a_bf16_matmul_rounded_once(rows, amx, monkeypatch):
     """bf16 panels (csrc/linear_bf16.c): products of bf16 values summed in fp32, rounded to bf16
     once, so each output is the exact product's bf16 rounding or its neighbour; the residual
@@ -214,6 +214,13 @@ def test_bf16_panels_equal_a_bf16_matmul_rounded_once(rows, amx, monkeypatch):
     # a strided view of x is read right
     xt = x.t().contiguous().t()
     assert torch.equal(kernels.linear(xt, packed), out)
+    # each row's sums in the same order however many rows come with it (16-row groups of a
+    # decode batch go through x packed for the broadcasts, a lone row does not): the same bits
+    alone = [kernels.linear(x[i : i + 1], packed) for i in range(rows)]
+    assert torch.equal(out, torch.cat(alone))
+    for i in range(rows):
+        one = res[i : i + 1].clone()
+        assert torch.equal(kernels.linear_add_(one, x[i : i + 1], packed), summed[i : i + 1])
 
 
 @pytest.mark.skipif(not _BF16_PANELS, reason="no C compiler or no AVX-512 BF16")

@@ -16,6 +16,7 @@
 #define _GNU_SOURCE /* syscall(): asking the kernel for the AMX tile state */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -43,6 +44,8 @@
 #ifndef HM_PREFETCH_BYTES
 #define HM_PREFETCH_BYTES (16 * 1024)
 #endif
+/* Rows up to which x is packed by 16s for the micro-kernel's broadcasts (see hm_linear_bf16) */
+#define HM_PACK_X_ROWS 64
 #ifndef HM_X_BLOCK_BYTES
 #define HM_X_BLOCK_BYTES (192 * 1024) /* rows of x worked on at once: about half an L2 */
 #endif
@@ -157,6 +160,86 @@ static const hm_micro_bf16_fn hm_micros_bf16[HM_MR + 1] = {
     hm_micro_bf16_11, hm_micro_bf16_12, hm_micro_bf16_13, hm_micro_bf16_14, hm_micro_bf16_15,
     hm_micro_bf16_16,
 };
+
+/* 16 rows of x packed as xp[kp][16]: row r's pair kp at xp[16 kp + r], so that every broadcast
+ * is one base register and an immediate, folded into its `vdpbf16ps` as a {1to16} operand. */
+#define HM_XSTEP(r) a##r = _mm512_dpbf16_ps(a##r, wv, (__m512bh)_mm512_set1_epi32(xk[r]));
+#define HM_XLOAD(r) \
+  if (add) a##r = hm_bf16_to_ps(out + (r) * ldo); /* the residual first, as HM_ROW_LOAD */
+#define HM_XSTORE(r)                              \
+  {                                               \
+    const __m256bh o = _mm512_cvtneps_pbh(a##r);  \
+    memcpy(out + (r) * ldo, &o, sizeof o);        \
+  }
+static void hm_micro_bf16_x16(const int32_t *xp, const uint16_t *panel, int kh, uint16_t *out,
+                              int64_t ldo, int ahead, int add) {
+  __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0;
+  __m512 a7 = a0, a8 = a0, a9 = a0, a10 = a0, a11 = a0, a12 = a0, a13 = a0, a14 = a0;
+  __m512 a15 = a0;
+  HM_XLOAD(0) HM_XLOAD(1) HM_XLOAD(2) HM_XLOAD(3) HM_XLOAD(4) HM_XLOAD(5) HM_XLOAD(6)
+  HM_XLOAD(7) HM_XLOAD(8) HM_XLOAD(9) HM_XLOAD(10) HM_XLOAD(11) HM_XLOAD(12) HM_XLOAD(13)
+  HM_XLOAD(14) HM_XLOAD(15)
+  for (int kp = 0; kp < kh; kp++) {
+    const __m512bh wv = (__m512bh)_mm512_load_si512(panel + (int64_t)kp * 2 * HM_NR);
+    if (ahead)
+      _mm_prefetch((const char *)((uintptr_t)(panel + (int64_t)kp * 2 * HM_NR) +
+                                  HM_PREFETCH_BYTES),
+                   _MM_HINT_T1);
+    const int32_t *xk = xp + (int64_t)kp * 16;
+    HM_XSTEP(0) HM_XSTEP(1) HM_XSTEP(2) HM_XSTEP(3) HM_XSTEP(4) HM_XSTEP(5) HM_XSTEP(6)
+    HM_XSTEP(7) HM_XSTEP(8) HM_XSTEP(9) HM_XSTEP(10) HM_XSTEP(11) HM_XSTEP(12) HM_XSTEP(13)
+    HM_XSTEP(14) HM_XSTEP(15)
+  }
+  HM_XSTORE(0) HM_XSTORE(1) HM_XSTORE(2) HM_XSTORE(3) HM_XSTORE(4) HM_XSTORE(5) HM_XSTORE(6)
+  HM_XSTORE(7) HM_XSTORE(8) HM_XSTORE(9) HM_XSTORE(10) HM_XSTORE(11) HM_XSTORE(12)
+  HM_XSTORE(13) HM_XSTORE(14) HM_XSTORE(15)
+}
+#undef HM_XLOAD
+#undef HM_XSTEP
+#undef HM_XSTORE
+
+/* Scratch for x packed by 16 rows, one per calling thread (grown as needed; never freed). */
+static _Thread_local int32_t *hm_xp;
+static _Thread_local size_t hm_xp_words;
+
+/* The calling thread's scratch for m rows of K = 2 kh inputs packed by 16s, or NULL where they
+ * go unpacked: more than HM_PACK_X_ROWS rows (a prefill's thousands: packing cost more than it
+ * gained), none whole, or no memory. */
+static int32_t *hm_x_scratch(int m, int kh) {
+  const size_t words = m <= HM_PACK_X_ROWS ? (size_t)(m / 16) * kh * 16 : 0;
+  if (!words) return NULL;
+  if (words > hm_xp_words) {
+    int32_t *grown = (int32_t *)aligned_alloc(64, (words * 4 + 63) / 64 * 64);
+    if (!grown) return NULL;
+    free(hm_xp);
+    hm_xp = grown;
+    hm_xp_words = words;
+  }
+  return hm_xp;
+}
+
+/* x's whole 16-row groups into xp (xp[(g kh + kp) 16 + r] = row 16 g + r's pair kp), a run of
+ * kp on each thread of the enclosing parallel region; its threads wait for each other at the
+ * end. */
+static void hm_pack_x(const uint16_t *x, int64_t ldx, int m, int kh, int32_t *xp) {
+#pragma omp for schedule(static)
+  for (int kp = 0; kp < kh; kp++)
+    for (int g = 0; g < m / 16; g++) {
+      int32_t *dst = xp + ((size_t)g * kh + kp) * 16;
+      for (int r = 0; r < 16; r++) memcpy(dst + r, x + (int64_t)(16 * g + r) * ldx + 2 * kp, 4);
+    }
+}
+
+/* mr rows of x from row r0 (at xr) times one panel: from the packed rows where they are (a
+ * whole group of 16 in xp), else as x lies. */
+static inline void hm_micro_rows(const int32_t *xp, int r0, int mr, const uint16_t *xr,
+                                 int64_t ldx, const uint16_t *panel, int kh, uint16_t *out,
+                                 int64_t ldo, int ahead, int add) {
+  if (xp && mr == 16)
+    hm_micro_bf16_x16(xp + (size_t)(r0 / 16) * kh * 16, panel, kh, out, ldo, ahead, add);
+  else
+    hm_micros_bf16[mr](xr, ldx, panel, kh, out, ldo, ahead, add);
+}
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 /* AMX: a panel's lines are already the B operand of `tdpbf16ps` (16 lines of 64 bytes: 32
@@ -332,21 +415,26 @@ int hm_linear_bf16(const uint16_t *x, int64_t ldx, int m, const uint16_t *panels
   (void)amx_min_rows;
 #endif
   const int mb = hm_x_block_rows(k);
+  int32_t *const xp = hm_x_scratch(m, kh); /* NULL: x as it lies */
   /* one parallel region for every block of x: a thread goes on to its panels of the next block
    * without waiting for the other's (the same panels: a static schedule splits each block's
    * loop alike), so a thread that fell behind in one block does not stall both */
 #pragma omp parallel num_threads(threads)
-  for (int m0 = 0; m0 < m; m0 += mb) {
-    const int rows = m - m0 < mb ? m - m0 : mb;
-    const uint16_t *xb = x + (int64_t)m0 * ldx;
-    uint16_t *ob = out + (int64_t)m0 * ldo;
+  {
+    if (xp) hm_pack_x(x, ldx, m, kh, xp);
+    for (int m0 = 0; m0 < m; m0 += mb) {
+      const int rows = m - m0 < mb ? m - m0 : mb;
+      const uint16_t *xb = x + (int64_t)m0 * ldx;
+      uint16_t *ob = out + (int64_t)m0 * ldo;
 #pragma omp for schedule(static) nowait
-    for (int p = 0; p < np; p++) {
-      const uint16_t *panel = panels + (int64_t)p * kh * 2 * HM_NR;
-      uint16_t *o = ob + (int64_t)p * HM_NR;
-      for (int r = 0, ahead = 1; r < rows; r += HM_MR, ahead = 0) { /* the first pass prefetches */
-        const int mr = rows - r < HM_MR ? rows - r : HM_MR;
-        hm_micros_bf16[mr](xb + r * ldx, ldx, panel, kh, o + r * ldo, ldo, ahead, add);
+      for (int p = 0; p < np; p++) {
+        const uint16_t *panel = panels + (int64_t)p * kh * 2 * HM_NR;
+        uint16_t *o = ob + (int64_t)p * HM_NR;
+        for (int r = 0, ahead = 1; r < rows; r += HM_MR, ahead = 0) { /* the first prefetches */
+          const int mr = rows - r < HM_MR ? rows - r : HM_MR;
+          hm_micro_rows(xp, m0 + r, mr, xb + r * ldx, ldx, panel, kh, o + r * ldo, ldo, ahead,
+                        add);
+        }
       }
     }
   }
@@ -404,23 +492,28 @@ static void hm_linear_silu_dp(const uint16_t *x, int64_t ldx, int m, const uint1
                               int np, int k, uint16_t *out, int64_t ldo, int threads) {
   const int kh = k / 2, half = np / 2, mb = hm_x_block_rows(k);
   const int64_t panel_elems = (int64_t)kh * 2 * HM_NR;
+  int32_t *const xp = hm_x_scratch(m, kh);
 #pragma omp parallel num_threads(threads) /* as in hm_linear_bf16 */
-  for (int m0 = 0; m0 < m; m0 += mb) {
-    const int rows = m - m0 < mb ? m - m0 : mb;
-    const uint16_t *xb = x + (int64_t)m0 * ldx;
-    uint16_t *ob = out + (int64_t)m0 * ldo;
+  {
+    if (xp) hm_pack_x(x, ldx, m, kh, xp);
+    for (int m0 = 0; m0 < m; m0 += mb) {
+      const int rows = m - m0 < mb ? m - m0 : mb;
+      const uint16_t *xb = x + (int64_t)m0 * ldx;
+      uint16_t *ob = out + (int64_t)m0 * ldo;
 #pragma omp for schedule(static) nowait
-    for (int p = 0; p < half; p++) {
-      const uint16_t *gate = panels + p * panel_elems, *up = gate + half * panel_elems;
-      uint16_t tile[HM_MR * 2 * HM_NR] __attribute__((aligned(64)));
-      for (int r = 0, ahead = 1; r < rows; r += HM_MR, ahead = 0) { /* the first pass prefetches */
-        const int mr = rows - r < HM_MR ? rows - r : HM_MR;
-        hm_micros_bf16[mr](xb + r * ldx, ldx, gate, kh, tile, 2 * HM_NR, ahead, 0);
-        hm_micros_bf16[mr](xb + r * ldx, ldx, up, kh, tile + HM_NR, 2 * HM_NR, ahead, 0);
-        for (int i = 0; i < mr; i++) {
-          const uint16_t *t = tile + i * 2 * HM_NR;
-          hm_store_bf16(ob + (int64_t)(r + i) * ldo + p * HM_NR,
-                        hm_silu_mul16(hm_bf16_to_ps(t), hm_bf16_to_ps(t + HM_NR)));
+      for (int p = 0; p < half; p++) {
+        const uint16_t *gate = panels + p * panel_elems, *up = gate + half * panel_elems;
+        uint16_t tile[HM_MR * 2 * HM_NR] __attribute__((aligned(64)));
+        for (int r = 0, ahead = 1; r < rows; r += HM_MR, ahead = 0) { /* the first prefetches */
+          const int mr = rows - r < HM_MR ? rows - r : HM_MR;
+          const uint16_t *xr = xb + r * ldx;
+          hm_micro_rows(xp, m0 + r, mr, xr, ldx, gate, kh, tile, 2 * HM_NR, ahead, 0);
+          hm_micro_rows(xp, m0 + r, mr, xr, ldx, up, kh, tile + HM_NR, 2 * HM_NR, ahead, 0);
+          for (int i = 0; i < mr; i++) {
+            const uint16_t *t = tile + i * 2 * HM_NR;
+            hm_store_bf16(ob + (int64_t)(r + i) * ldo + p * HM_NR,
+                          hm_silu_mul16(hm_bf16_to_ps(t), hm_bf16_to_ps(t + HM_NR)));
+          }
         }
       }
     }
