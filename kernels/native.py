@@ -684,10 +684,17 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor | None:
-    """torch.argmax(logits, dim=-1) of fp32 rows [B, V] (the first largest, or the first NaN), in
-    one pass per row; None where the library is not here (the caller takes torch's)."""
+    """torch.argmax(logits, dim=-1) of fp32 CPU rows [B, V] (the first largest, or the first
+    NaN), in one pass per row; None for other tensors, or where the library is not here (the
+    caller takes torch's)."""
     lib, _ = _library()
-    if lib is None or logits.dtype != torch.float32 or logits.dim() != 2 or not logits.numel():
+    if (
+        lib is None
+        or logits.device.type != "cpu"
+        or logits.dtype != torch.float32
+        or logits.dim() != 2
+        or not logits.numel()
+    ):
         return None
     rows = logits if logits.stride(1) == 1 else logits.contiguous()
     out = torch.empty(rows.shape[0], dtype=torch.int64)

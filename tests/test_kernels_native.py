@@ -358,3 +358,5 @@ def test_argmax_rows_picks_what_torch_argmax_picks(threads, torch_threads):
     wide = torch.randn(4, 200, generator=g)[:, ::2]
     assert torch.equal(kernels.argmax_rows(wide), wide.argmax(-1))
     assert kernels.argmax_rows(x.double()) is None  # only fp32: the caller takes torch's
+    # only rows in host memory (a device's pointer is no address here)
+    assert kernels.argmax_rows(torch.empty(2, 8, device="meta")) is None
