@@ -161,8 +161,9 @@ static const hm_micro_bf16_fn hm_micros_bf16[HM_MR + 1] = {
     hm_micro_bf16_16,
 };
 
-/* 16 rows of x packed as xp[kp][16]: row r's pair kp at xp[16 kp + r], so that every broadcast
- * is one base register and an immediate, folded into its `vdpbf16ps` as a {1to16} operand. */
+/* hm_micro_bf16_16 over 16 rows of x packed as xp[kp][16] (row r's pair kp at xp[16 kp + r]):
+ * every broadcast is one base register and an offset, where 16 row pointers (x + r ldx) did not
+ * fit the registers and were reloaded from the stack each step. */
 #define HM_XSTEP(r) a##r = _mm512_dpbf16_ps(a##r, wv, (__m512bh)_mm512_set1_epi32(xk[r]));
 #define HM_XLOAD(r) \
   if (add) a##r = hm_bf16_to_ps(out + (r) * ldo); /* the residual first, as HM_ROW_LOAD */
