@@ -153,7 +153,11 @@ class LlamaModel(nn.Module):
             ]
             if self.lm_head is not None and not kernels.is_packed(self.lm_head):
                 todo.append((self, "lm_head"))
-            packed = kernels.prepack_many([getattr(m, name) for m, name in todo], form)
+            # each packed weight takes its plain one's place at once (prepack_many lets go of
+            # it), so the load never holds two copies of the weights
+            plain = [getattr(m, name) for m, name in todo]
+            for (module, name), weight in zip(todo, kernels.prepack_many(plain, form)):
+                setattr(module, name, nn.Parameter(weight, False))
             if self.lm_head is None and self.packed_head is None:
                 # "auto" packs a tied head in panels whatever it picks for the projections: the
                 # head multiplies a few rows (decode steps, prefill's last tokens), where panels
@@ -162,8 +166,6 @@ class LlamaModel(nn.Module):
                 (self.packed_head,) = kernels.prepack_many([self.embed_tokens], head_form)
                 if not self.packed_head.is_mkldnn:  # panels: lookups read them (embed)
                     self.embed_tokens = None
-            for (module, name), weight in zip(todo, packed):
-                setattr(module, name, nn.Parameter(weight, False))
         return True
 
     def _head(self) -> torch.Tensor:

@@ -326,7 +326,9 @@ def test_prepack_many_lays_the_panels_end_to_end_in_one_buffer(dtype):
         pytest.skip(f"no panels for {dtype} here")
     g = torch.Generator().manual_seed(3)
     ws = [torch.randn(n, 64, generator=g).to(dtype) for n in (32, 48, 80, 7)]
-    packed = kernels.prepack_many(ws)
+    given = list(ws)
+    packed = list(kernels.prepack_many(given))
+    assert given == [None] * 4  # each let go of once packed
     for w, p in zip(ws, packed):
         assert torch.equal(kernels.unpack(p), w)
     panels = packed[:3]
@@ -336,4 +338,4 @@ def test_prepack_many_lays_the_panels_end_to_end_in_one_buffer(dtype):
     assert tensor_bytes(*panels) == sum(w.numel() * w.element_size() for w in ws[:3])
     assert packed[3].dim() != 3  # 7 outputs: no panels
     with pytest.raises(ValueError, match="unknown packed form"):
-        kernels.prepack_many(ws, "tiles")
+        next(kernels.prepack_many(ws, "tiles"))
