@@ -696,7 +696,7 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor | None:
         or not logits.numel()
     ):
         return None
-    rows = logits if logits.stride(1) == 1 else logits.contiguous()
+    rows = _rows(logits)
     out = torch.empty(rows.shape[0], dtype=torch.int64)
     lib.hm_argmax_f32(rows.data_ptr(), rows.stride(0), rows.shape[0], rows.shape[1],
                       out.data_ptr(), torch.get_num_threads())  # fmt: skip

@@ -16,7 +16,7 @@ static int64_t hm_argmax_row(const float *x, int64_t n) {
   int64_t i = 0, best = 0;
   float top = n > 0 ? x[0] : 0.0f;
 #if defined(__AVX512F__)
-  if (n >= 16) {
+  if (n >= 16 && n <= INT32_MAX) { /* lanes hold 32-bit indices */
     /* per lane: the largest value seen and its first index (a later equal one is not taken) */
     __m512 vmax = _mm512_loadu_ps(x);
     __m512i vidx = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
@@ -31,7 +31,7 @@ static int64_t hm_argmax_row(const float *x, int64_t n) {
       vmax = _mm512_mask_mov_ps(vmax, up, v);
       vidx = _mm512_mask_mov_epi32(vidx, up, cur);
     }
-    if (nan || n > INT32_MAX) { /* the scalar loop finds the first NaN (indices fit 32 bits) */
+    if (nan) { /* the scalar loop finds the first NaN */
       i = 0;
     } else {
       top = _mm512_reduce_max_ps(vmax);
@@ -44,7 +44,7 @@ static int64_t hm_argmax_row(const float *x, int64_t n) {
   for (; i < n; i++) {
     const float v = x[i];
     if (isnan(v)) return i;
-    if (v > top || i == 0) {
+    if (v > top) {
       top = v;
       best = i;
     }

@@ -400,22 +400,18 @@ static int hm_x_block_rows(int k) {
   return mb < HM_MR ? HM_MR : mb;
 }
 
-/* out [M, N] bf16 (row stride ldo) = x [M, K] bf16 (row stride ldx) times the panels' W^T, or
- * out += that when `add` (a residual connection in the same pass). The panels must be 64-byte
- * aligned. AMX tiles where the CPU has them and K is a multiple of 32 (from `amx_min_rows` rows
- * up), else `vdpbf16ps`. Returns 0 (1: built without AVX-512 BF16, nothing written). */
-int hm_linear_bf16(const uint16_t *x, int64_t ldx, int m, const uint16_t *panels, int n, int k,
-                   uint16_t *out, int64_t ldo, int add, int threads, int amx_min_rows) {
-  const int np = n / HM_NR, kh = k / 2;
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-  if (m >= amx_min_rows && k % HM_AMX_K == 0 && hm_amx_request()) {
-    hm_linear_bf16_amx(x, ldx, m, panels, np, k, out, ldo, add, 0, threads);
-    return 0;
-  }
-#else
-  (void)amx_min_rows;
-#endif
-  const int mb = hm_x_block_rows(k);
+/* The `vdpbf16ps` pass of both entry points below (hm_linear_bf16_amx's twin): out = x times the
+ * panels' W^T (+ out where `add`), or with `silu` SwiGLU's step of gate's panels (the first np/2)
+ * and up's: gate's panel p and up's panel p + np/2 go to the same thread, 16 rows at a time, both
+ * micro-kernels' bf16 outputs into a 16 x 32 tile on its stack (what the unfused matmul writes to
+ * memory), then silu(gate) * up from the tile into out [M, N/2]. So the [M, N] gate/up output is
+ * never written and read back, and a decode batch's SwiGLU, which hm_silu_mul_bf16 runs on one
+ * thread below HM_PARALLEL_ROWS rows, runs on every thread. */
+static void hm_linear_bf16_dp(const uint16_t *x, int64_t ldx, int m, const uint16_t *panels,
+                              int np, int k, uint16_t *out, int64_t ldo, int add, int silu,
+                              int threads) {
+  const int kh = k / 2, mb = hm_x_block_rows(k), items = silu ? np / 2 : np;
+  const int64_t panel_elems = (int64_t)kh * 2 * HM_NR;
   int32_t *const xp = hm_x_scratch(m, kh); /* NULL: x as it lies */
   /* one parallel region for every block of x: a thread goes on to its panels of the next block
    * without waiting for the other's (the same panels: a static schedule splits each block's
@@ -428,17 +424,47 @@ int hm_linear_bf16(const uint16_t *x, int64_t ldx, int m, const uint16_t *panels
       const uint16_t *xb = x + (int64_t)m0 * ldx;
       uint16_t *ob = out + (int64_t)m0 * ldo;
 #pragma omp for schedule(static) nowait
-      for (int p = 0; p < np; p++) {
-        const uint16_t *panel = panels + (int64_t)p * kh * 2 * HM_NR;
-        uint16_t *o = ob + (int64_t)p * HM_NR;
+      for (int p = 0; p < items; p++) {
+        const uint16_t *panel = panels + p * panel_elems;
+        uint16_t tile[HM_MR * 2 * HM_NR] __attribute__((aligned(64)));
         for (int r = 0, ahead = 1; r < rows; r += HM_MR, ahead = 0) { /* the first prefetches */
           const int mr = rows - r < HM_MR ? rows - r : HM_MR;
-          hm_micro_rows(xp, m0 + r, mr, xb + r * ldx, ldx, panel, kh, o + r * ldo, ldo, ahead,
-                        add);
+          const uint16_t *xr = xb + r * ldx;
+          uint16_t *o = ob + (int64_t)r * ldo + (int64_t)p * HM_NR;
+          if (!silu) {
+            hm_micro_rows(xp, m0 + r, mr, xr, ldx, panel, kh, o, ldo, ahead, add);
+            continue;
+          }
+          const uint16_t *up = panel + items * panel_elems;
+          hm_micro_rows(xp, m0 + r, mr, xr, ldx, panel, kh, tile, 2 * HM_NR, ahead, 0);
+          hm_micro_rows(xp, m0 + r, mr, xr, ldx, up, kh, tile + HM_NR, 2 * HM_NR, ahead, 0);
+          for (int i = 0; i < mr; i++) {
+            const uint16_t *t = tile + i * 2 * HM_NR;
+            hm_store_bf16(o + (int64_t)i * ldo,
+                          hm_silu_mul16(hm_bf16_to_ps(t), hm_bf16_to_ps(t + HM_NR)));
+          }
         }
       }
     }
   }
+}
+
+/* out [M, N] bf16 (row stride ldo) = x [M, K] bf16 (row stride ldx) times the panels' W^T, or
+ * out += that when `add` (a residual connection in the same pass). The panels must be 64-byte
+ * aligned. AMX tiles where the CPU has them and K is a multiple of 32 (from `amx_min_rows` rows
+ * up), else `vdpbf16ps`. Returns 0 (1: built without AVX-512 BF16, nothing written). */
+int hm_linear_bf16(const uint16_t *x, int64_t ldx, int m, const uint16_t *panels, int n, int k,
+                   uint16_t *out, int64_t ldo, int add, int threads, int amx_min_rows) {
+  const int np = n / HM_NR;
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  if (m >= amx_min_rows && k % HM_AMX_K == 0 && hm_amx_request()) {
+    hm_linear_bf16_amx(x, ldx, m, panels, np, k, out, ldo, add, 0, threads);
+    return 0;
+  }
+#else
+  (void)amx_min_rows;
+#endif
+  hm_linear_bf16_dp(x, ldx, m, panels, np, k, out, ldo, add, 0, threads);
   return 0;
 }
 
@@ -484,43 +510,6 @@ void hm_rms_norm_bf16(const uint16_t *x, int64_t ldx, int rows, int dim, const u
   }
 }
 
-/* hm_linear_silu_bf16 on `vdpbf16ps`: gate's panel p and up's panel p + np/2 go to the same
- * thread, 16 rows at a time, both micro-kernels' bf16 outputs into a 16 x 32 tile on its stack
- * (what the unfused matmul writes to memory), then SwiGLU's step from the tile into out. The
- * [M, N] gate/up output is never written and read back, and a decode batch's SwiGLU, which
- * hm_silu_mul_bf16 runs on one thread below HM_PARALLEL_ROWS rows, runs on every thread. */
-static void hm_linear_silu_dp(const uint16_t *x, int64_t ldx, int m, const uint16_t *panels,
-                              int np, int k, uint16_t *out, int64_t ldo, int threads) {
-  const int kh = k / 2, half = np / 2, mb = hm_x_block_rows(k);
-  const int64_t panel_elems = (int64_t)kh * 2 * HM_NR;
-  int32_t *const xp = hm_x_scratch(m, kh);
-#pragma omp parallel num_threads(threads) /* as in hm_linear_bf16 */
-  {
-    if (xp) hm_pack_x(x, ldx, m, kh, xp);
-    for (int m0 = 0; m0 < m; m0 += mb) {
-      const int rows = m - m0 < mb ? m - m0 : mb;
-      const uint16_t *xb = x + (int64_t)m0 * ldx;
-      uint16_t *ob = out + (int64_t)m0 * ldo;
-#pragma omp for schedule(static) nowait
-      for (int p = 0; p < half; p++) {
-        const uint16_t *gate = panels + p * panel_elems, *up = gate + half * panel_elems;
-        uint16_t tile[HM_MR * 2 * HM_NR] __attribute__((aligned(64)));
-        for (int r = 0, ahead = 1; r < rows; r += HM_MR, ahead = 0) { /* the first prefetches */
-          const int mr = rows - r < HM_MR ? rows - r : HM_MR;
-          const uint16_t *xr = xb + r * ldx;
-          hm_micro_rows(xp, m0 + r, mr, xr, ldx, gate, kh, tile, 2 * HM_NR, ahead, 0);
-          hm_micro_rows(xp, m0 + r, mr, xr, ldx, up, kh, tile + HM_NR, 2 * HM_NR, ahead, 0);
-          for (int i = 0; i < mr; i++) {
-            const uint16_t *t = tile + i * 2 * HM_NR;
-            hm_store_bf16(ob + (int64_t)(r + i) * ldo + p * HM_NR,
-                          hm_silu_mul16(hm_bf16_to_ps(t), hm_bf16_to_ps(t + HM_NR)));
-          }
-        }
-      }
-    }
-  }
-}
-
 /* out [M, N/2] bf16 (row stride ldo) = SwiGLU's silu(gate) * up of x [M, K] times the panels'
  * W^T, gate's panels first, then up's: the values hm_linear_bf16 then hm_silu_mul_bf16 give, in
  * one pass: on AMX tiles (from amx_min_rows rows up, K a multiple of 32), else on `vdpbf16ps`.
@@ -537,7 +526,7 @@ int hm_linear_silu_bf16(const uint16_t *x, int64_t ldx, int m, const uint16_t *p
 #else
   (void)amx_min_rows;
 #endif
-  hm_linear_silu_dp(x, ldx, m, panels, np, k, out, ldo, threads);
+  hm_linear_bf16_dp(x, ldx, m, panels, np, k, out, ldo, 0, 1, threads);
   return 0;
 }
 
