@@ -111,10 +111,10 @@ class MemorySampler:
     mmap lock, which stalled the servers' own allocations and added up to 0.5 s to a cold TTFT.
     """
 
-    def __init__(self, servers):
+    def __init__(self, pids: dict[str, int]):
         import psutil
 
-        self.procs = {s.name: psutil.Process(s.pid) for s in servers}
+        self.procs = {name: psutil.Process(pid) for name, pid in pids.items()}
         self.rss = dict.fromkeys(self.procs, 0)
         self.pss = dict.fromkeys(self.procs, 0)
 
@@ -127,6 +127,18 @@ class MemorySampler:
                 continue
             self.rss[name] = max(self.rss[name], m.rss, hwm)
             self.pss[name] = max(self.pss[name], getattr(m, "pss", m.uss))
+
+
+def cluster_pids(cluster) -> dict[str, int]:
+    """The cluster's processes by name: its servers, and the forkserver they were forked from
+    (deploy.local), whose share of the pages they inherited from it is the cluster's too."""
+    import psutil
+
+    pids = {s.name: s.pid for s in cluster.servers}
+    for child in psutil.Process().children():
+        if "multiprocessing.forkserver" in " ".join(child.cmdline()):
+            pids["forkserver"] = child.pid
+    return pids
 
 
 def _status_kib(pid: int, field: str) -> int:
@@ -183,7 +195,7 @@ def run_halfmoon(
     cluster = process_cluster(
         lm.name, dtype, lm.fingerprint, threads, device_cache, cpus, stream_interval
     )
-    sampler = MemorySampler(cluster.servers)
+    sampler = MemorySampler(cluster_pids(cluster))
     try:
         sampler.sample()
         channel = grpc.insecure_channel(cluster.address)
@@ -258,7 +270,7 @@ def run_halfmoon(
         )
         sampler.sample()
         configured = configured_bytes(stub)
-        names = [s.name for s in cluster.servers]
+        names = list(sampler.procs)
         for name in names:
             out[f"rss_peak_mb_{name}"] = round(sampler.rss[name] / 2**20, 1)
             out[f"pss_peak_mb_{name}"] = round(sampler.pss[name] / 2**20, 1)

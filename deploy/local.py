@@ -35,13 +35,27 @@ def _serve(role: str, cfg, conn) -> None:
     server.stop()
 
 
+def _process_context():
+    """Where server processes come from: forks of a forkserver that has imported what servers
+    import and nothing else (deploy/preload.py), so that they share those pages; spawned where
+    there is no forkserver. Either way no state of the caller's is inherited. The forkserver
+    starts with the first server and serves every later one: its environment is the caller's
+    at that first start."""
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["deploy.preload"])  # read when the forkserver starts
+    return ctx
+
+
 class ServerProcess:
-    """A server in a process of its own (spawned, so no state is inherited): its `address` once
-    started, `proc` the process (to kill, as a fault test or a soak does), `stop()` to end it.
-    Started again with the same config (and port), it stands in for a server that was lost."""
+    """A server in a process of its own (_process_context: no state of this one is inherited):
+    its `address` once started, `proc` the process (to kill, as a fault test or a soak does),
+    `stop()` to end it. Started again with the same config (and port), it stands in for a server
+    that was lost."""
 
     def __init__(self, role: str, cfg, start_timeout_s: float):
-        ctx = mp.get_context("spawn")
+        ctx = _process_context()
         self._conn, child = ctx.Pipe()
         self.proc = ctx.Process(
             target=_serve, args=(role, cfg, child), daemon=True, name=f"halfmoon-{role}"

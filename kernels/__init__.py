@@ -46,7 +46,10 @@ _LAZY = {
         ),
         "kernels.kivi",
     ),
-    **dict.fromkeys(("HUGE_PAGE", "advise_huge_pages", "zeros_on_huge_pages"), "kernels.pages"),
+    **dict.fromkeys(
+        ("HUGE_PAGE", "advise_huge_pages", "empty_on_huge_pages", "zeros_on_huge_pages"),
+        "kernels.pages",
+    ),
     **dict.fromkeys(
         (
             "FullKVLayout",
@@ -117,6 +120,7 @@ def __getattr__(name: str):
 __all__ = [
     "HUGE_PAGE",
     "advise_huge_pages",
+    "empty_on_huge_pages",
     "zeros_on_huge_pages",
     "dtype_name",
     "full_layout_id",

@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import native
-from kernels.pages import advise_huge_pages
+from kernels.pages import empty_on_huge_pages
 
 # The row count oneDNN tunes its packed layout for. The layout is chosen once, at load, for
 # every batch that follows; 16 rows is the decode batch that matters, and oneDNN's kernels
@@ -112,12 +112,10 @@ def prepack_many(weights: list[torch.Tensor], form: str = "panels") -> Iterator[
         math.prod(native.panels_layout(w)) * w.element_size() if p else 0
         for w, p in zip(weights, panel)
     ]
-    # panels are whole 64-byte lines, and torch aligns a buffer to 64 bytes: no gaps, the bytes
-    # are the weights'; the part before the first 2 MiB boundary and after the last stays on
-    # small pages, and a page is only resident once the packing writes it
-    arena = torch.empty(sum(sizes), dtype=torch.uint8) if any(sizes) else None
-    if arena is not None:
-        advise_huge_pages(arena)  # before the packing first touches it
+    # panels are whole 64-byte lines and the buffer starts on a 2 MiB boundary: no gaps, the
+    # bytes are the weights'; the tail past the last 2 MiB boundary stays on small pages, and a
+    # page is only resident once the packing writes it
+    arena = empty_on_huge_pages((sum(sizes),), torch.uint8) if any(sizes) else None
     at = 0
     for i, size in enumerate(sizes):
         w, weights[i] = weights[i], None

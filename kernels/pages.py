@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import math
+import mmap
 import sys
 
 import torch
@@ -48,8 +50,35 @@ def advise_huge_pages(t: torch.Tensor) -> bool:
     return rc == 0
 
 
-def zeros_on_huge_pages(shape, dtype: torch.dtype, device="cpu") -> torch.Tensor:
-    """torch.zeros(shape), its memory advised onto huge pages first where it is on the CPU."""
-    t = torch.empty(shape, dtype=dtype, device=device)
+def empty_on_huge_pages(shape, dtype: torch.dtype, device="cpu") -> torch.Tensor:
+    """torch.empty(shape) advised onto huge pages where it is on the CPU and 4 MiB or more: in an
+    anonymous mapping of its own, starting on a 2 MiB boundary, that the tensor keeps alive.
+    Why not torch.empty: malloc serves a large block from free memory its heap already holds
+    when there is enough (a model load frees ~0.5 GB), and those pages, touched before, stay
+    small whatever madvise says: a worker's packed weights and KV pool came out on 4 KiB pages
+    once the load's order of allocations changed."""
+    shape = tuple(shape)
+    nbytes = math.prod(shape) * dtype.itemsize
+    if (
+        torch.device(device).type != "cpu"
+        or nbytes < 2 * HUGE_PAGE
+        or not sys.platform.startswith("linux")
+    ):
+        return torch.empty(shape, dtype=dtype, device=device)
+    # private (the default is a shared mapping: shmem, which THP leaves alone), fresh: no page
+    # resident until written
+    area = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE)
+    view = ctypes.c_char.from_buffer(area)
+    skip = -ctypes.addressof(view) % HUGE_PAGE
+    del view  # (an exported buffer would pin the mapping)
+    # frombuffer holds a reference to `area`: the mapping lives as long as the tensor's storage
+    t = torch.frombuffer(area, dtype=torch.uint8, count=nbytes, offset=skip)
+    t = t.view(dtype).view(shape)
     advise_huge_pages(t)
-    return t.zero_()
+    return t
+
+
+def zeros_on_huge_pages(shape, dtype: torch.dtype, device="cpu") -> torch.Tensor:
+    """torch.zeros(shape) on huge pages where it is on the CPU (empty_on_huge_pages), every page
+    written (resident, as a configured pool is counted)."""
+    return empty_on_huge_pages(shape, dtype, device).zero_()

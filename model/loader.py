@@ -221,7 +221,10 @@ def _build(
 ) -> LlamaModel | DeepseekModel:
     with torch.device("meta"):
         model = model_class(config)(config)
-    model = model.to_empty(device="cpu")
+    # storage for the meta tensors, as Module.to_empty gives it but by shape: to_empty's
+    # empty_like goes through torch._refs, whose first call imports torch.fx and sympy
+    # (~35 MiB of Python objects in every worker, and ~1 s)
+    model = model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype))
     model.load_hf_state_dict(sd)
     model = model.to(device=device, dtype=dtype).eval().requires_grad_(False)
     # Not in the checkpoint, and stays fp32 whatever the dtype.

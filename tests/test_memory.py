@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import psutil
 import pytest
@@ -79,3 +81,19 @@ def test_workers_and_stores_report_memory_against_their_configuration(lm):
         # the load the conductor polls does not read /proc
         load = c.decodes[0].load()
         assert not load.HasField("memory")
+
+
+def test_loading_a_model_leaves_symbolic_shapes_and_sympy_unimported():
+    # Module.to_empty's empty_like goes through torch._refs, whose first call imports torch.fx's
+    # symbolic shapes and sympy: ~35 MiB of Python objects in every worker for nothing it uses
+    code = (
+        "import sys; from model import load_model; lm = load_model('tiny-random'); "
+        "assert lm.model.norm.device.type == 'cpu'; "
+        "shapes = 'torch.fx.experimental.symbolic_shapes'; "
+        "print(sorted(m for m in ('sympy', shapes) if m in sys.modules))"
+    )
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=root, check=True
+    )
+    assert out.stdout.strip() == "[]", out.stdout

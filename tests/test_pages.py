@@ -43,3 +43,29 @@ def test_a_kv_pool_asks_for_huge_pages():
     assert eligible(pool)  # (a plain allocation is not, unless malloc hands back advised memory)
     small = kernels.zeros_on_huge_pages((1024,), torch.float32)  # under 4 MiB: not worth asking
     assert not small.any() and not kernels.advise_huge_pages(small)
+
+
+def mapped(addr: int) -> bool:
+    """Whether any mapping of this process holds `addr`."""
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+        if lo <= addr < hi:
+            return True
+    return False
+
+
+@pytest.mark.skipif(thp_mode() != "madvise", reason="needs transparent huge pages on madvise")
+def test_huge_page_tensors_have_a_mapping_of_their_own():
+    # not malloc's (which may hand back freed pages, touched, that madvise leaves small): a
+    # fresh mapping starting on a huge page, that lives as long as a view of it
+    t = kernels.empty_on_huge_pages((3, 8 << 20), torch.bfloat16)
+    assert t.shape == (3, 8 << 20) and t.dtype == torch.bfloat16 and t.is_contiguous()
+    assert t.data_ptr() % kernels.HUGE_PAGE == 0 and eligible(t)
+    t[1].fill_(2.5)
+    row = t[1, -5:].clone()
+    view, addr = t[2], t.data_ptr()
+    del t  # a view keeps the mapping
+    view.fill_(-1.0)
+    assert mapped(addr) and row.tolist() == [2.5] * 5 and view[-1].item() == -1.0
+    del view  # the last reference: the mapping goes
+    assert not mapped(addr)
