@@ -22,8 +22,8 @@ class PrefillConfig:
     dtype: str = "float32"  # float32 | bfloat16 | float16 (weights and KV pool)
     device: str = "auto"  # auto | cpu | cuda | cuda:N (auto: CUDA when present)
     # CPU: the linear weights' packed form (kernels/packed_linear.py; same values, faster matmuls),
-    # panels | onednn | auto | none (auto: the faster at prefill sizes, bf16 panels on AMX
-    # tiles, else oneDNN's); dtypes without a packed path stay plain
+    # panels | onednn | auto | none (auto: the faster at prefill sizes, bf16 panels where the
+    # CPU has AVX-512 BF16, else oneDNN's); dtypes without a packed path stay plain
     prepack_weights: str = "auto"
     host: str = "127.0.0.1"  # address the gRPC server binds and advertises
     port: int = 0  # 0 = a free port

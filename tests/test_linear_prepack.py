@@ -71,10 +71,10 @@ def test_prepack_picks_the_form_each_weight_fits():
     assert kernels.prepack(torch.randn(32, 8)).dim() == (3 if panels_here else 2)
     assert kernels.prepack(torch.randn(30, 8)).is_mkldnn  # outputs no multiple of 16: oneDNN
     assert kernels.prepack(torch.randn(32, 8), "onednn").is_mkldnn  # asked for by name
-    # auto: fp32 takes oneDNN's layout (it prefills faster); bf16 panels only on AMX tiles
+    # auto: fp32 takes oneDNN's layout (it prefills faster); bf16 panels wherever they run
     assert kernels.prepack(torch.randn(32, 8), "auto").is_mkldnn
     bf16 = kernels.prepack(torch.randn(32, 8, dtype=torch.bfloat16), "auto")
-    assert (bf16.dim() == 3) == native.amx_supported()
+    assert (bf16.dim() == 3) == native.bf16_rows_supported()
     with pytest.raises(ValueError, match="unknown packed form"):
         kernels.prepack(torch.randn(32, 8), "fast")
     half = torch.randn(32, 8, dtype=torch.float16)
