@@ -210,14 +210,13 @@ class DeepseekModel(nn.Module):
             (layer, name, getattr(layer, name).detach().clone())
             for layer in self.layers
             for name in ("router", "router_bias")
-            if getattr(layer, name) is not None
-            and getattr(layer, name).dtype == torch.float32
-            and not getattr(layer, name).is_meta
+            if getattr(layer, name) is not None and getattr(layer, name).dtype == torch.float32
         ]
         super()._apply(fn, recurse)
         for layer, name, fp32 in keep:
             param = getattr(layer, name)
-            if param.dtype != torch.float32 and not param.is_meta:
+            # a meta model cast stays fp32 on meta (model/loader.py casts before giving storage)
+            if param.dtype != torch.float32 and param.is_meta == fp32.is_meta:
                 param.data = fp32.to(param.device)
         return self
 

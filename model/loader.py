@@ -221,10 +221,13 @@ def _build(
 ) -> LlamaModel | DeepseekModel:
     with torch.device("meta"):
         model = model_class(config)(config)
-    # storage for the meta tensors, as Module.to_empty gives it but by shape: to_empty's
-    # empty_like goes through torch._refs, whose first call imports torch.fx and sympy
-    # (~35 MiB of Python objects in every worker, and ~1 s)
-    model = model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype))
+    # Cast while on meta (free; a model keeps what it keeps in fp32, as DeepSeek's router), then
+    # storage for each tensor by shape, as Module.to_empty gives it but not through its
+    # empty_like, which goes through torch._refs and imports torch.fx and sympy on first call
+    # (~35 MiB of Python objects in every worker, and ~1 s). The fp32 checkpoint is copied in
+    # rounding as .to(dtype) would, and a load never holds an fp32 model beside it (SmolLM2's
+    # bf16 load peaked at 1.31 GB resident, now 1.14).
+    model = model.to(dtype=dtype)._apply(lambda t: torch.empty(t.shape, dtype=t.dtype))
     model.load_hf_state_dict(sd)
     model = model.to(device=device, dtype=dtype).eval().requires_grad_(False)
     # Not in the checkpoint, and stays fp32 whatever the dtype.
