@@ -45,7 +45,10 @@ class ConductorConfig:
     ttft_slo_ms: float = 30_000.0  # default time-to-first-token objective (requests may set theirs)
     tbt_slo_ms: float = 2_000.0  # default time-between-tokens objective
     max_tokens_limit: int = 4096  # the most new tokens one request may ask for
-    load_poll_s: float = 0.1  # how often workers' loads are refreshed
+    # workers' loads are refreshed when a request is routed or finishes, then at most every
+    # load_poll_s while that goes on, and every load_idle_poll_s otherwise (server.py: _poll)
+    load_poll_s: float = 0.1
+    load_idle_poll_s: float = 1.0
     load_timeout_s: float = 2.0  # deadline of a Load RPC
     prefill_timeout_s: float = 120.0  # deadline of a Prefill RPC
     decode_timeout_s: float = 900.0  # deadline of a Decode stream
@@ -63,6 +66,6 @@ class ConductorConfig:
         if self.dtype not in DTYPE_NAMES:
             known = ", ".join(DTYPE_NAMES)
             raise ValueError(f"ConductorConfig: dtype must be one of {known}, got {self.dtype!r}")
-        if self.load_poll_s <= 0:
-            raise ValueError("ConductorConfig: load_poll_s must be positive")
+        if self.load_poll_s <= 0 or self.load_idle_poll_s <= 0:
+            raise ValueError("ConductorConfig: load_poll_s and load_idle_poll_s must be positive")
         check_kv_cache("ConductorConfig", self)

@@ -258,6 +258,7 @@ class Conductor(GrpcServer, pb_grpc.ConductorServicer):
         self._policy_lock = threading.Lock()
         self._poller: threading.Thread | None = None
         self._quit = threading.Event()
+        self._loads_wanted = threading.Event()  # a request was routed or finished (_poll)
         self.totals = {"requests": 0, "rejected": 0, "prompt_tokens": 0, "cached_tokens": 0}
         self._init_metrics()
         self._assumed_links = AssumedLinks(self.registry, config.transfer_mb_per_ms)
@@ -317,6 +318,7 @@ class Conductor(GrpcServer, pb_grpc.ConductorServicer):
 
     def _on_stop(self) -> None:
         self._quit.set()
+        self._loads_wanted.set()  # the poller stops waiting
         if self._poller is not None:
             self._poller.join(timeout=5)
         for w in self._workers:
@@ -325,8 +327,20 @@ class Conductor(GrpcServer, pb_grpc.ConductorServicer):
             self._index.close()
 
     def _poll(self) -> None:
-        while not self._quit.wait(self.config.load_poll_s):
+        """Refresh the workers' loads as soon as a request is routed or finishes, and then at
+        most every load_poll_s while that goes on; every load_idle_poll_s when nothing is routed
+        (health, metrics). Why not every load_poll_s throughout: each refresh wakes a thread in
+        every worker, and where a worker's OpenMP threads fill the host's cores that thread
+        stalls the forward's barriers. A cold 1,024-token prefill's round took 693-742 ms with a
+        refresh every 50 ms and 672-690 ms without, on a 2-core EPYC; between what is routed, a
+        refresh would only see forwards in progress, which the routed work already books."""
+        while not self._quit.is_set():
+            self._loads_wanted.wait(self.config.load_idle_poll_s)
+            self._loads_wanted.clear()
+            if self._quit.is_set():
+                break
             self.refresh_loads()
+            self._quit.wait(self.config.load_poll_s)
 
     def refresh_loads(self) -> None:
         """Ask every worker for its load (in parallel); one that does not answer is out of
@@ -396,6 +410,7 @@ class Conductor(GrpcServer, pb_grpc.ConductorServicer):
 
     def _forget(self, rid: str) -> None:
         """The request's work booked on workers is done (or will never come)."""
+        self._loads_wanted.set()
         with self._lock:
             for w in self._workers:
                 w.inflight.pop(rid, None)
@@ -818,6 +833,7 @@ class Conductor(GrpcServer, pb_grpc.ConductorServicer):
             state = self._state(keys)
             d = self.policies[policy_name].choose(info, state)
             self._assumed_links.note(d)
+            self._loads_wanted.set()
             with self._lock:
                 by_id = {w.worker_id: w for w in self._workers}
                 for w in self._workers:  # routed again after a failure: the old booking goes

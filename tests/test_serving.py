@@ -129,6 +129,21 @@ def test_cluster_equals_local_engine(cluster, engine, lm):
         assert 0 < u.queue_ms + u.prefill_ms <= u.prefill_answered_ms <= u.ttft_ms
 
 
+def test_the_conductor_refreshes_loads_when_work_is_routed_not_on_a_clock(lm):
+    # Each refresh wakes a thread in every worker, which stalls a forward's OpenMP barriers on
+    # a host whose cores the forward fills: between routing decisions there is nothing to learn
+    # but forwards in progress. Idle, every load_idle_poll_s (health); once a request is routed
+    # or finishes, at once.
+    with Cluster(lm, conductor={"load_poll_s": 0.02, "load_idle_poll_s": 30.0}) as c:
+        refreshes = []
+        refresh = c.conductor.refresh_loads
+        c.conductor.refresh_loads = lambda: (refreshes.append(time.monotonic()), refresh())
+        time.sleep(0.5)
+        assert refreshes == []  # (every load_poll_s, as before: ~25)
+        c.generate(token_ids=[5, 6, 7, 8], max_tokens=2, ignore_eos=True)
+        wait_for(lambda: refreshes, 5.0, "a refresh after a request")
+
+
 def test_a_stream_interval_sends_the_same_tokens_in_groups(lm, engine):
     # decode.stream_interval = 4: the decode worker hands its stream every 4th token (fewer
     # messages, fewer wake-ups beside the steps), each with its own time; the answer is the same
