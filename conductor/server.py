@@ -827,13 +827,13 @@ class Conductor(GrpcServer, pb_grpc.ConductorServicer):
             0.0 if resumed else r.ttft_slo_ms or self.config.ttft_slo_ms,
             0.0 if resumed else r.tbt_slo_ms or self.config.tbt_slo_ms,
         )
+        self._loads_wanted.set()  # routed or refused, the next request sees fresh loads
         # Choosing and booking the work on the pair is one step: a burst of requests each sees
         # the ones routed before it.
         with self._policy_lock:  # the random policy's generator is not thread-safe either
             state = self._state(keys)
             d = self.policies[policy_name].choose(info, state)
             self._assumed_links.note(d)
-            self._loads_wanted.set()
             with self._lock:
                 by_id = {w.worker_id: w for w in self._workers}
                 for w in self._workers:  # routed again after a failure: the old booking goes
