@@ -258,7 +258,7 @@ class Conductor(GrpcServer, pb_grpc.ConductorServicer):
         self._policy_lock = threading.Lock()
         self._poller: threading.Thread | None = None
         self._quit = threading.Event()
-        self._loads_wanted = threading.Event()  # a request was routed or finished (_poll)
+        self._loads_wanted = threading.Event()  # a request is being routed or finished (_poll)
         self.totals = {"requests": 0, "rejected": 0, "prompt_tokens": 0, "cached_tokens": 0}
         self._init_metrics()
         self._assumed_links = AssumedLinks(self.registry, config.transfer_mb_per_ms)
@@ -327,13 +327,14 @@ class Conductor(GrpcServer, pb_grpc.ConductorServicer):
             self._index.close()
 
     def _poll(self) -> None:
-        """Refresh the workers' loads as soon as a request is routed or finishes, and then at
-        most every load_poll_s while that goes on; every load_idle_poll_s when nothing is routed
-        (health, metrics). Why not every load_poll_s throughout: each refresh wakes a thread in
-        every worker, and where a worker's OpenMP threads fill the host's cores that thread
-        stalls the forward's barriers. A cold 1,024-token prefill's round took 693-742 ms with a
-        refresh every 50 ms and 672-690 ms without, on a 2-core EPYC; between what is routed, a
-        refresh would only see forwards in progress, which the routed work already books."""
+        """Refresh the workers' loads as soon as a request is being routed or finishes, and then
+        at most every load_poll_s while that goes on; every load_idle_poll_s when nothing is
+        routed (health, metrics). Why not every load_poll_s throughout: each refresh wakes a
+        thread in every worker, and where a worker's OpenMP threads fill the host's cores that
+        thread stalls the forward's barriers. A cold 1,024-token prefill's round took 693-742 ms
+        with a refresh every 50 ms and 671-704 ms polled as here, on a 2-core EPYC; between what
+        is routed, a refresh would only see forwards in progress, which the routed work already
+        books."""
         while not self._quit.is_set():
             self._loads_wanted.wait(self.config.load_idle_poll_s)
             self._loads_wanted.clear()
