@@ -170,7 +170,8 @@ def run_halfmoon(
     cpus: tuple,
     repeats: int,
     stream_interval: int,
-) -> dict:
+) -> tuple[dict, dict]:
+    """(figures, each figure's measurements) of one halfmoon run, for merge_runs."""
     import grpc
 
     from protos import halfmoon_pb2 as pb
@@ -275,10 +276,7 @@ def run_halfmoon(
             out[f"rss_peak_mb_{name}"] = round(sampler.rss[name] / 2**20, 1)
             out[f"pss_peak_mb_{name}"] = round(sampler.pss[name] / 2**20, 1)
             out[f"configured_mb_{name}"] = round(configured.get(name, 0) / 2**20, 1)
-        total_pss = sum(sampler.pss.values())
-        total_cfg = sum(configured.values())
-        # resident memory (PSS: the shared slab once) over weights + configured pools and tiers
-        out["rss_vs_configured"] = round(total_pss / total_cfg, 3) if total_cfg else None
+        out["rss_vs_configured"] = pss_over_configured(out)
         say(
             "halfmoon memory (peak RSS / peak PSS / configured, MiB): "
             + ", ".join(
@@ -303,10 +301,16 @@ def merge_runs(runs: list[tuple[dict, dict]]) -> dict:
         out[f"{key}_runs"] = [round(r[key], 1) for r, _ in runs]
     for key in [k for k in out if k.startswith(("rss_peak_mb_", "pss_peak_mb_"))]:
         out[key] = max(r[key] for r, _ in runs)
+    out["rss_vs_configured"] = pss_over_configured(out)
+    return out
+
+
+def pss_over_configured(out: dict) -> float | None:
+    """The processes' summed peak PSS (shared pages split among their mappers: the store's slab
+    once) over what they are configured to hold (weights, pools, in-memory tiers)."""
     pss = sum(v for k, v in out.items() if k.startswith("pss_peak_mb_"))
     configured = sum(v for k, v in out.items() if k.startswith("configured_mb_"))
-    out["rss_vs_configured"] = round(pss / configured, 3) if configured else None
-    return out
+    return round(pss / configured, 3) if configured else None
 
 
 # ------------------------------------------------ vLLM (its own venv, its own process)
@@ -342,9 +346,7 @@ if __name__ == "__main__":
 """
 
 
-def run_vllm(
-    python: str, lm, prompts: dict, dtype: str, repeats: int
-) -> tuple[dict | None, str]:
+def run_vllm(python: str, lm, prompts: dict, dtype: str, repeats: int) -> tuple[dict | None, str]:
     """vLLM's figures on the same prompts, or (None, why not)."""
     if not python or not Path(python).exists():
         return (
@@ -357,9 +359,7 @@ def run_vllm(
     with tempfile.TemporaryDirectory(prefix="halfmoon-vllm-") as tmp:
         model_dir = save_hf_dir(lm, Path(tmp) / "model")  # a safetensors copy of the same weights
         prompts_path = Path(tmp) / "prompts.json"
-        prompts_path.write_text(
-            json.dumps(dict(prompts, new_tokens=NEW_TOKENS, repeats=repeats))
-        )
+        prompts_path.write_text(json.dumps(dict(prompts, new_tokens=NEW_TOKENS, repeats=repeats)))
         script = Path(tmp) / "run_vllm.py"
         script.write_text(VLLM_SCRIPT)
         env = dict(
@@ -489,6 +489,7 @@ def main(argv=None) -> int:
     lm = load_model(args.model, dtype=args.dtype)
     prompts = token_prompts(lm.config.vocab_size, seed=0)
     cpus = (args.prefill_cpus, args.decode_cpus)
+
     def halfmoon_run():
         return run_halfmoon(
             lm,

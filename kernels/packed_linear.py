@@ -80,15 +80,24 @@ def _auto_form(weight: torch.Tensor) -> str:
     return "panels" if bf16_panels else "onednn"
 
 
+def _check_form(form: str) -> None:
+    if form not in PACK_FORMS:
+        raise ValueError(f"unknown packed form {form!r} (known: {', '.join(PACK_FORMS)})")
+
+
+def _to_panels(weight: torch.Tensor, form: str) -> bool:
+    """Whether `form` packs `weight` in panels: asked for ("panels", or picked by "auto") and
+    the weight fits them."""
+    picked = _auto_form(weight) if form == "auto" else form
+    return picked == "panels" and native.panels_supported(weight)
+
+
 def prepack(weight: torch.Tensor, form: str = "panels") -> torch.Tensor:
     """`weight` [N, K] packed (a new tensor): in panels where `form` is "panels" (or "auto"
     picks them) and the weight fits them, else in oneDNN's layout; the weight itself where
     neither applies."""
-    if form not in PACK_FORMS:
-        raise ValueError(f"unknown packed form {form!r} (known: {', '.join(PACK_FORMS)})")
-    if form == "auto":
-        form = _auto_form(weight)
-    if form == "panels" and native.panels_supported(weight):
+    _check_form(form)
+    if _to_panels(weight, form):
         return native.pack_panels(weight)
     if weight.device.type == "cpu" and _onednn_packs(weight.dtype):
         w = weight.detach().contiguous()
@@ -104,15 +113,10 @@ def prepack_many(weights: list[torch.Tensor], form: str = "panels") -> Iterator[
     The list's entries are dropped (None) as they are packed: a caller that puts each packed
     weight in its plain one's place frees that one at once, so a load holds the plain weights
     and the buffer's packed part, never two whole copies."""
-    if form not in PACK_FORMS:
-        raise ValueError(f"unknown packed form {form!r} (known: {', '.join(PACK_FORMS)})")
-    panel = [
-        (form if form != "auto" else _auto_form(w)) == "panels" and native.panels_supported(w)
-        for w in weights
-    ]
+    _check_form(form)
     sizes = [
-        math.prod(native.panels_layout(w)) * w.element_size() if p else 0
-        for w, p in zip(weights, panel)
+        math.prod(native.panels_layout(w)) * w.element_size() if _to_panels(w, form) else 0
+        for w in weights
     ]
     # panels are whole 64-byte lines and the buffer starts on a 2 MiB boundary: no gaps, the
     # bytes are the weights'; the tail past the last 2 MiB boundary stays on small pages, and a
