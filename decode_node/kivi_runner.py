@@ -13,6 +13,7 @@ from decode_node.runner import DecodeRunner, _tables
 from decode_node.seq import Seq
 from kvstore import write_tokens
 from model import KiviPool, KVPool
+from model.cuda_graphs import StaticInput
 from servekit import blocks_needed
 
 
@@ -23,7 +24,8 @@ class KiviDecodeRunner(DecodeRunner):
     def _make_pool(self) -> KiviPool:
         c, layout = self.config, self.layout
         per_seq = layout.residual // c.block_size + 1
-        window_blocks = c.max_batch * per_seq
+        # and one more for the padding rows of CUDA graphs' batches (model/cuda_graphs.py)
+        window_blocks = c.max_batch * per_seq + (1 if self._graphs_wanted() else 0)
         num_blocks = c.num_blocks
         if c.kv_cache_bytes:
             window_bytes = window_blocks * layout.window_layout.block_bytes
@@ -157,18 +159,35 @@ class KiviDecodeRunner(DecodeRunner):
         tokens = torch.tensor([s.out[-1] for s in batch], dtype=torch.long)
         positions = torch.tensor([s.position for s in batch], dtype=torch.long)
         packed_lens = torch.tensor([s.n_packed * bs for s in batch], dtype=torch.int32)
-        logits = self.lm.model.decode_kivi(
-            tokens,
-            self.pool,
-            _tables([s.table[: s.n_packed] for s in batch]),
-            packed_lens,
-            _tables([s.window for s in batch]),
-            positions,
-        )
+        packed_tables = _tables([s.table[: s.n_packed] for s in batch])
+        window_tables = _tables([s.window for s in batch])
+        with self.turns.turn() as waited:
+            self.turn_wait_ms = waited * 1000.0
+            logits = (self.graphs or self._eager_step)(
+                tokens, packed_tables, packed_lens, window_tables, positions
+            )
         for s in batch:
             if self._window_tokens(s, s.position + 1) >= self.layout.residual + bs:
                 self._pack_oldest(s)
         return self._sample(batch, logits)
+
+    def _eager_step(self, tokens, packed_tables, packed_lens, window_tables, positions):
+        return self.lm.model.decode_kivi(
+            tokens, self.pool, packed_tables, packed_lens, window_tables, positions
+        )
+
+    def _graph_inputs(self) -> list[StaticInput]:
+        """As DecodeRunner's: padding rows have no packed tokens and write their KV into a
+        window block of their own (the pool has one more for them)."""
+        pool = self.pool
+        pad = pool.window.allocate(1)[0]
+        return [
+            StaticInput(torch.long, 0, 0),  # tokens
+            StaticInput(torch.int32, self._table_width(pool.packed.num_blocks), 0),  # packed
+            StaticInput(torch.int32, 0, 0),  # packed tokens
+            StaticInput(torch.int32, pool.window_blocks_per_seq, pad),  # window tables
+            StaticInput(torch.long, 0, 0),  # positions
+        ]
 
     def _pack_oldest(self, s: Seq) -> None:
         """The window's oldest (full) block becomes the sequence's next packed block; its window

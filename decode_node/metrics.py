@@ -56,6 +56,20 @@ class DecodeMetrics:
             ["worker"],
             registry=r,
         ).labels(**lab)
+        self.graph_sizes = Gauge(
+            "halfmoon_decode_cuda_graph_sizes",
+            "Batch sizes whose decode step replays a CUDA graph (0: eager steps)",
+            ["worker"],
+            registry=r,
+        ).labels(**lab)
+        self.graph_fallbacks = Counter(
+            "halfmoon_decode_cuda_graph_fallbacks",
+            "Decode steps run eagerly where a CUDA graph was meant to run, by reason (capture: "
+            "the step could not be captured; batch: larger than the largest graph; width: a "
+            "block table wider than the graphs')",
+            ["worker", "reason"],
+            registry=r,
+        )
         self.recomputed = Counter(
             "halfmoon_decode_recomputed_tokens",
             "Prompt tokens recomputed because their KV could not be pulled",

@@ -3,6 +3,7 @@ runs one batched decode step, and publishes a finished sequence's blocks."""
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 
@@ -14,7 +15,10 @@ from decode_node.seq import Seq
 from kernels import native_status
 from kvstore import KVConnector, block_keys
 from model import KVPool, finish_reason, sample
+from model.cuda_graphs import GraphedStep, StaticInput, batch_sizes_upto
 from servekit import blocks_needed, cpu_turns, load_worker_model
+
+log = logging.getLogger(__name__)
 
 
 def _tables(rows: list[list[int]]) -> torch.Tensor:
@@ -53,6 +57,57 @@ class DecodeRunner:
             security=config.security,
             timeout_s=config.kv_timeout_s,
         )
+        # on CUDA the step replays graphs captured now, one per batch size (model/cuda_graphs.py)
+        self.graphs: GraphedStep | None = None
+        if self._graphs_wanted():
+            self.graphs = self._capture_graphs()
+
+    def _graphs_wanted(self) -> bool:
+        return (
+            self.config.cuda_graphs
+            and self.device.type == "cuda"
+            and getattr(self.lm.model, "decode_graph_safe", False)
+        )
+
+    def _table_width(self, num_blocks: int) -> int:
+        """Block-table columns a sequence can use: its longest context's blocks, at most the
+        pool's."""
+        longest = -(-self.lm.config.max_position_embeddings // self.config.block_size)
+        return min(longest, num_blocks)
+
+    def _graph_inputs(self) -> list[StaticInput]:
+        """The step's inputs as the graphs hold them. Padding rows write their KV into a block
+        of their own, taken from the pool here so that no sequence ever holds it."""
+        pad = self.pool.allocate(1)[0]
+        return [
+            StaticInput(torch.long, 0, 0),  # each sequence's last token
+            StaticInput(torch.int32, self._table_width(self.pool.num_blocks), pad),  # tables
+            StaticInput(torch.long, 0, 0),  # positions
+        ]
+
+    def _capture_graphs(self) -> GraphedStep:
+        t0 = time.perf_counter()
+        graphs = GraphedStep(
+            self._eager_step,
+            self._graph_inputs(),
+            batch_sizes_upto(self.config.max_batch),
+            self.device,
+            on_fallback=self._graph_fallback,
+        )
+        with torch.inference_mode():
+            graphs.capture()
+        self.metrics.graph_sizes.set(len(graphs.captured))
+        log.info(
+            "%s: decode step captured as CUDA graphs for batch sizes %s in %.1f s",
+            self.config.worker_id, graphs.captured, time.perf_counter() - t0,
+        )  # fmt: skip
+        return graphs
+
+    def _graph_fallback(self, reason: str) -> None:
+        """A step that ran eagerly where a graph was meant to: counted and logged."""
+        self.metrics.graph_fallbacks.labels(worker=self.config.worker_id, reason=reason).inc()
+        log.warning("%s: a decode step ran without its CUDA graph (%s)", self.config.worker_id,
+                    reason)  # fmt: skip
 
     def _make_pool(self):
         c = self.config
@@ -172,19 +227,32 @@ class DecodeRunner:
         """One decode forward for every sequence of the batch; the token each samples."""
         tokens = torch.tensor([s.out[-1] for s in batch], dtype=torch.long)
         positions = torch.tensor([s.position for s in batch], dtype=torch.long)
+        tables = _tables([s.table for s in batch])
         with self.turns.turn() as waited:
             self.turn_wait_ms = waited * 1000.0
-            logits = self.lm.model.decode(
-                tokens, self.pool, _tables([s.table for s in batch]), positions
-            )
+            logits = (self.graphs or self._eager_step)(tokens, tables, positions)
         return self._sample(batch, logits)
+
+    def _eager_step(self, tokens, tables, positions) -> torch.Tensor:
+        return self.lm.model.decode(tokens, self.pool, tables, positions)
 
     @staticmethod
     def _sample(batch: list[Seq], logits: torch.Tensor) -> list[int]:
-        # Sampling runs on the host: seeded generators give the same draws on any device.
-        return sample(
-            logits.float().cpu(), [s.params for s in batch], [s.generator for s in batch]
-        ).tolist()
+        """The token each row samples. Sampled rows run on the host: seeded generators give the
+        same draws on any device. Greedy rows on a GPU take their argmax there, so that B token
+        ids cross to the host rather than B rows of logits (at batch 64 SmolLM2's are 12.6 MB,
+        ~3 ms of a 4.5 ms step on an H200)."""
+        params, gens = [s.params for s in batch], [s.generator for s in batch]
+        if logits.device.type == "cpu":
+            return sample(logits.float(), params, gens).tolist()
+        out = logits.argmax(dim=-1).cpu()
+        rows = [i for i, p in enumerate(params) if not p.greedy]
+        if rows:
+            picked = sample(
+                logits[rows].float().cpu(), [params[i] for i in rows], [gens[i] for i in rows]
+            )
+            out[rows] = picked
+        return out.tolist()
 
     def finish_reason(self, s: Seq) -> str:
         """'' while the sequence goes on; else why it ends (model.finish_reason, as Engine)."""

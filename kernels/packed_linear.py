@@ -43,6 +43,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import native
+from kernels.dispatch import HAS_TRITON
 from kernels.pages import empty_on_huge_pages
 
 # The row count oneDNN tunes its packed layout for. The layout is chosen once, at load, for
@@ -148,10 +149,22 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 def linear_add_(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """out += x @ weight.T, in place (a residual connection), and out returned: in the matmul's
-    own pass where the weight is in panels."""
+    own pass where the weight is in panels, or on CUDA (one GEMM whose epilogue adds, in fp32
+    before the one rounding)."""
     if weight.dim() == 3 and out.dtype == weight.dtype and out.dim() == 2 and out.stride(1) == 1:
         return native.linear_panels(x, weight, add_to=out)
+    if out.is_cuda and out.dim() == x.dim() == weight.dim() == 2 and out.dtype == x.dtype:
+        return out.addmm_(x, weight.t())
     return out.add_(linear(x, weight))
+
+
+def _triton_rows(*tensors: torch.Tensor) -> bool:
+    """Whether kernels/rows_triton.py takes these: CUDA tensors of a float dtype, triton there."""
+    return (
+        HAS_TRITON
+        and tensors[0].dtype in (torch.float32, torch.bfloat16, torch.float16)
+        and all(t.is_cuda for t in tensors)
+    )
 
 
 def _native_rows(*tensors: torch.Tensor) -> bool:
@@ -170,6 +183,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     built; bf16 rounds where the reference rounds)."""
     if _native_rows(x, weight):
         return native.rms_norm(x, weight, eps)
+    if _triton_rows(x, weight) and x.shape[-1] <= 16384:
+        from kernels.rows_triton import rms_norm_triton
+
+        return rms_norm_triton(x, weight, eps)
     if x.dtype == torch.float32:
         return F.rms_norm(x, weight.shape, weight, eps)
     # Low-precision activations: normalise in fp32 as the reference implementation does.
@@ -182,6 +199,10 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """SwiGLU's silu(gate) * up of gate_up [..., 2I] (gate, then up): [..., I]."""
     if _native_rows(gate_up):
         return native.silu_mul(gate_up)
+    if _triton_rows(gate_up):
+        from kernels.rows_triton import silu_mul_triton
+
+        return silu_mul_triton(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
 
@@ -201,6 +222,10 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     ok = cos.dtype == sin.dtype == x.dtype and x.stride(-1) == 1 and x.dim() == 3
     if ok and _native_rows(x, cos, sin):
         return native.rope_(x, cos, sin)
+    if ok and _triton_rows(x, cos, sin):
+        from kernels.rows_triton import rope_triton_
+
+        return rope_triton_(x, cos, sin)
     x1, x2 = x.chunk(2, dim=-1)
     return x.copy_(torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1))
 

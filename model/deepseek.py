@@ -202,6 +202,12 @@ class DeepseekModel(nn.Module):
     def device(self) -> torch.device:
         return self.embed_tokens.device
 
+    @property
+    def decode_graph_safe(self) -> bool:
+        """A CUDA graph can capture `decode` when no layer routes to experts: routing reads
+        each expert's token count on the host (model/cuda_graphs.py)."""
+        return not any(layer.is_moe for layer in self.layers)
+
     def _apply(self, fn, recurse=True):
         # The router's weight and score bias stay fp32 whatever the model dtype, as transformers
         # keeps them (_keep_in_fp32_modules_strict): expert choice is discrete, and a rounded

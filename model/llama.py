@@ -125,6 +125,12 @@ class LlamaModel(nn.Module):
     def device(self) -> torch.device:
         return self.norm.device
 
+    @property
+    def decode_graph_safe(self) -> bool:
+        """`decode` and `decode_kivi` run no host sync and allocate by shape alone: a CUDA
+        graph can capture them (model/cuda_graphs.py)."""
+        return True
+
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         """The embedding rows of `token_ids` [n] -> [n, hidden], from the plain table or, where
         a tied head replaced it, gathered from the head's panels."""

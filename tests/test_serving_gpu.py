@@ -1,5 +1,6 @@
 """The cluster on CUDA: model, pool and kernels on the GPU (the decode step runs the Triton
-paged-attention kernel), checked against the single-process Engine. Skips without CUDA."""
+paged-attention kernel, replayed from CUDA graphs), checked against the single-process Engine.
+Skips without CUDA."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import pytest
 import torch
 
 from model import Engine, SamplingParams, load_model
+from model.cuda_graphs import batch_sizes_upto
 from serving_cluster import Cluster
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -35,3 +37,9 @@ def test_cluster_on_cuda_matches_engine(dtype, kv_cache):
             assert ids == engine.generate(p, SamplingParams(max_tokens=12, ignore_eos=True))
             if i:  # the shared prefix came from a cache, not recomputed
                 assert last.usage.cached_tokens == 5 * BS
+        # every decode step replayed a graph, none fell back to eager
+        runner = c.decodes[0].runner
+        assert runner.graphs.captured == batch_sizes_upto(runner.config.max_batch)
+        assert runner.graphs.replays >= 11 * len(prompts)
+        fallbacks = [s for m in runner.metrics.graph_fallbacks.collect() for s in m.samples]
+        assert sum(s.value for s in fallbacks if s.name.endswith("_total")) == 0
