@@ -7,6 +7,7 @@ import logging
 import threading
 import time
 
+import numpy as np
 import torch
 
 from decode_node.config import DecodeConfig
@@ -22,11 +23,12 @@ log = logging.getLogger(__name__)
 
 
 def _tables(rows: list[list[int]]) -> torch.Tensor:
-    """Block tables [B, widest] int32, zero-padded."""
-    out = torch.zeros(len(rows), max(1, max(len(r) for r in rows)), dtype=torch.int32)
+    """Block tables [B, widest] int32, zero-padded (built in numpy: a torch op per row cost a
+    batch of 64 ~0.3 ms a step on a CPU host, more on a GPU's)."""
+    out = np.zeros((len(rows), max(1, max(len(r) for r in rows))), dtype=np.int32)
     for i, r in enumerate(rows):
-        out[i, : len(r)] = torch.tensor(r, dtype=torch.int32)
-    return out
+        out[i, : len(r)] = r
+    return torch.from_numpy(out)
 
 
 class DecodeRunner:

@@ -66,11 +66,28 @@ class GraphedStep:
         self.device = torch.device(device)
         self.on_fallback = on_fallback
         largest = self.sizes[-1]
-        self._buffers = [
-            torch.full((largest, i.width) if i.width else (largest,), i.pad, dtype=i.dtype,
-                       device=self.device)
-            for i in self.inputs
-        ]  # fmt: skip
+        # Every input lives in one flat byte buffer (each at an 8-byte-aligned offset), filled on
+        # the host through numpy views (no torch op per input: on a GPU host an op costs ~10-35
+        # us) and copied to the device in one go, from pinned memory on CUDA.
+        offsets, end = [], 0
+        for i in self.inputs:
+            offsets.append(end)
+            end += -(-largest * max(1, i.width) * i.dtype.itemsize // 8) * 8
+        pin = self.device.type == "cuda"
+        self._host_bytes = torch.empty(end, dtype=torch.uint8, pin_memory=pin)
+        self._device_bytes = torch.empty(end, dtype=torch.uint8, device=self.device)
+        self._host, self._buffers = [], []
+        for i, at in zip(self.inputs, offsets):
+            shape = (largest, i.width) if i.width else (largest,)
+            n = largest * max(1, i.width) * i.dtype.itemsize
+            host = self._host_bytes[at : at + n].view(i.dtype).view(shape)
+            host.fill_(i.pad)
+            self._host.append(host.numpy())
+            self._buffers.append(self._device_bytes[at : at + n].view(i.dtype).view(shape))
+        self._device_bytes.copy_(self._host_bytes)
+        # marks the last copy out of the pinned bytes, which the next step waits for before
+        # writing them (on a GPU the copy runs after the host returns)
+        self._copied = torch.cuda.Event() if pin else None
         # batch size -> (its graph or None when run eagerly on the buffers, its logits)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph | None, torch.Tensor | None]] = {}
         self.replays = 0  # steps run from the buffers (replayed, or eagerly when not captured)
@@ -139,14 +156,19 @@ class GraphedStep:
                 self._fell_back(why)
             return self.step(*args)
         b = args[0].shape[0]
-        for a, spec, buf in zip(args, self.inputs, self._buffers):
-            # padded on the host, then one copy per input
-            host = torch.full(buf[:size].shape, spec.pad, dtype=spec.dtype)
+        if self._copied is not None:
+            self._copied.synchronize()
+        for a, spec, host in zip(args, self.inputs, self._host):
+            a = a.cpu().numpy()
             if spec.width:
                 host[:b, : a.shape[1]] = a
+                host[:b, a.shape[1] :] = spec.pad
             else:
                 host[:b] = a
-            buf[:size].copy_(host)
+            host[b:size] = spec.pad
+        self._device_bytes.copy_(self._host_bytes, non_blocking=True)  # before the replay
+        if self._copied is not None:
+            self._copied.record()
         graph, out = self._graphs[size]
         self.replays += 1
         if graph is None:
