@@ -41,8 +41,9 @@ class DecodeConfig:
     kv_cache_bytes: int = 0
     max_batch: int = 64  # sequences decoding together at most
     # CUDA: each decode step replays a CUDA graph captured at start, one per batch size up to
-    # max_batch (1, 2, 4, 8, 16, 24, 32, 48, 64; a batch runs the next size up, padded), where
-    # the model's step can be captured (not a DeepSeek model with routed experts); off: eager
+    # max_batch (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, ...; a batch runs the next size up,
+    # padded), where the model's step can be captured (not a DeepSeek model with routed
+    # experts); off: eager
     cuda_graphs: bool = True
     # Tokens a stream sends at once (SGLang's --stream-interval): 1 sends each as it comes; more
     # send fewer messages (each token's time still rides with it), which leaves the host's cores

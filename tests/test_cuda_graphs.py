@@ -45,8 +45,10 @@ def _seqs(lm, pool, lengths, seed):
 
 
 def test_batch_sizes_upto_ends_at_the_largest_batch():
-    assert batch_sizes_upto(64) == [1, 2, 4, 8, 16, 24, 32, 48, 64]
-    assert batch_sizes_upto(20) == [1, 2, 4, 8, 16, 20]
+    assert batch_sizes_upto(64) == [1, 2, 4, 8, 12, 16, 24, 32, 48, 64]
+    assert batch_sizes_upto(20) == [1, 2, 4, 8, 12, 16, 20]
+    sizes = batch_sizes_upto(1000)
+    assert sizes[-1] == 1000 and all(b < 1.5 * a + 1 for a, b in zip(sizes[3:-1], sizes[4:-1]))
     assert batch_sizes_upto(1) == [1]
 
 
