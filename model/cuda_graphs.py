@@ -88,7 +88,10 @@ class GraphedStep:
         self._device_bytes.copy_(self._host_bytes)
         # marks the last copy out of the pinned bytes, which the next step waits for before
         # writing them (on a GPU the copy runs after the host returns)
-        self._copied = torch.cuda.Event() if pin else None
+        self._copied = None
+        if pin:
+            with torch.cuda.device(self.device):
+                self._copied = torch.cuda.Event()
         # batch size -> (its graph or None when run eagerly on the buffers, its logits)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph | None, torch.Tensor | None]] = {}
         self.replays = 0  # steps run from the buffers (replayed, or eagerly when not captured)
@@ -169,7 +172,7 @@ class GraphedStep:
             host[b:size] = spec.pad
         self._device_bytes.copy_(self._host_bytes, non_blocking=True)  # before the replay
         if self._copied is not None:
-            self._copied.record()
+            self._copied.record(torch.cuda.current_stream(self.device))
         graph, out = self._graphs[size]
         self.replays += 1
         if graph is None:

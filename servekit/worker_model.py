@@ -26,6 +26,8 @@ def load_worker_model(config, lm: LoadedModel | None = None) -> WorkerModel:
     model, dtype and device, and its storage layout from block_size and the KV cache type."""
     device = resolve_device(config.device)
     dtype = torch_dtype(config.dtype)
+    if device.type == "cuda":  # Triton launches and CUDA graphs go to the current device
+        torch.cuda.set_device(device)
     if lm is None:
         lm = load_model(config.model, dtype, str(device), prepack=config.prepack_weights)
     layout = kv_cache_layout(lm.config, config, dtype)
