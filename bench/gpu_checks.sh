@@ -2,13 +2,14 @@
 # The GPU checks, as one prepared run for a machine with a CUDA GPU (see README, Benchmarks):
 # the CUDA kernel tests, the decode step's CUDA graphs, the 1-prefill/1-decode cluster on CUDA
 # against Engine, the decode step eager against graphs against the card's floor (SmolLM2's shape
-# and Llama-3.2-1B's), and the kernel
-# benchmark (decode attention bytes/s against the card's copy bandwidth). Logs, the JSON lines
-# and the PNG go to $OUT (or runs/gpu); the last lines printed are the benchmarks' JSON.
+# and Llama-3.2-1B's), and the kernel benchmark (decode attention bytes/s against the card's
+# copy bandwidth). Logs, the JSON lines and the PNG go to $OUT (or runs/gpu); the last lines
+# printed are the benchmarks' JSON.
 #
 # Python: .venv's where `make setup` made one, else $PYTHON or python3 (a machine with its own
 # torch and Triton, and no registry to install from): wheels of the other dependencies in .whl/
-# (built for that Python) are installed into a scratch directory first.
+# (built for that Python; bench/gpu_wheels.txt lists them and says how to fetch them) are
+# installed into a scratch directory first.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-runs/gpu}"

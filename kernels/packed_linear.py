@@ -153,7 +153,11 @@ def linear_add_(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> tor
     before the one rounding)."""
     if weight.dim() == 3 and out.dtype == weight.dtype and out.dim() == 2 and out.stride(1) == 1:
         return native.linear_panels(x, weight, add_to=out)
-    if out.is_cuda and out.dim() == x.dim() == weight.dim() == 2 and out.dtype == x.dtype:
+    if (
+        out.is_cuda
+        and out.dim() == x.dim() == weight.dim() == 2
+        and out.dtype == x.dtype == weight.dtype
+    ):
         return out.addmm_(x, weight.t())
     return out.add_(linear(x, weight))
 

@@ -2,8 +2,9 @@
 CUDA-graph runners do).
 
 Why: on a GPU a small model's decode step is hundreds of short kernels (SmolLM2: 30 layers of
-~15 each), and launching them one by one from Python takes longer than running them. A graph
-captured once per batch size launches the whole step at once.
+~12 each), and launching them one by one from Python takes longer than running them. A graph
+captured once per batch size launches the whole step at once (SmolLM2 on an H200 at batch 1:
+13.9 ms a step eager, 1.24 ms replayed; bench/decode_cuda.py).
 
 How: the step reads its inputs from static buffers, [largest batch, ...] each, and writes its
 logits into a buffer of its own. A batch of b runs the graph of the smallest captured size >= b:
@@ -16,8 +17,8 @@ A batch that fits no graph (larger than the largest size, or a table wider than 
 runs the step eagerly; `on_fallback` hears of it (the decode worker counts and logs it). So
 does a model whose step cannot be captured: `GraphedStep.capture` then keeps no graph.
 
-On a CPU device (`capture=False`) the same object runs the step eagerly over its static
-buffers, padding and all: the tests check the padding rules there."""
+On a CPU device the same object runs the step eagerly over its static buffers, padding and
+all: the tests check the padding rules there."""
 
 from __future__ import annotations
 
