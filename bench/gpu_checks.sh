@@ -2,8 +2,8 @@
 # The GPU checks, as one prepared run for a machine with a CUDA GPU (see README, Benchmarks):
 # the CUDA kernel tests, the decode step's CUDA graphs, the 1-prefill/1-decode cluster on CUDA
 # against Engine, the decode step eager against graphs against the card's floor (SmolLM2's shape
-# and Llama-3.2-1B's), and the kernel benchmark (decode attention bytes/s against the card's
-# copy bandwidth). Logs, the JSON lines and the PNG go to $OUT (or runs/gpu); the last lines
+# and Llama-3.2-1B's), the Triton decode attention's launch settings swept, and the kernel
+# benchmark (decode attention bytes/s against the card's copy bandwidth). Logs, the JSON lines and the PNG go to $OUT (or runs/gpu); the last lines
 # printed are the benchmarks' JSON.
 #
 # Python: .venv's where `make setup` made one, else $PYTHON or python3 (a machine with its own
@@ -33,4 +33,5 @@ nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv |
 timeout 200 "$py" bench/decode_cuda.py 2>&1 | tee "$out/decode_cuda.log" | tail -5
 timeout 200 "$py" bench/decode_cuda.py --shape llama-1b --batches 1,16 --repeats 3 2>&1 \
     | tee "$out/decode_cuda_llama1b.log" | tail -4
+timeout 200 "$py" bench/decode_attn_sweep.py 2>&1 | tee "$out/decode_attn_sweep.log" | tail -3
 timeout 200 "$py" bench/kernels.py --plot "$out/kernels.png" 2>&1 | tee "$out/kernels.log" | tail -4

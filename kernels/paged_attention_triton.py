@@ -276,10 +276,13 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def _num_splits(q: torch.Tensor, batch: int, kv_heads: int, max_tokens: int, tile_n: int) -> int:
-    """Enough (sequence, head, split) programs to fill the GPU, each with at least one tile."""
+def _num_splits(
+    q: torch.Tensor, batch: int, kv_heads: int, max_tokens: int, tile_n: int, per_sm: int = 4
+) -> int:
+    """Enough (sequence, head, split) programs to fill the GPU (`per_sm` a multiprocessor), each
+    with at least one tile."""
     if q.device.type == "cuda":
-        target = 4 * _sm_count(
+        target = per_sm * _sm_count(
             q.device.index if q.device.index is not None else torch.cuda.current_device()
         )
     else:
@@ -317,9 +320,13 @@ def _kivi_source(kv_pool: KiviPacked, block_tables, seq_lens) -> _Source:
     )
 
 
-def _launch(q, sources, scale, kv_heads, head_dim, return_lse=False, tile_n=None):
+def _launch(
+    q, sources, scale, kv_heads, head_dim, return_lse=False, tile_n=None, per_sm=4, num_warps=None
+):
     """Attention of q over the union of `sources`' tokens: each source's split kernel writes its
-    partial (output, LSE) rows into one buffer, and one merge kernel combines them all."""
+    partial (output, LSE) rows into one buffer, and one merge kernel combines them all.
+    `tile_n`, `per_sm` (split programs a multiprocessor) and `num_warps` (the split kernel's;
+    None: Triton's default) are the tuning bench/decode_attn_sweep.py searches on a GPU."""
     batch, q_heads, _ = q.shape
     if q_heads % kv_heads:
         raise ValueError(f"q_heads {q_heads} is not a multiple of kv_heads {kv_heads}")
@@ -340,7 +347,7 @@ def _launch(q, sources, scale, kv_heads, head_dim, return_lse=False, tile_n=None
         max_tokens = src.block_tables.shape[1] * src.block_size
         if max_tokens == 0:
             continue  # no block-table columns: nothing to attend to in this source
-        splits = _num_splits(q, batch, kv_heads, max_tokens, tile_n)
+        splits = _num_splits(q, batch, kv_heads, max_tokens, tile_n, per_sm)
         per_split = -(-max_tokens // splits)
         split_tokens = -(-per_split // tile_n) * tile_n  # whole tiles
         plans.append((src, -(-max_tokens // split_tokens), split_tokens))
@@ -402,6 +409,7 @@ def _launch(q, sources, scale, kv_heads, head_dim, return_lse=False, tile_n=None
             KIVI_BITS=src.kivi_bits,
             KEY_GROUP=src.key_group,
             VAL_GROUP=src.val_group,
+            **({"num_warps": num_warps} if num_warps else {}),
         )
         split_base += splits
     _merge_kernel[(batch, q_heads)](
