@@ -30,7 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.kernels import copy_bandwidth, timer  # noqa: E402
+from bench.kernels import DTYPES, copy_bandwidth, timer  # noqa: E402
 from bench.machine import finish  # noqa: E402
 from model import KVPool, ModelConfig  # noqa: E402
 from model.cuda_graphs import GraphedStep, StaticInput  # noqa: E402
@@ -135,7 +135,7 @@ def run_batch(args, config, model, batch: int, dtype, copy_bw: float, timed) -> 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shape", choices=sorted(SHAPES), default="smollm2")
-    ap.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
+    ap.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
     ap.add_argument("--batches", default="1,16,64")
     ap.add_argument("--context", type=int, default=512, help="prompt tokens per sequence")
     ap.add_argument("--steps", type=int, default=50, help="decode steps a round")
@@ -145,7 +145,7 @@ def main() -> int:
         print("bench/decode_cuda.py needs a CUDA GPU", file=sys.stderr)
         return 2
     load_start = os.getloadavg()[0]
-    dtype = getattr(torch, args.dtype)
+    dtype = DTYPES[args.dtype]
     device = torch.device("cuda")
     timed = timer(device)
     config, model = build(args.shape, dtype)

@@ -68,7 +68,7 @@ class DecodeRunner:
         return (
             self.config.cuda_graphs
             and self.device.type == "cuda"
-            and getattr(self.lm.model, "decode_graph_safe", False)
+            and self.lm.model.decode_graph_safe
         )
 
     def _table_width(self, num_blocks: int) -> int:

@@ -187,7 +187,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     built; bf16 rounds where the reference rounds)."""
     if _native_rows(x, weight):
         return native.rms_norm(x, weight, eps)
-    if _triton_rows(x, weight) and x.shape[-1] <= 16384:
+    if _triton_rows(x, weight) and x.shape[-1] <= 16384:  # a row a program, in registers
         from kernels.rows_triton import rms_norm_triton
 
         return rms_norm_triton(x, weight, eps)
