@@ -68,10 +68,12 @@ def process_cluster(
     device_cache: bool,
     cpus: tuple,
     stream_interval: int = 1,
+    prefill_overrides: dict | None = None,
 ):
     """Store node, prefill worker, decode worker and conductor, each in its own process, as a
     deployment runs them (one interpreter each, no shared GIL), with an embedded Redis index:
-    deploy.LocalCluster, wired as the Ray launcher wires a cluster."""
+    deploy.LocalCluster, wired as the Ray launcher wires a cluster. `prefill_overrides`: fields
+    of the prefill worker's config set over this benchmark's."""
     from deploy import LocalCluster, cluster_config_from_dict
 
     workers = {"num_blocks": 512, "torch_threads": threads}
@@ -89,6 +91,7 @@ def process_cluster(
                 "chunk_size": 4096,
                 "device_cache": device_cache,
                 "cpus": prefill_cpus,
+                **(prefill_overrides or {}),
             },
             "decode": {
                 **workers,

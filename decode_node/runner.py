@@ -189,7 +189,10 @@ class DecodeRunner:
         if have < len(s.prompt):
             ids = torch.tensor(s.prompt[have:], dtype=torch.long)
             with self.turns.turn():
-                self.lm.model.prefill(ids, self.pool, s.table, have, last_only=True)
+                self.lm.model.prefill(
+                    ids, self.pool, s.table, have, last_only=True,
+                    on_layer_done=lambda _: self.turns.share(),
+                )  # fmt: skip
 
     def _filled(self, s: Seq, t0: float, have: int) -> None:
         s.transfer_ms = (time.perf_counter() - t0) * 1000.0

@@ -83,6 +83,10 @@ class PrefillConfig:
     # never stops this worker.
     cpu_turns: str = "auto"
     cpu_turn_timeout_s: float = 5.0
+    # A forward that has held its turn this long hands it, between layers, to a worker waiting
+    # for one (a decode step), then takes it back: the host's decode streams wait at most about
+    # this plus a layer for their next token while a long prompt prefills. 0: never.
+    cpu_turn_slice_ms: float = 50.0
     # Prefill calls held at once (queued or computing; each holds a thread); the next is refused
     # at once with RESOURCE_EXHAUSTED (as is one beyond max_queue), and health and Load keep
     # threads of their own

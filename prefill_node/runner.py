@@ -202,9 +202,14 @@ class PrefillRunner:
         store layer by layer while later layers compute. Last-position logits per job (CPU)."""
         publishers = [p for p in (self._publisher(j, s, e) for j, (s, e) in zip(step, spans)) if p]
 
+        shared_s = 0.0
+
         def on_layer(layer: int) -> None:
+            nonlocal shared_s
             for p in publishers:
                 p.layer_done(layer)
+            # a decode step waiting for the CPUs runs between two layers (CpuTurns.share)
+            shared_s += self.turns.share()
 
         seqs = [
             (torch.tensor(j.ids[s:e], dtype=torch.long), j.table, s)
@@ -213,10 +218,8 @@ class PrefillRunner:
         ok = False
         try:
             with self.turns.turn() as waited:
-                self.turn_wait_ms = waited * 1000.0
-                logits = self.lm.model.prefill_batch(
-                    seqs, self.pool, on_layer_done=on_layer if publishers else None
-                )
+                logits = self.lm.model.prefill_batch(seqs, self.pool, on_layer_done=on_layer)
+            self.turn_wait_ms = (waited + shared_s) * 1000.0
             ok = True
         finally:
             for p in publishers:

@@ -6,6 +6,7 @@ import contextlib
 import fcntl
 import logging
 import os
+import threading
 import time
 
 log = logging.getLogger(__name__)
@@ -47,11 +48,14 @@ CPU_TURN_MODES = ("auto", "on", "off")
 
 
 def check_cpu_turns(owner: str, config) -> None:
-    """ValueError naming the field unless `config.cpu_turns` is a mode and its timeout positive."""
+    """ValueError naming the field unless `config.cpu_turns` is a mode, its timeout positive and
+    its slice not negative."""
     if config.cpu_turns not in CPU_TURN_MODES:
         raise ValueError(f"{owner}.cpu_turns: 'auto', 'on' or 'off', not {config.cpu_turns!r}")
     if config.cpu_turn_timeout_s <= 0:
         raise ValueError(f"{owner}.cpu_turn_timeout_s must be positive")
+    if config.cpu_turn_slice_ms < 0:
+        raise ValueError(f"{owner}.cpu_turn_slice_ms must be 0 (never hand a turn over) or more")
 
 
 class CpuTurns:
@@ -64,31 +68,87 @@ class CpuTurns:
     38). So each forward holds a lock on a file in /dev/shm named by the CPU set (an flock: the
     kernel drops it with the process that held it). A holder that hangs must not stop the host:
     past `timeout_s` a forward runs without its turn, counted and logged.
+
+    A worker waiting for its turn says so with a shared lock on a second file beside it (the
+    kernel drops that too with the process). Two things follow from it:
+    - a long forward hands the CPUs over mid-way (`share`, between layers) once it has held them
+      `slice_s`: a prefill of 1,024 tokens took ~700 ms on 2 cores, and every decode stream on
+      the host waited that long for its next token;
+    - a worker whose turn just ended lets a waiting one go first, so that a decode worker stepping
+      back to back does not take every turn from a prefill that polls for it.
     """
 
     def __init__(self, name: str, cpus: list[int], threads: int, mode: str, timeout_s: float,
-                 lock_dir: str = "/dev/shm", on_timeout=None):  # fmt: skip
+                 lock_dir: str = "/dev/shm", on_timeout=None, slice_s: float = 0.0,
+                 on_pass=None):  # fmt: skip
         if mode not in CPU_TURN_MODES:
             raise ValueError(f"{name}: cpu_turns is 'auto', 'on' or 'off', not {mode!r}")
+        if slice_s < 0:
+            raise ValueError(f"{name}: a turn's slice must be 0 (never shared) or positive")
         cpus = cpus or sorted(os.sched_getaffinity(0))
         # auto: when two such workers would put more threads than CPUs on them
         on = mode == "on" or (mode == "auto" and 2 * max(threads, 1) > len(cpus))
         self.name, self.timeout_s, self.on_timeout = name, timeout_s, on_timeout
+        self.slice_s, self.on_pass = slice_s, on_pass
         self.path = f"{lock_dir}/halfmoon-cpus-{_cpu_set_name(cpus)}.lock" if on else ""
+        self.wait_path = self.path[: -len(".lock")] + ".wait" if on else ""
         self.timeouts = 0  # forwards that ran without their turn
+        self.passes = 0  # turns handed to a waiting worker mid-forward (`share`)
         self._stuck = False  # the last turn was not had: the holder may be hung
+        # per thread: the lock file of the turn it holds, and when it was had
+        self._mine = threading.local()
 
     @contextlib.contextmanager
     def turn(self):
         """Hold this worker's turn at the CPUs for the duration (at once where turns are off);
         gives the seconds waited for it (a forward's time model leaves them out)."""
         t0 = time.perf_counter()
-        f = self._acquire()
+        if self.path and self._others_wait():
+            self._let_waiters_in()
+        self._mine.held, self._mine.since = self._acquire(), time.monotonic()
         try:
             yield time.perf_counter() - t0
         finally:
-            if f is not None:
-                f.close()  # closing the file drops the lock
+            held, self._mine.held = self._mine.held, None
+            if held is not None:
+                held.close()  # closing the file drops the lock
+
+    def share(self) -> float:
+        """Inside a turn, at a point where the forward may pause (between layers): once the
+        turn has been held `slice_s`, hand the CPUs to a worker waiting for them and take them
+        back after its forward. The seconds spent without them (0.0 where it kept them)."""
+        held = getattr(self._mine, "held", None)
+        if held is None or not self.slice_s or time.monotonic() - self._mine.since < self.slice_s:
+            return 0.0
+        if not self._others_wait():
+            return 0.0
+        t0 = time.perf_counter()
+        self._mine.held = None
+        held.close()
+        self._let_waiters_in()
+        self._mine.held, self._mine.since = self._acquire(), time.monotonic()
+        self.passes += 1
+        if self.on_pass is not None:
+            self.on_pass()
+        return time.perf_counter() - t0
+
+    def _others_wait(self) -> bool:
+        """Whether a worker is waiting for a turn (holds the wait file shared)."""
+        try:
+            with open(self.wait_path, "a") as f:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return False  # (closing the file drops the probe's lock)
+        except BlockingIOError:
+            return True
+        except OSError:
+            return False  # no wait file to share: turns go as they come
+
+    def _let_waiters_in(self) -> None:
+        """Wait until the workers waiting for a turn have had it (at most 50 ms: one that gave
+        up waiting, or died, keeps nobody out for longer)."""
+        deadline = time.monotonic() + 0.05
+        while self._others_wait() and time.monotonic() < deadline:
+            time.sleep(0.0002)
 
     def _acquire(self):
         """The open lock file holding the turn; None when off or given up."""
@@ -104,6 +164,29 @@ class CpuTurns:
             if self.on_timeout is not None:
                 self.on_timeout()
             return None
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            self._stuck = False
+            return f
+        except BlockingIOError:
+            pass
+        waiting = self._say_waiting()
+        try:
+            return self._wait_for(f)
+        finally:
+            if waiting is not None:
+                waiting.close()
+
+    def _say_waiting(self):
+        """The wait file, held shared while this worker waits (None where it cannot be)."""
+        try:
+            w = open(self.wait_path, "a")
+            fcntl.flock(w, fcntl.LOCK_SH)
+            return w
+        except OSError:
+            return None
+
+    def _wait_for(self, f):
         # after a turn not had, one try each until the lock is seen free: a neighbour stuck
         # holding it costs one wait of timeout_s, not one per forward
         wait_s = 0.0 if self._stuck else self.timeout_s
@@ -148,18 +231,25 @@ def _cpu_set_name(cpus: list[int]) -> str:
 
 def cpu_turns(config, registry=None, device=None) -> CpuTurns:
     """The CpuTurns of a worker config (its `cpus`, `cpu_turns`, `cpu_turn_timeout_s` and
-    `worker_id`; this process's torch threads), with its skipped turns counted in `registry` as
-    halfmoon_cpu_turn_timeouts_total. A worker computing on a GPU takes no turns unless `on`
-    says so: its forwards barely use the CPUs."""
+    `worker_id`; this process's torch threads), its turns shared after `cpu_turn_slice_ms`, with
+    its skipped turns counted in `registry` as halfmoon_cpu_turn_timeouts_total and the turns it
+    handed over mid-forward as halfmoon_cpu_turn_passes_total. A worker computing on a GPU takes
+    no turns unless `on` says so: its forwards barely use the CPUs."""
     import torch
     from prometheus_client import Counter
 
     name = config.worker_id
-    counter = None
+    counter = passes = None
     if registry is not None:
         counter = Counter(
             "halfmoon_cpu_turn_timeouts",
             "Forwards that ran without their turn at the shared CPUs (a neighbour held it)",
+            ["worker"],
+            registry=registry,
+        ).labels(name)
+        passes = Counter(
+            "halfmoon_cpu_turn_passes",
+            "Turns at the shared CPUs handed to a waiting worker in the middle of a forward",
             ["worker"],
             registry=registry,
         ).labels(name)
@@ -174,4 +264,6 @@ def cpu_turns(config, registry=None, device=None) -> CpuTurns:
         mode,
         config.cpu_turn_timeout_s,
         on_timeout=counter.inc if counter is not None else None,
+        slice_s=config.cpu_turn_slice_ms / 1000.0,
+        on_pass=passes.inc if passes is not None else None,
     )

@@ -100,3 +100,68 @@ def test_a_hung_holder_costs_a_bounded_wait_and_a_dead_one_nothing(tmp_path):
         with other.turn():
             pass
     assert other.timeouts == 1 and turns.timeouts == 2
+
+
+def _layers_beside_steps(tmp_path, slice_s: float):
+    """A 20-layer forward (10 ms a layer) that calls `share` between layers, and a worker that
+    asks for 5 ms steps from 50 ms into it until it ends: (layer spans, step spans, the time
+    the first step asked, the forward's start and end, its passes)."""
+    d = str(tmp_path)
+    prefill = CpuTurns("prefill", [0, 1], 2, "on", 5.0, lock_dir=d, slice_s=slice_s)
+    decode = CpuTurns("decode", [0, 1], 2, "on", 5.0, lock_dir=d, slice_s=slice_s)
+    layers, steps, asked, done = [], [], [], threading.Event()
+
+    def forward():
+        with prefill.turn():
+            for _ in range(20):
+                t0 = time.perf_counter()
+                time.sleep(0.01)
+                layers.append((t0, time.perf_counter()))
+                prefill.share()
+        done.set()
+
+    def stepping():
+        time.sleep(0.05)
+        asked.append(time.perf_counter())
+        while not done.is_set():
+            with decode.turn():
+                t0 = time.perf_counter()
+                time.sleep(0.005)
+                steps.append((t0, time.perf_counter()))
+            time.sleep(0.001)  # the step's bookkeeping
+
+    ths = [threading.Thread(target=forward), threading.Thread(target=stepping)]
+    t0 = time.perf_counter()
+    for t in ths:
+        t.start()
+    for t in ths:
+        t.join()
+    return layers, steps, asked[0], t0, layers[-1][1], prefill.passes
+
+
+def test_a_long_forward_hands_the_cpus_to_a_waiting_step_between_layers(tmp_path):
+    layers, steps, asked, start, end, passes = _layers_beside_steps(tmp_path, slice_s=0.03)
+    every = sorted(layers + steps)
+    assert all(a[1] <= b[0] for a, b in zip(every, every[1:])), "a step ran inside a layer"
+    # the first step ran within a slice and a layer of asking, not after the whole forward
+    assert steps and steps[0][0] - asked < 0.03 + 0.01 + 0.05
+    assert passes >= 2
+    # the steps that came back to back did not keep the forward out: the turns alternated, one
+    # step a pass (without a step's turn going first to a waiting forward, a 1 ms gap between
+    # steps sometimes let 37 steps in while the forward polled for its turn)
+    between = [s for s in steps if s[0] < end]
+    assert len(between) <= passes + 1
+    assert end - start < 0.2 + passes * 0.015 + 0.15
+
+
+def test_a_forward_with_no_slice_keeps_its_turn(tmp_path):
+    layers, steps, asked, start, end, passes = _layers_beside_steps(tmp_path, slice_s=0.0)
+    assert passes == 0
+    assert all(s[0] >= end for s in steps), "a step ran before the forward ended"
+
+
+def test_a_slice_is_never_negative(tmp_path):
+    with pytest.raises(ValueError, match="slice"):
+        CpuTurns("w", [0, 1], 2, "on", 1.0, lock_dir=str(tmp_path), slice_s=-0.01)
+    with pytest.raises(ValueError, match="cpu_turn_slice_ms"):
+        DecodeConfig(cpu_turn_slice_ms=-1)
