@@ -1,11 +1,15 @@
-"""One decode step at the same batch and context: a 16-bit full-precision cache against kivi4 and
-kivi2 (16-bit windows), each with the fused CPU attention (kernels/native.py) and with the torch
-path, in one process, on the real model. Answers "is a KIVI decode step slower than full
-precision at the same batch?" and shows where a step's time goes: the step with attention
-over no context (weights, MLP, sampling-free logits) is measured too, so attention's share is the
-difference.
+"""One decode step at the same batch and context: a 16-bit full-precision cache (`kv16`) against
+kivi4 and kivi2 (16-bit windows), in one process, on the real model, in the dtype serving picks
+(`--dtype auto`). Answers "is a KIVI decode step slower than full precision at the same batch?"
+and shows where a step's time goes: the step with attention over no context (weights, MLP,
+sampling-free logits) is measured too, so attention's share is the difference.
 
-Per (batch, setting, attention): the median of --repeats steps, after one warm-up. Contexts are
+Two paths each: `native`, the step as serving runs it (where the pool's dtype is the model's, the
+fused C step of kernels/decode_step.py, attention included; else the layer-by-layer path with the
+fused CPU attention of kernels/native.py), and `torch`, the layer-by-layer path with the torch
+attention (the reference).
+
+Per (batch, setting, path): the median of --repeats steps, after one warm-up. Contexts are
 --context tokens; KIVI sequences hold the last kivi_residual tokens (plus up to a block) in the
 window and the rest packed. Values are random normal KV (packed through the real quantizer), so
 the attention arithmetic is the same as served KV's. The last line printed is one JSON object.
@@ -51,7 +55,20 @@ def main(argv=None) -> int:
     ap.add_argument("--context", type=int, default=1088, help="tokens per sequence")
     ap.add_argument("--kivi-residual", type=int, default=32)
     ap.add_argument("--kivi-group-size", type=int, default=32)
-    ap.add_argument("--window-dtype", default="float16", choices=["float16", "bfloat16"])
+    ap.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16"],
+        help="the model's compute dtype, as serving picks it (auto: bfloat16 with avx512_bf16, "
+        "else float32)",
+    )
+    ap.add_argument(
+        "--window-dtype",
+        default="auto",
+        choices=["auto", "float16", "bfloat16"],
+        help="the 16-bit KV of the full-precision pool and of KIVI's window (auto: the compute "
+        "dtype where it is 16-bit, as serving's kivi_window_dtype auto; else float16)",
+    )
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args(argv)
@@ -66,7 +83,13 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     load0 = os.getloadavg()[0]
-    lm = load_model(args.model, torch.float32)
+    from bench.machine import cpu_flags
+
+    if args.dtype == "auto":
+        args.dtype = "bfloat16" if cpu_flags().get("avx512_bf16") else "float32"
+    if args.window_dtype == "auto":
+        args.window_dtype = "bfloat16" if args.dtype == "bfloat16" else "float16"
+    lm = load_model(args.model, getattr(torch, args.dtype))
     m, c = lm.model, lm.config
     bs = 16
     kv16 = getattr(torch, args.window_dtype)
@@ -74,20 +97,29 @@ def main(argv=None) -> int:
     ctx = args.context
     native = kernels.native_status()
     say(
-        f"{args.model} fp32 compute, {args.window_dtype} KV, context {ctx}, "
+        f"{args.model} {args.dtype} compute, {args.window_dtype} KV, context {ctx}, "
         f"{args.threads} thread(s); fused kernels: {native.detail}"
     )
 
     def with_backend(op: str, backend: str, fn):
-        """fn() with model.llama's kernels.<op> pinned to `backend`."""
+        """fn() with model.llama's kernels.<op> pinned to `backend`; the torch path also goes
+        layer by layer (the fused C step would run its own attention whatever is pinned)."""
         orig = getattr(kernels, op)
         setattr(llama.kernels, op, lambda *a, **k: orig(*a, backend=backend, **k))
+        m.fused_decode = backend != "torch"
         try:
             return fn()
         finally:
             setattr(llama.kernels, op, orig)
+            m.fused_decode = True
 
-    result: dict = {"model": args.model, "context": ctx, "threads": args.threads}
+    result: dict = {
+        "model": args.model,
+        "dtype": args.dtype,
+        "kv_dtype": args.window_dtype,
+        "context": ctx,
+        "threads": args.threads,
+    }
     backends = ["native", "torch"] if native.available else ["torch"]
     for b in batches:
         nb = -(-ctx // bs)
@@ -101,7 +133,7 @@ def main(argv=None) -> int:
         one = torch.zeros(b, dtype=torch.long)
         row["no_context"] = median_ms(lambda: m.decode(tok, pool, tables, one), args.repeats)
         for be in backends:
-            row[f"fp16_{be}"] = with_backend(
+            row[f"kv16_{be}"] = with_backend(
                 "paged_decode_attention",
                 be,
                 lambda: median_ms(lambda: m.decode(tok, pool, tables, pos), args.repeats),
@@ -139,14 +171,14 @@ def main(argv=None) -> int:
             result[f"b{b}_{k}_ms"] = round(v, 2)
         best = "native" if native.available else "torch"
         for bits in (4, 2):
-            result[f"b{b}_kivi{bits}_step_vs_fp16"] = round(
-                row[f"kivi{bits}_{best}"] / row[f"fp16_{best}"], 3
+            result[f"b{b}_kivi{bits}_step_vs_kv16"] = round(
+                row[f"kivi{bits}_{best}"] / row[f"kv16_{best}"], 3
             )
     result["fused_kernels"] = native.available
     for b in batches:
         say(
-            f"batch {b}: kivi4 step / fp16 step {result[f'b{b}_kivi4_step_vs_fp16']:.3f}, "
-            f"kivi2 {result[f'b{b}_kivi2_step_vs_fp16']:.3f} (below 1: KIVI is faster)"
+            f"batch {b}: kivi4 step / 16-bit step {result[f'b{b}_kivi4_step_vs_kv16']:.3f}, "
+            f"kivi2 {result[f'b{b}_kivi2_step_vs_kv16']:.3f} (below 1: KIVI is faster)"
         )
     return finish(result, load0)
 
