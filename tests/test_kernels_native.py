@@ -14,7 +14,11 @@ import torch
 
 import kernels
 from kernels import FullKVLayout, KiviKVLayout
-from kernels.native import paged_attention_full, paged_attention_kivi
+from kernels.native import (
+    paged_attention_full,
+    paged_attention_kivi,
+    paged_attention_kivi_window,
+)
 from kernels.paged_attention_torch import _full_parts, _kivi_parts
 
 pytestmark = pytest.mark.skipif(
@@ -124,6 +128,44 @@ def test_bf16_queries_over_a_bf16_pool(lens, group, threads, torch_threads):
     # the same queries a hair off bf16 take the widening path: the same attention
     nudged, _ = paged_attention_full(q * (1 + 2**-20), k, v, table, seq_lens)
     assert (nudged.double() - want).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+@pytest.mark.parametrize("window", [False, True])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_kivi_sequences_with_all_their_heads_give_a_head_at_a_time_bits(
+    bits, window, threads, torch_threads
+):
+    """With at least two sequences a thread, a work item takes a sequence's heads together,
+    block by block (and then its bf16 window): each query row meets the same blocks in the same
+    order as in an item per head (a sequence alone), so its output and lse are the same bits."""
+    torch_threads(threads)
+    lens = [0, 1, 16, 45, 90, 33, 7, 64]
+    q, kv, table, seq_lens = case(6, lens, 3, 3, 64, 16)
+    q = q.to(torch.bfloat16).float()  # a bf16 model's rows: the window's bf16 block path
+    layout = KiviKVLayout(2, 3, 64, 16, bits, 32, 0, torch.float32)
+    packed = layout.pack(torch.stack([kv, kv.flip(0)], dim=1))
+    views = layout.layer_views(packed, 1)
+    wkv = kv.flip(0).to(torch.bfloat16)  # the window: bf16 blocks of its own
+    wlens = torch.tensor([3, 0, 16, 5, 20, 9, 1, 32], dtype=torch.int32)
+
+    def attend(rows):
+        if not window:
+            return paged_attention_kivi(q[rows], views, table[rows], seq_lens[rows])
+        return paged_attention_kivi_window(
+            q[rows], views, table[rows], seq_lens[rows], wkv[:, 0], wkv[:, 1],
+            table.flip(0)[rows], wlens[rows],
+        )  # fmt: skip
+
+    together = attend(slice(None))
+    for b in range(len(lens)):
+        alone = attend(slice(b, b + 1))  # one sequence: an item per head
+        assert torch.equal(together[0][b], alone[0][0]), f"sequence {b}: output"
+        assert torch.equal(together[1][b], alone[1][0]), f"sequence {b}: lse"
+    if not window:  # and it is attention over the dequantized blocks
+        deq = layout.unpack(packed)[:, 1]
+        want, _ = dense(q, deq[:, 0], deq[:, 1], table, seq_lens, 64**-0.5)
+        assert (together[0].double() - want).abs().max() < 2e-5
 
 
 @pytest.mark.parametrize("bits", [2, 4, 8])

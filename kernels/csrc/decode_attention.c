@@ -872,101 +872,217 @@ static int hm_full_blocks_heads(hm_state *st, const hm_full_pool *p, const int32
 }
 #endif
 
-/* Sequence b's `len` tokens of a KIVI pool. Keys: q . k = (q * scale) . code + q . zero, per
- * key group, so keys are never dequantized; values are rebuilt a row at a time. */
-static int hm_kivi_blocks(hm_state *st, const hm_kivi_pool *p, const int32_t *table, int len,
-                          int kv_heads, int h, int g, int block_size) {
+/* Where block `blk`'s six fields start in a KIVI pool (k_scale, k_zero, v_scale, v_zero,
+ * k_codes, v_codes), and each field's bytes in one layer of a block. */
+static inline void hm_kivi_fields(const hm_kivi_pool *p, int64_t blk, int kv_heads, int d,
+                                  int block_size, const char **at, int64_t *bytes) {
+  const int64_t kscale = (int64_t)((block_size + p->gk - 1) / p->gk) * kv_heads * d * 2;
+  const int64_t vscale = (int64_t)block_size * kv_heads * p->vg * 2;
+  const int64_t codes = (int64_t)block_size * kv_heads * (d * p->bits / 8);
+  const int64_t field_bytes[6] = {kscale, kscale, vscale, vscale, codes, codes};
+  for (int f = 0; f < 6; f++) {
+    at[f] = (const char *)p->ptr[f] + blk * p->blk_bytes[f];
+    if (bytes) bytes[f] = field_bytes[f];
+  }
+}
+
+/* KV head h's n rows of one block of a KIVI pool (its fields at `at`), for the state's g query
+ * rows [r0, r0 + g). Keys: q . k = (q * scale) . code + q . zero, per key group, so keys are
+ * never dequantized; values are rebuilt a row at a time. */
+static void hm_kivi_block_head(hm_state *st, const hm_kivi_pool *p, const char *const *at, int n,
+                               int kv_heads, int h, int g, int r0) {
   const int d = st->d, packed = d * p->bits / 8, gk = p->gk, vg = p->vg;
   const float *krow[HM_MAX_BS], *vrow[HM_MAX_BS];
   float *sc = st->scratch, *zr = st->scratch + d;
-  const int64_t kscale_bytes = (int64_t)((block_size + gk - 1) / gk) * kv_heads * d * 2;
-  const int64_t vscale_bytes = (int64_t)block_size * kv_heads * vg * 2;
-  const int64_t code_bytes = (int64_t)block_size * kv_heads * packed;
-  const int64_t field_bytes[6] = {kscale_bytes, kscale_bytes, vscale_bytes,
-                                  vscale_bytes, code_bytes,   code_bytes};
+  const uint16_t *ks = (const uint16_t *)at[0], *kz = (const uint16_t *)at[1];
+  const uint16_t *vsc = (const uint16_t *)at[2], *vze = (const uint16_t *)at[3];
+  const uint8_t *kc = (const uint8_t *)at[4], *vc = (const uint8_t *)at[5];
+  const float *q = st->q + (size_t)r0 * d;
+#ifdef HM_BLOCK_ROWS
+  /* one key group: every row's q rescaled, a bias, then the register block path */
+  const int one_group = gk >= n && d == 64 && n <= 16;
+#endif
+#ifdef HM_BLOCK64
+  /* hm_block64 rebuilds value rows in registers from their codes */
+  const int packed_values = one_group && p->gv % 16 == 0;
+  hm_kivi_values kv = {.bits = p->bits, .gv = p->gv};
+#endif
+  for (int t = 0; t < n; t++) {
+    float *kr = st->kbuf + (size_t)t * d, *vr = st->vbuf + (size_t)t * d;
+    const int64_t row = (int64_t)t * kv_heads + h, goff = row * vg;
+    hm_unpack(kc + row * packed, p->bits, d, kr);
+    krow[t] = kr;
+#ifdef HM_BLOCK64
+    if (packed_values) { /* the value row as it lies */
+      kv.codes[t] = vc + row * packed;
+      kv.scale[t] = vsc + goff;
+      kv.zero[t] = vze + goff;
+      continue;
+    }
+#endif
+    hm_unpack(vc + row * packed, p->bits, d, vr);
+    hm_halves(vsc + goff, vg, sc);
+    hm_halves(vze + goff, vg, zr);
+    hm_affine(vr, sc, zr, d, p->gv);
+    vrow[t] = vr;
+  }
+#ifdef HM_BLOCK_ROWS
+  if (one_group) {
+    float bias[HM_MAX_GROUP];
+    hm_halves(ks + (int64_t)h * d, d, sc);
+    hm_halves(kz + (int64_t)h * d, d, zr);
+    for (int m0 = 0; m0 < g; m0 += HM_MAX_GROUP) {
+      const int m = g - m0 < HM_MAX_GROUP ? g - m0 : HM_MAX_GROUP;
+      for (int r = 0; r < m; r++) {
+        const float *qr = q + (size_t)(m0 + r) * d;
+        float *qs = st->qs + (size_t)(m0 + r) * d;
+        for (int i = 0; i < d; i++) qs[i] = qr[i] * sc[i];
+        bias[r] = hm_dot(qr, zr, d);
+      }
+#ifdef HM_BLOCK64
+      const hm_kivi_values *packed_kv = packed_values ? &kv : NULL;
+#else
+      const hm_kivi_values *packed_kv = NULL;
+#endif
+      HM_BLOCK_ROWS(st, r0 + m0, m, n, (const void *const *)krow, (const void *const *)vrow,
+                    st->qs + (size_t)m0 * d, bias, packed_kv);
+    }
+    return;
+  }
+#endif
+  for (int t0 = 0; t0 < n; t0 += gk) { /* one key group: rescale q by its scales */
+    const int64_t off = ((int64_t)(t0 / gk) * kv_heads + h) * d;
+    const int m = n - t0 < gk ? n - t0 : gk;
+    hm_halves(ks + off, d, sc);
+    hm_halves(kz + off, d, zr);
+    for (int r = 0; r < g; r++) {
+      const float *qr = q + (size_t)r * d;
+      float *qs = st->qs + (size_t)r * d;
+      for (int i = 0; i < d; i++) qs[i] = qr[i] * sc[i];
+      hm_scores(qs, krow + t0, m, d, hm_dot(qr, zr, d),
+                st->s + (size_t)(r0 + r) * HM_MAX_BS + t0);
+    }
+  }
+  hm_block_values(st, r0 / g, g, n, vrow);
+}
+
+/* Sequence b's `len` tokens of a KIVI pool, KV head h, for the state's g query rows (a work item
+ * per head). 0, or 1 if the table names a block outside the pool. */
+static int hm_kivi_blocks(hm_state *st, const hm_kivi_pool *p, const int32_t *table, int len,
+                          int kv_heads, int h, int g, int block_size) {
   for (int j = 0; j * block_size < len; j++) {
     const int64_t blk = table[j];
     if (blk < 0 || blk >= p->num_blocks) return 1;
     const int n = len - j * block_size < block_size ? len - j * block_size : block_size;
-    const uint16_t *ks = (const uint16_t *)((const char *)p->ptr[0] + blk * p->blk_bytes[0]);
-    const uint16_t *kz = (const uint16_t *)((const char *)p->ptr[1] + blk * p->blk_bytes[1]);
-    const uint16_t *vsc = (const uint16_t *)((const char *)p->ptr[2] + blk * p->blk_bytes[2]);
-    const uint16_t *vze = (const uint16_t *)((const char *)p->ptr[3] + blk * p->blk_bytes[3]);
-    const uint8_t *kc = (const uint8_t *)p->ptr[4] + blk * p->blk_bytes[4];
-    const uint8_t *vc = (const uint8_t *)p->ptr[5] + blk * p->blk_bytes[5];
-    if ((j + 1) * block_size < len && table[j + 1] >= 0 && table[j + 1] < p->num_blocks)
+    const char *at[6];
+    int64_t bytes[6];
+    hm_kivi_fields(p, blk, kv_heads, st->d, block_size, at, bytes);
+    if ((j + 1) * block_size < len && table[j + 1] >= 0 && table[j + 1] < p->num_blocks) {
+      const char *next[6];
+      hm_kivi_fields(p, table[j + 1], kv_heads, st->d, block_size, next, NULL);
       for (int f = 0; f < 6; f++) /* this layer's part of the field, C-contiguous in a block (the
                                      block stride may span every layer of a packed record) */
-        hm_prefetch((const char *)p->ptr[f] + table[j + 1] * p->blk_bytes[f], field_bytes[f]);
-    {
-#ifdef HM_BLOCK_ROWS
-      /* one key group: every row's q rescaled, a bias, then the register block path */
-      const int one_group = gk >= n && d == 64 && n <= 16;
-#endif
-#ifdef HM_BLOCK64
-      /* hm_block64 rebuilds value rows in registers from their codes */
-      const int packed_values = one_group && p->gv % 16 == 0;
-      hm_kivi_values kv = {.bits = p->bits, .gv = p->gv};
-#endif
-      for (int t = 0; t < n; t++) {
-        float *kr = st->kbuf + (size_t)t * d, *vr = st->vbuf + (size_t)t * d;
-        const int64_t row = (int64_t)t * kv_heads + h, goff = row * vg;
-        hm_unpack(kc + row * packed, p->bits, d, kr);
-        krow[t] = kr;
-#ifdef HM_BLOCK64
-        if (packed_values) { /* the value row as it lies */
-          kv.codes[t] = vc + row * packed;
-          kv.scale[t] = vsc + goff;
-          kv.zero[t] = vze + goff;
-          continue;
+        hm_prefetch(next[f], bytes[f]);
+    }
+    hm_kivi_block_head(st, p, at, n, kv_heads, h, g, 0);
+  }
+  return 0;
+}
+
+/* hm_kivi_blocks for every KV head of one sequence at once, block by block: a block's fields of
+ * all heads are read while they are hot and in address order, and the next block's fetched once
+ * (a work item per head fetched every head's, three times over at three KV heads, and read a
+ * third of each code row's lines). The state holds all of the sequence's query rows. */
+static int hm_kivi_blocks_heads(hm_state *st, const hm_kivi_pool *p, const int32_t *table,
+                                int len, int kv_heads, int g, int block_size) {
+  for (int j = 0; j * block_size < len; j++) {
+    const int64_t blk = table[j];
+    if (blk < 0 || blk >= p->num_blocks) return 1;
+    const int n = len - j * block_size < block_size ? len - j * block_size : block_size;
+    const char *at[6], *next[6];
+    int64_t bytes[6];
+    hm_kivi_fields(p, blk, kv_heads, st->d, block_size, at, bytes);
+    const int ahead =
+        (j + 1) * block_size < len && table[j + 1] >= 0 && table[j + 1] < p->num_blocks;
+    if (ahead) hm_kivi_fields(p, table[j + 1], kv_heads, st->d, block_size, next, NULL);
+    for (int h = 0; h < kv_heads; h++) {
+      /* the next block's fields spread over this block's heads: a share before each head */
+      if (ahead)
+        for (int f = 0; f < 6; f++) {
+          const int64_t part = (bytes[f] + kv_heads - 1) / kv_heads;
+          const int64_t from = part * h, to = from + part < bytes[f] ? from + part : bytes[f];
+          if (to > from) hm_prefetch(next[f] + from, to - from);
         }
-#endif
-        hm_unpack(vc + row * packed, p->bits, d, vr);
-        hm_halves(vsc + goff, vg, sc);
-        hm_halves(vze + goff, vg, zr);
-        hm_affine(vr, sc, zr, d, p->gv);
-        vrow[t] = vr;
-      }
-#ifdef HM_BLOCK_ROWS
-      if (one_group) {
-        float bias[HM_MAX_GROUP];
-        hm_halves(ks + (int64_t)h * d, d, sc);
-        hm_halves(kz + (int64_t)h * d, d, zr);
-        for (int r0 = 0; r0 < g; r0 += HM_MAX_GROUP) {
-          const int m = g - r0 < HM_MAX_GROUP ? g - r0 : HM_MAX_GROUP;
-          for (int r = 0; r < m; r++) {
-            const float *qr = st->q + (size_t)(r0 + r) * d;
-            float *qs = st->qs + (size_t)(r0 + r) * d;
-            for (int i = 0; i < d; i++) qs[i] = qr[i] * sc[i];
-            bias[r] = hm_dot(qr, zr, d);
-          }
-#ifdef HM_BLOCK64
-          const hm_kivi_values *packed_kv = packed_values ? &kv : NULL;
-#else
-          const hm_kivi_values *packed_kv = NULL;
-#endif
-          HM_BLOCK_ROWS(st, r0, m, n, (const void *const *)krow, (const void *const *)vrow,
-                        st->qs + (size_t)r0 * d, bias, packed_kv);
-        }
-        continue;
-      }
-#endif
-      for (int t0 = 0; t0 < n; t0 += gk) { /* one key group: rescale q by its scales */
-        const int64_t off = ((int64_t)(t0 / gk) * kv_heads + h) * d;
-        const int m = n - t0 < gk ? n - t0 : gk;
-        hm_halves(ks + off, d, sc);
-        hm_halves(kz + off, d, zr);
-        for (int r = 0; r < g; r++) {
-          const float *qr = st->q + (size_t)r * d;
-          float *qs = st->qs + (size_t)r * d;
-          for (int i = 0; i < d; i++) qs[i] = qr[i] * sc[i];
-          hm_scores(qs, krow + t0, m, d, hm_dot(qr, zr, d), st->s + (size_t)r * HM_MAX_BS + t0);
-        }
-      }
-      hm_block_values(st, 0, g, n, vrow);
+      hm_kivi_block_head(st, p, at, n, kv_heads, h, g, h * g);
     }
   }
   return 0;
+}
+
+/* One work item per sequence, all its heads: its KIVI blocks (`kivi`, else none;
+ * hm_kivi_blocks_heads), then its full-precision blocks (`full`, else none; hm_full_blocks_heads,
+ * which takes bf16 blocks of head_dim 64 and at most 16 rows: the callers check). For where there
+ * are enough sequences to keep every thread busy. Full blocks this way need a bf16 model's query
+ * rows; a sequence with other rows goes head by head, a state each. Each query row meets the same
+ * blocks in the same order as in a work item per head, so the results are the same bits. */
+static int hm_sequences_heads(const float *q, const hm_kivi_pool *kivi, const int32_t *k_tables,
+                              int64_t k_table_stride, const int32_t *k_lens, int k_block_size,
+                              const hm_full_pool *full, const int32_t *f_tables,
+                              int64_t f_table_stride, const int32_t *f_lens, int f_block_size,
+                              int batch, int q_heads, int kv_heads, int head_dim, float scale,
+                              int threads, float *out, float *lse) {
+  const int g = q_heads / kv_heads;
+  int bad = 0;
+#pragma omp parallel for num_threads(threads) schedule(dynamic)
+  for (int b = 0; b < batch; b++) {
+    const int64_t row0 = (int64_t)b * q_heads;
+    const int32_t *kt = kivi ? k_tables + (int64_t)b * k_table_stride : NULL;
+    const int32_t *ft = full ? f_tables + (int64_t)b * f_table_stride : NULL;
+    hm_state st;
+    if (!hm_begin(&st, q + row0 * head_dim, q_heads, g, head_dim, scale)) {
+#pragma omp atomic write
+      bad = -1;
+      continue;
+    }
+    int fail = 0;
+    if (full && !st.q_bf16) { /* head by head, each head's rows a state of their own */
+      for (int h = 0; h < kv_heads && !fail; h++) {
+        const int64_t r = row0 + (int64_t)h * g;
+        if (!hm_begin(&st, q + r * head_dim, g, g, head_dim, scale)) {
+          fail = -1;
+          break;
+        }
+        fail = (kivi && hm_kivi_blocks(&st, kivi, kt, k_lens[b], kv_heads, h, g, k_block_size)) ||
+               hm_full_blocks(&st, full, ft, f_lens[b], h, g, f_block_size);
+        hm_finish(&st, out + r * head_dim, lse + r);
+      }
+    } else {
+      if (kivi) fail = hm_kivi_blocks_heads(&st, kivi, kt, k_lens[b], kv_heads, g, k_block_size);
+#ifdef HM_HEADS_TOGETHER
+      if (!fail && full)
+        fail = hm_full_blocks_heads(&st, full, ft, f_lens[b], kv_heads, g, f_block_size);
+#endif
+      hm_finish(&st, out + row0 * head_dim, lse + row0);
+    }
+    if (fail) {
+#pragma omp atomic write
+      bad = fail < 0 ? -1 : b + 1;
+    }
+  }
+  return bad;
+}
+
+/* Whether full-precision blocks go a sequence a work item (hm_sequences_heads): bf16 blocks of
+ * head_dim 64 and at most 16 rows, in a build with that path, with at least two sequences a
+ * thread. */
+static int hm_full_heads_together(int dtype, int head_dim, int block_size, int batch,
+                                  int threads) {
+#ifdef HM_HEADS_TOGETHER
+  return dtype == HM_BF16 && head_dim == 64 && block_size <= 16 && batch >= 2 * threads;
+#else
+  (void)dtype, (void)head_dim, (void)block_size, (void)batch, (void)threads;
+  return 0;
+#endif
 }
 
 /* The three entry points: over a full pool, a KIVI pool, or a KIVI pool then each sequence's
@@ -1002,44 +1118,11 @@ int hm_paged_attention_full(const float *q, const void *k, const void *v, int dt
                             int head_dim, int block_size, float scale, int threads, float *out,
                             float *lse) {
   const hm_full_pool pool = {k, v, dtype, num_blocks, blk_stride, tok_stride, head_stride};
-#ifdef HM_HEADS_TOGETHER
   /* enough sequences to keep every thread busy: one work item per sequence, all heads */
-  if (dtype == HM_BF16 && head_dim == 64 && block_size <= 16 && batch >= 2 * threads) {
-    const int g = q_heads / kv_heads;
-    int bad = 0;
-#pragma omp parallel for num_threads(threads) schedule(dynamic)
-    for (int b = 0; b < batch; b++) {
-      const int32_t *table = tables + (int64_t)b * table_stride;
-      const int64_t row0 = (int64_t)b * q_heads;
-      hm_state st;
-      if (!hm_begin(&st, q + row0 * head_dim, q_heads, g, head_dim, scale)) {
-#pragma omp atomic write
-        bad = -1;
-        continue;
-      }
-      int fail = 0;
-      if (st.q_bf16) {
-        fail = hm_full_blocks_heads(&st, &pool, table, lens[b], kv_heads, g, block_size);
-        hm_finish(&st, out + row0 * head_dim, lse + row0);
-      } else { /* the head-at-a-time path, each head's rows a state of their own */
-        for (int h = 0; h < kv_heads && !fail; h++) {
-          const int64_t r = row0 + (int64_t)h * g;
-          if (!hm_begin(&st, q + r * head_dim, g, g, head_dim, scale)) {
-            fail = -1;
-            break;
-          }
-          fail = hm_full_blocks(&st, &pool, table, lens[b], h, g, block_size);
-          hm_finish(&st, out + r * head_dim, lse + r);
-        }
-      }
-      if (fail) {
-#pragma omp atomic write
-        bad = fail < 0 ? -1 : b + 1;
-      }
-    }
-    return bad;
-  }
-#endif
+  if (hm_full_heads_together(dtype, head_dim, block_size, batch, threads))
+    return hm_sequences_heads(q, NULL, NULL, 0, NULL, 0, &pool, tables, table_stride, lens,
+                              block_size, batch, q_heads, kv_heads, head_dim, scale, threads, out,
+                              lse);
   HM_SEQUENCES(fail = hm_full_blocks(&st, &pool, tables + (int64_t)b * table_stride, lens[b], h,
                                      g, block_size);)
 }
@@ -1050,6 +1133,10 @@ int hm_paged_attention_kivi(const float *q, const void *const *ptr, const int64_
                             int batch, int q_heads, int kv_heads, int head_dim, int block_size,
                             float scale, int threads, float *out, float *lse) {
   const hm_kivi_pool pool = {ptr, blk_bytes, num_blocks, bits, gk, vg, gv};
+  if (batch >= 2 * threads) /* a sequence a work item, all its heads */
+    return hm_sequences_heads(q, &pool, tables, table_stride, lens, block_size, NULL, NULL, 0,
+                              NULL, 0, batch, q_heads, kv_heads, head_dim, scale, threads, out,
+                              lse);
   HM_SEQUENCES(fail = hm_kivi_blocks(&st, &pool, tables + (int64_t)b * table_stride, lens[b],
                                      kv_heads, h, g, block_size);)
 }
@@ -1064,6 +1151,10 @@ int hm_paged_attention_kivi_window(
   const hm_kivi_pool pool = {ptr, blk_bytes, num_blocks, bits, gk, vg, gv};
   const hm_full_pool window = {wk,           wv,           wdtype,       w_num_blocks,
                                w_blk_stride, w_tok_stride, w_head_stride};
+  if (hm_full_heads_together(wdtype, head_dim, w_block_size, batch, threads))
+    return hm_sequences_heads(q, &pool, tables, table_stride, lens, block_size, &window, w_tables,
+                              w_table_stride, w_lens, w_block_size, batch, q_heads, kv_heads,
+                              head_dim, scale, threads, out, lse);
   HM_SEQUENCES(
       fail = hm_kivi_blocks(&st, &pool, tables + (int64_t)b * table_stride, lens[b], kv_heads, h,
                             g, block_size) ||
