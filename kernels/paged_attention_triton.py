@@ -30,8 +30,19 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 @triton.jit
 def _load_kv_tile(
-    base, phys, slot, head, offs_d, tmask, stride_n, stride_t, stride_h, HEAD_DIM: tl.constexpr
+    base,
+    phys,
+    slot,
+    head,
+    offs_d,
+    tmask,
+    stride_n,
+    stride_t,
+    stride_h,
+    HEAD_DIM: tl.constexpr,
+    AS_STORED: tl.constexpr,
 ):
+    """A [tokens, head_dim] tile of full-precision rows: in fp32, or as stored (AS_STORED)."""
     ptr = (
         base
         + phys[:, None] * stride_n
@@ -39,9 +50,10 @@ def _load_kv_tile(
         + head * stride_h
         + offs_d[None, :]
     )
-    return tl.load(ptr, mask=tmask[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0).to(
-        tl.float32
-    )
+    tile = tl.load(ptr, mask=tmask[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
+    if AS_STORED:
+        return tile
+    return tile.to(tl.float32)
 
 
 @triton.jit
@@ -122,7 +134,13 @@ def _paged_split_kernel(
     KIVI_BITS: tl.constexpr,
     KEY_GROUP: tl.constexpr,
     VAL_GROUP: tl.constexpr,
+    DOT: tl.constexpr,
 ):
+    """One (sequence, KV head, split)'s partial output rows and LSEs. Its two products are
+    broadcast reductions in fp32 registers, or with DOT (full-precision blocks only) tensor-core
+    matmuls: the group's query rows (padded to GROUP_P >= 16, tl.dot's least) against a tile of
+    keys as stored, then the probabilities, rounded to the KV dtype as flash attention does,
+    against its values; fp32 accumulation, and IEEE fp32 products for fp32 blocks."""
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -135,14 +153,17 @@ def _paged_split_kernel(
     gmask = offs_g < GROUP
     dmask = offs_d < HEAD_DIM
     qh = kvh * GROUP + offs_g
-    q = (
-        tl.load(
-            Q + b * stride_qb + qh[:, None] * stride_qh + offs_d[None, :],
-            mask=gmask[:, None] & dmask[None, :],
-            other=0.0,
-        ).to(tl.float32)
-        * scale
+    q = tl.load(
+        Q + b * stride_qb + qh[:, None] * stride_qh + offs_d[None, :],
+        mask=gmask[:, None] & dmask[None, :],
+        other=0.0,
     )
+    if DOT:
+        # as the keys' dtype (a 16-bit model's rows are that already); the scale goes on the
+        # scores, 1/sqrt(head_dim) being no power of two at every head_dim
+        q = q.to(K.dtype.element_ty)
+    else:
+        q = q.to(tl.float32) * scale
 
     m_i = tl.full([GROUP_P], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_P], tl.float32)
@@ -155,10 +176,10 @@ def _paged_split_kernel(
         slot = tok % BLOCK_SIZE
         if KIVI_BITS == 0:
             k = _load_kv_tile(
-                K, phys, slot, kvh, offs_d, tmask, stride_kn, stride_kt, stride_kh, HEAD_DIM
+                K, phys, slot, kvh, offs_d, tmask, stride_kn, stride_kt, stride_kh, HEAD_DIM, DOT
             )
             v = _load_kv_tile(
-                V, phys, slot, kvh, offs_d, tmask, stride_vn, stride_vt, stride_vh, HEAD_DIM
+                V, phys, slot, kvh, offs_d, tmask, stride_vn, stride_vt, stride_vh, HEAD_DIM, DOT
             )
         else:
             # Keys: scale/zero per (token group of the block, channel);
@@ -205,15 +226,28 @@ def _paged_split_kernel(
                 HEAD_DIM,
                 KIVI_BITS,
             )
-        # [GROUP_P, TILE_N] scores as a broadcast reduction: decode is memory-bound, and this
-        # keeps fp32 accuracy without tl.dot's 16-row minimum for small GQA groups.
-        s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)
+        if DOT:
+            if K.dtype.element_ty == tl.float32:
+                s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+            else:
+                s = tl.dot(q, tl.trans(k)) * scale
+        else:
+            # [GROUP_P, TILE_N] scores as a broadcast reduction: fp32 accuracy without tl.dot's
+            # 16-row minimum for small GQA groups
+            s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)
         s = tl.where(tmask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+        if DOT:
+            if V.dtype.element_ty == tl.float32:
+                pv = tl.dot(p, v, input_precision="ieee")
+            else:
+                pv = tl.dot(p.to(V.dtype.element_ty), v)
+        else:
+            pv = tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+        acc = acc * alpha[:, None] + pv
         m_i = m_new
 
     empty = l_i == 0.0
@@ -321,12 +355,26 @@ def _kivi_source(kv_pool: KiviPacked, block_tables, seq_lens) -> _Source:
 
 
 def _launch(
-    q, sources, scale, kv_heads, head_dim, return_lse=False, tile_n=None, per_sm=4, num_warps=None
+    q,
+    sources,
+    scale,
+    kv_heads,
+    head_dim,
+    return_lse=False,
+    tile_n=None,
+    per_sm=4,
+    num_warps=None,
+    form="reduce",
 ):
     """Attention of q over the union of `sources`' tokens: each source's split kernel writes its
     partial (output, LSE) rows into one buffer, and one merge kernel combines them all.
-    `tile_n`, `per_sm` (split programs a multiprocessor) and `num_warps` (the split kernel's;
-    None: Triton's default) are the tuning bench/decode_attn_sweep.py searches on a GPU."""
+    `tile_n`, `per_sm` (split programs a multiprocessor), `num_warps` (the split kernel's;
+    None: Triton's default) and `form` are the tuning bench/decode_attn_sweep.py searches on a
+    GPU. `form`: "reduce", products as broadcast reductions in fp32 registers; "dot", products
+    as tl.dot on tensor cores (full-precision sources only, KIVI's stay "reduce"). Not yet
+    measured on a GPU: "reduce" stays the default."""
+    if form not in ("reduce", "dot"):
+        raise ValueError(f"form is 'reduce' or 'dot', not {form!r}")
     batch, q_heads, _ = q.shape
     if q_heads % kv_heads:
         raise ValueError(f"q_heads {q_heads} is not a multiple of kv_heads {kv_heads}")
@@ -341,6 +389,8 @@ def _launch(
     group_p = triton.next_power_of_2(group)
     # The [group, tile, head_dim] product lives in registers: keep it near 8K fp32 values a program.
     tile_n = tile_n or (16 if INTERPRET or group_p * block_d > 256 else 32)
+    if form == "dot":
+        tile_n = max(16, tile_n)  # tl.dot's least
     plans = []
     for src in sources:
         # The block table bounds every sequence: no host sync on seq_lens.
@@ -369,6 +419,7 @@ def _launch(
         bt = src.block_tables
         bt = bt if bt.dtype == torch.int32 else bt.to(torch.int32)
         sl = src.seq_lens if src.seq_lens.dtype == torch.int32 else src.seq_lens.to(torch.int32)
+        dot = form == "dot" and src.stats is None  # KIVI sources: reductions
         _paged_split_kernel[(batch, kv_heads, splits)](
             q,
             k,
@@ -401,14 +452,15 @@ def _launch(
             scale,
             BLOCK_SIZE=src.block_size,
             HEAD_DIM=head_dim,
-            BLOCK_D=block_d,
+            BLOCK_D=max(16, block_d) if dot else block_d,
             GROUP=group,
-            GROUP_P=group_p,
+            GROUP_P=max(16, group_p) if dot else group_p,
             TILE_N=tile_n,
             ROW_SPLITS=row_splits,
             KIVI_BITS=src.kivi_bits,
             KEY_GROUP=src.key_group,
             VAL_GROUP=src.val_group,
+            DOT=dot,
             **({"num_warps": num_warps} if num_warps else {}),
         )
         split_base += splits

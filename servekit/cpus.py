@@ -95,6 +95,7 @@ class CpuTurns:
         self.timeouts = 0  # forwards that ran without their turn
         self.passes = 0  # turns handed to a waiting worker mid-forward (`share`)
         self._stuck = False  # the last turn was not had: the holder may be hung
+        self._wait_file_failed = False  # the wait file could not be used (logged once)
         # per thread: the lock file of the turn it holds, and when it was had
         self._mine = threading.local()
 
@@ -140,8 +141,9 @@ class CpuTurns:
                 return False  # (closing the file drops the probe's lock)
         except BlockingIOError:
             return True
-        except OSError:
-            return False  # no wait file to share: turns go as they come
+        except OSError as exc:
+            self._no_wait_file(exc)
+            return False  # turns go as they come
 
     def _let_waiters_in(self) -> None:
         """Wait until the workers waiting for a turn have had it (at most 50 ms: one that gave
@@ -183,8 +185,21 @@ class CpuTurns:
             w = open(self.wait_path, "a")
             fcntl.flock(w, fcntl.LOCK_SH)
             return w
-        except OSError:
+        except OSError as exc:
+            self._no_wait_file(exc)
             return None
+
+    def _no_wait_file(self, exc: OSError) -> None:
+        """Said once: without the wait file, turns are neither shared nor given way."""
+        if not self._wait_file_failed:
+            self._wait_file_failed = True
+            log.warning(
+                "%s: cannot use %s (%s): turns at the CPUs are taken as they come, never "
+                "handed over mid-forward",
+                self.name,
+                self.wait_path,
+                exc,
+            )
 
     def _wait_for(self, f):
         # after a turn not had, one try each until the lock is seen free: a neighbour stuck

@@ -4,6 +4,7 @@ costs a bounded wait, counted, never a stopped worker."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import threading
@@ -165,3 +166,19 @@ def test_a_slice_is_never_negative(tmp_path):
         CpuTurns("w", [0, 1], 2, "on", 1.0, lock_dir=str(tmp_path), slice_s=-0.01)
     with pytest.raises(ValueError, match="cpu_turn_slice_ms"):
         DecodeConfig(cpu_turn_slice_ms=-1)
+
+
+def test_without_its_wait_file_a_worker_still_takes_turns_and_says_so_once(tmp_path, caplog):
+    turns = CpuTurns("decode-0", [0, 1], 2, "on", 0.2, lock_dir=str(tmp_path), slice_s=0.01)
+    os.mkdir(turns.wait_path)  # cannot be opened as a file
+    other = CpuTurns("prefill-0", [0, 1], 2, "on", 0.2, lock_dir=str(tmp_path), slice_s=0.01)
+    with caplog.at_level("WARNING", logger="servekit.cpus"):
+        for _ in range(3):
+            with turns.turn():
+                time.sleep(0.02)
+                assert turns.share() == 0.0  # nobody can say they wait: the turn is kept
+                with other.turn():  # exclusion still holds: the other times out, counted
+                    pass
+    assert other.timeouts == 3 and turns.passes == 0
+    said = [r for r in caplog.records if "turns at the CPUs are taken as they come" in r.message]
+    assert len(said) == 2  # once each

@@ -101,6 +101,28 @@ def test_triton_and_torch_match_dense_attention(case):
         assert err <= tol, f"{backend}: max abs error {err} > {tol} for {case}"
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(
+    "kv_heads,group,head_dim,block_size,lens",
+    [(3, 3, 64, 16, [1, 16, 37]), (1, 9, 128, 8, [70]), (2, 1, 64, 16, [5, 33])],
+)
+def test_the_dot_form_matches_dense_attention(kv_heads, group, head_dim, block_size, lens, dtype):
+    """The split kernel with its products as tl.dot (`form="dot"`: the group padded to 16 rows,
+    probabilities in the KV dtype), over NaN-poisoned slots past each sequence's end. bf16 is
+    left to the GPU tests: the interpreter's bf16 tl.dot is wrong."""
+    from kernels.paged_attention_triton import _full_source, _launch
+
+    q, k, v, table, seq_lens, dense = make_case(
+        1, len(lens), kv_heads, group, head_dim, block_size, lens, dtype
+    )
+    got = _launch(q, [_full_source(k, v, table, seq_lens)], None, kv_heads, head_dim, form="dot")
+    assert got.dtype == dtype and not got.isnan().any()
+    err = (got.double() - dense_attention(q, dense, head_dim**-0.5)).abs().max().item()
+    assert err <= TOL[dtype], f"max abs error {err}"
+    with pytest.raises(ValueError, match="form"):
+        _launch(q, [_full_source(k, v, table, seq_lens)], None, kv_heads, head_dim, form="mma")
+
+
 @settings(max_examples=6, deadline=None)
 @given(st.integers(0, 2**16), st.sampled_from([1, 3, 9]))
 def test_twins_agree_with_each_other_and_with_the_reference(seed, group):

@@ -53,6 +53,27 @@ def test_paged_attention_matches_twin_at_real_sizes(
     assert (got.float() - want.float()).abs().max().item() <= TOL[dtype]
 
 
+@pytest.mark.parametrize("dtype", list(TOL))
+@pytest.mark.parametrize("q_heads,kv_heads,head_dim", SHAPES)
+@pytest.mark.parametrize("batch,seq_len", [(8, 4096), (64, 1000)])
+def test_the_dot_form_matches_the_twin_at_real_sizes(
+    batch, seq_len, q_heads, kv_heads, head_dim, dtype
+):
+    """The split kernel with tensor-core products (`form="dot"`, bench/decode_attn_sweep.py's
+    alternative): bf16 products are checked here only, the interpreter's bf16 tl.dot being
+    wrong."""
+    from kernels.paged_attention_triton import _full_source, _launch
+
+    q, k_cache, v_cache, table, lens = paged_case(
+        batch, seq_len, q_heads, kv_heads, head_dim, dtype
+    )
+    source = _full_source(k_cache, v_cache, table, lens)
+    got = _launch(q, [source], None, kv_heads, head_dim, form="dot")
+    want = paged_decode_attention_torch(q, k_cache, v_cache, table, lens)
+    assert got.dtype == dtype and not got.isnan().any()
+    assert (got.float() - want.float()).abs().max().item() <= TOL[dtype]
+
+
 @pytest.mark.parametrize("bits", [2, 4])
 def test_kivi_quantize_and_attention_match_twins(bits):
     q, k_cache, v_cache, table, lens = paged_case(8, 4096, 9, 3, 64, torch.float16)
