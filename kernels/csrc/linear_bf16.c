@@ -254,6 +254,18 @@ static inline void hm_micro_rows(const int32_t *xp, int r0, int mr, const uint16
  * whole 1,024-token prefill 310 against 328 ms. (An earlier CPU measured that shape slower: 700
  * against 1,050 GFLOP/s at 512 rows.) */
 #define HM_AMX_K 32 /* inputs per tile step */
+/* Rows of x a thread takes through all of its panels before the next rows (the same panels
+ * each time: a static split, so no thread waits for the other between blocks). Why: a panel
+ * pair walked down every row wrote a row's 32 or 64 bytes and went on to a line thousands of
+ * bytes on, so with 1,024 rows (3-6 MB of output) the lines had left the L2 before the rows
+ * came back for them (with SwiGLU, for the other half of each line): the stores, not the
+ * tiles, set the pace (without the stores the tiles ran gate/up at 3.1 TFLOP/s, with them
+ * 1.65). 256 rows keep a thread's share of the output (768 KB for gate/up) in its L2. Each row
+ * of a pair's 32 columns also goes out as one 64-byte store. On the 2-core AMX Xeon, 1,024
+ * rows of SmolLM2's layer (QKV, O + residual, gate/up + SwiGLU, down + residual) took
+ * 3.47-3.53 against 3.99 ms, 2,048 rows 6.9 against 11.2; 512 rows (two blocks) the same;
+ * 128-row blocks measured alike, 64 slower. */
+#define HM_AMX_BLOCK_ROWS 256
 
 static void hm_amx_config(int rows) {
   hm_tilecfg cfg;
@@ -298,8 +310,19 @@ static void hm_amx_emit(const float *a0, const float *a1, int rows, uint16_t *ou
     }
     return;
   }
-  hm_amx_store(a0, rows, out, ldo, add);
-  if (two) hm_amx_store(a1, rows, out + HM_NR, ldo, add);
+  if (!two) {
+    hm_amx_store(a0, rows, out, ldo, add);
+    return;
+  }
+  for (int r = 0; r < rows; r++) { /* a row's 32 columns: one 64-byte store */
+    __m512 v0 = _mm512_loadu_ps(a0 + r * 16), v1 = _mm512_loadu_ps(a1 + r * 16);
+    if (add) {
+      v0 = _mm512_add_ps(v0, hm_bf16_to_ps(out + r * ldo));
+      v1 = _mm512_add_ps(v1, hm_bf16_to_ps(out + r * ldo + HM_NR));
+    }
+    const __m512bh o = _mm512_cvtne2ps_pbh(v1, v0);
+    memcpy(out + r * ldo, &o, sizeof o);
+  }
 }
 
 /* out = x times the panels' W^T (+ out where `add`); with `silu`, the panels are gate's then
@@ -317,77 +340,80 @@ static void hm_linear_bf16_amx(const uint16_t *x, int64_t ldx, int m, const uint
   {
     float acc[4][16 * 16] __attribute__((aligned(64)));
     int configured = 0;
-#pragma omp for schedule(static)
-    for (int g = 0; g < pairs; g++) {
-      const int p0 = step * g, two = silu || p0 + 1 < np;
-      const uint16_t *b0 = panels + p0 * panel_elems, *b1 = b0 + second;
-      uint16_t *col = out + (int64_t)g * HM_NR * (silu ? 1 : 2);
-      /* the next pair's lines of each step kk are prefetched with this pair's: 1 KB of each of
-       * its two panels, in flight while these work */
-      const uint16_t *next0 = b0 + step * panel_elems, *next1 = next0 + second;
-      int prefetch = g + 1 < pairs;
+    for (int m0 = 0; m0 < m; m0 += HM_AMX_BLOCK_ROWS) {
+      const int m1 = m0 + HM_AMX_BLOCK_ROWS < m ? m0 + HM_AMX_BLOCK_ROWS : m;
+#pragma omp for schedule(static) nowait
+      for (int g = 0; g < pairs; g++) {
+        const int p0 = step * g, two = silu || p0 + 1 < np;
+        const uint16_t *b0 = panels + p0 * panel_elems, *b1 = b0 + second;
+        uint16_t *col = out + (int64_t)g * HM_NR * (silu ? 1 : 2);
+        /* the next pair's lines of each step kk are prefetched with this pair's: 1 KB of each of
+         * its two panels, in flight while these work */
+        const uint16_t *next0 = b0 + step * panel_elems, *next1 = next0 + second;
+        int prefetch = g + 1 < pairs;
 #define HM_AMX_PREFETCH(kk)                                                           \
   if (prefetch)                                                                       \
     for (int line = 0; line < 16 * 64; line += 64) {                                  \
       _mm_prefetch((const char *)(next0 + (int64_t)(kk) * HM_NR) + line, _MM_HINT_T0); \
       _mm_prefetch((const char *)(next1 + (int64_t)(kk) * HM_NR) + line, _MM_HINT_T0); \
     }
-      int r0 = 0;
-      if (two && m >= 32) { /* 32 rows at a time: each tile loaded feeds two products */
-        if (configured != 32) {
-          hm_amx_config_2x2();
-          configured = 32;
+        int r0 = m0;
+        if (two && m1 - m0 >= 32) { /* 32 rows at a time: each tile loaded feeds two products */
+          if (configured != 32) {
+            hm_amx_config_2x2();
+            configured = 32;
+          }
+          for (; r0 + 32 <= m1; r0 += 32, prefetch = 0) {
+            const uint16_t *xr = x + (int64_t)r0 * ldx, *xr2 = xr + 16 * ldx;
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
+            for (int kk = 0; kk < k; kk += HM_AMX_K) {
+              HM_AMX_PREFETCH(kk)
+              _tile_loadd(4, xr + kk, ldx * 2);
+              _tile_loadd(6, b0 + (int64_t)kk * HM_NR, 64);
+              _tile_dpbf16ps(0, 4, 6);
+              _tile_loadd(7, b1 + (int64_t)kk * HM_NR, 64);
+              _tile_dpbf16ps(1, 4, 7);
+              _tile_loadd(5, xr2 + kk, ldx * 2);
+              _tile_dpbf16ps(2, 5, 6);
+              _tile_dpbf16ps(3, 5, 7);
+            }
+            _tile_stored(0, acc[0], 64);
+            _tile_stored(1, acc[1], 64);
+            _tile_stored(2, acc[2], 64);
+            _tile_stored(3, acc[3], 64);
+            uint16_t *o = col + (int64_t)r0 * ldo;
+            hm_amx_emit(acc[0], acc[1], 16, o, ldo, add, 1, silu);
+            hm_amx_emit(acc[2], acc[3], 16, o + 16 * ldo, ldo, add, 1, silu);
+          }
         }
-        for (; r0 + 32 <= m; r0 += 32, prefetch = 0) {
-          const uint16_t *xr = x + (int64_t)r0 * ldx, *xr2 = xr + 16 * ldx;
+        for (; r0 < m1; r0 += 16, prefetch = 0) {
+          const int rows = m1 - r0 < 16 ? m1 - r0 : 16;
+          if (configured != rows) {
+            hm_amx_config(rows);
+            configured = rows;
+          }
+          const uint16_t *xr = x + (int64_t)r0 * ldx;
           _tile_zero(0);
           _tile_zero(1);
-          _tile_zero(2);
-          _tile_zero(3);
           for (int kk = 0; kk < k; kk += HM_AMX_K) {
             HM_AMX_PREFETCH(kk)
-            _tile_loadd(4, xr + kk, ldx * 2);
-            _tile_loadd(6, b0 + (int64_t)kk * HM_NR, 64);
-            _tile_dpbf16ps(0, 4, 6);
-            _tile_loadd(7, b1 + (int64_t)kk * HM_NR, 64);
-            _tile_dpbf16ps(1, 4, 7);
-            _tile_loadd(5, xr2 + kk, ldx * 2);
-            _tile_dpbf16ps(2, 5, 6);
-            _tile_dpbf16ps(3, 5, 7);
+            _tile_loadd(2, xr + kk, ldx * 2);
+            _tile_loadd(3, b0 + (int64_t)kk * HM_NR, 64);
+            _tile_dpbf16ps(0, 2, 3);
+            if (two) {
+              _tile_loadd(4, b1 + (int64_t)kk * HM_NR, 64);
+              _tile_dpbf16ps(1, 2, 4);
+            }
           }
           _tile_stored(0, acc[0], 64);
-          _tile_stored(1, acc[1], 64);
-          _tile_stored(2, acc[2], 64);
-          _tile_stored(3, acc[3], 64);
-          uint16_t *o = col + (int64_t)r0 * ldo;
-          hm_amx_emit(acc[0], acc[1], 16, o, ldo, add, 1, silu);
-          hm_amx_emit(acc[2], acc[3], 16, o + 16 * ldo, ldo, add, 1, silu);
+          if (two) _tile_stored(1, acc[1], 64);
+          hm_amx_emit(acc[0], acc[1], rows, col + (int64_t)r0 * ldo, ldo, add, two, silu);
         }
-      }
-      for (; r0 < m; r0 += 16, prefetch = 0) {
-        const int rows = m - r0 < 16 ? m - r0 : 16;
-        if (configured != rows) {
-          hm_amx_config(rows);
-          configured = rows;
-        }
-        const uint16_t *xr = x + (int64_t)r0 * ldx;
-        _tile_zero(0);
-        _tile_zero(1);
-        for (int kk = 0; kk < k; kk += HM_AMX_K) {
-          HM_AMX_PREFETCH(kk)
-          _tile_loadd(2, xr + kk, ldx * 2);
-          _tile_loadd(3, b0 + (int64_t)kk * HM_NR, 64);
-          _tile_dpbf16ps(0, 2, 3);
-          if (two) {
-            _tile_loadd(4, b1 + (int64_t)kk * HM_NR, 64);
-            _tile_dpbf16ps(1, 2, 4);
-          }
-        }
-        _tile_stored(0, acc[0], 64);
-        if (two) _tile_stored(1, acc[1], 64);
-        hm_amx_emit(acc[0], acc[1], rows, col + (int64_t)r0 * ldo, ldo, add, two, silu);
-      }
 #undef HM_AMX_PREFETCH
+      }
     }
     if (configured) _tile_release();
   }
