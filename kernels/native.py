@@ -161,7 +161,7 @@ def _library() -> tuple[ctypes.CDLL | None, str]:
     lib.hm_argmax_f32.restype = None
     lib.hm_argmax_f32.argtypes = [_ptr, _i64, _i32, _i64, _ptr, _i32]
     lib.hm_copy_hashed.restype = None
-    lib.hm_copy_hashed.argtypes = [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _ptr, _ptr]
+    lib.hm_copy_hashed.argtypes = [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _ptr, _ptr, _i32]
     lib.hm_copy_checked.restype = _i64
     lib.hm_copy_checked.argtypes = [_ptr, _ptr, _ptr, _ptr, _i64, _ptr, *[_i64] * 6, _ptr, _ptr]
     lib.hm_seal_headers.restype = None
@@ -802,10 +802,12 @@ def copy_hashed(
     src_offsets: list[int],
     nbytes: int,
     layer_bytes: int,
+    threads: int | None = None,
 ) -> np.ndarray:
     """For each i: dst[dst_offsets[i]:][:nbytes] = src[src_offsets[i]:][:nbytes] (flat uint8
     arrays), and the XXH3-64 of each `layer_bytes` layer of each copy, hashed while it is in
-    cache: uint64 [len(offsets), layers]. Call only where copy_hashed_available()."""
+    cache: uint64 [len(offsets), layers]. A batch of 256 KiB or more is shared among `threads`
+    (default: torch's intra-op threads). Call only where copy_hashed_available()."""
     lib, _ = _library()
     if len(dst_offsets) != len(src_offsets):
         raise ValueError("copy_hashed: flat contiguous uint8 arrays, one offset each per block")
@@ -817,6 +819,7 @@ def copy_hashed(
     lib.hm_copy_hashed(
         dst.ctypes.data, d_off.ctypes.data, src.ctypes.data, s_off.ctypes.data, len(d_off),
         nbytes, layer_bytes, _xxh3_64(), sums.ctypes.data,
+        torch.get_num_threads() if threads is None else threads,
     )  # fmt: skip
     return sums
 

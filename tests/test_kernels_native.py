@@ -300,6 +300,27 @@ def test_copy_hashed_copies_blocks_and_hashes_their_layers_as_the_block_format_d
     assert np.array_equal(dst, before)
 
 
+def test_a_large_batch_is_copied_and_hashed_alike_on_one_thread_and_on_several():
+    """From 256 KiB a batch's blocks are shared among threads (a prefill's layer-wise publish):
+    every block lands where its offset says, with its own layers' sums, as on one thread."""
+    from kvstore.block_header import checksum
+
+    g = np.random.default_rng(1)
+    count, nbytes, layer = 40, 12_288, 4_096  # 480 KiB: past the threshold
+    src = g.integers(0, 255, count * nbytes * 2, dtype=np.uint8)
+    src_off = [int(o) * nbytes for o in g.permutation(2 * count)[:count]]
+    dst_off = [i * (nbytes + 64) for i in range(count)][::-1]
+    out = {}
+    for threads in (1, 2):
+        dst = np.zeros(count * (nbytes + 64), dtype=np.uint8)
+        sums = kernels.copy_hashed(dst, dst_off, src, src_off, nbytes, layer, threads=threads)
+        for d, s_, row in zip(dst_off, src_off, sums.tolist()):
+            assert np.array_equal(dst[d : d + nbytes], src[s_ : s_ + nbytes])
+            assert row == [checksum(dst[d + o : d + o + layer]) for o in range(0, nbytes, layer)]
+        out[threads] = (dst, sums)
+    assert np.array_equal(out[1][0], out[2][0]) and np.array_equal(out[1][1], out[2][1])
+
+
 def test_copy_checked_copies_a_run_of_encoded_blocks_and_stops_at_the_first_bad_one():
     """The shared-memory get's run copy (csrc/copy_hashed.c hm_copy_checked): blocks encoded by
     the block format are copied while each header matches the run's layout, its own checksum

@@ -301,22 +301,24 @@ def test_bf16_element_wise_steps_round_where_the_reference_rounds(rows, dim):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 16, 100])
-def test_rope_in_place_gives_the_reference_bits(rows, dtype):
+@pytest.mark.parametrize("dim", [8, 64])
+def test_rope_in_place_gives_the_reference_bits(rows, dim, dtype):
     """kernels.rope_ rotates q and k inside the projection's output, in place (one C pass
     where the kernels take it, torch's ops elsewhere), to the reference's bits: HF's
     rotate-half over torch ops, rounding after each op in bf16. The v columns beside them
-    stay as they were. 100 rows split among threads."""
+    stay as they were. 100 rows split among threads; head_dim 64 takes the 16-lane path (halves
+    a multiple of 16), 8 the lane-at-a-time one."""
     g = torch.Generator().manual_seed(rows)
-    qkv = torch.randn(rows, 20 * 8, generator=g).to(dtype)
-    x = qkv[:, : 16 * 8].view(rows, 16, 8)  # q and k heads: a strided view, rows 160 apart
-    freqs = torch.arange(rows).float()[:, None] * torch.rand(4, generator=g)[None]
+    qkv = torch.randn(rows, 20 * dim, generator=g).to(dtype)
+    x = qkv[:, : 16 * dim].view(rows, 16, dim)  # q and k heads: a strided view
+    freqs = torch.arange(rows).float()[:, None] * torch.rand(dim // 2, generator=g)[None]
     cos, sin = freqs.cos().to(dtype)[:, None], freqs.sin().to(dtype)[:, None]
     x1, x2 = x.chunk(2, dim=-1)
     want = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-    v = qkv[:, 16 * 8 :].clone()
+    v = qkv[:, 16 * dim :].clone()
     assert kernels.rope_(x, cos, sin) is x
     assert torch.equal(x, want)
-    assert torch.equal(qkv[:, 16 * 8 :], v)
+    assert torch.equal(qkv[:, 16 * dim :], v)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -153,14 +153,17 @@ static inline __m512bh hm_bcast_pair(const uint16_t *x) {
 /* 2^y of 16 lanes (y <= 0, or -inf: 0) to bf16's precision, for the probabilities, which are
  * rounded to bf16 before P.V: a degree-3 polynomial on [-0.5, 0.5] (relative error below 8e-5,
  * against bf16's rounding step of 2^-8) and no clamp (scalef takes 2^n to 0 far below 0). The
- * bf16 panels score in powers of two: scale times log2(e) in one multiply, m in those units. */
-static inline __m512 hm_exp2_bf16(__m512 y) {
+ * bf16 panels score in powers of two: scale times log2(e) in one multiply, m in those units.
+ * Only a masked block has -inf lanes (`masked`, a constant where it is inlined): the others
+ * skip the compare that takes them to 0. */
+static inline __attribute__((always_inline)) __m512 hm_exp2_bf16(__m512 y, const int masked) {
   const __m512 n = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_sub_ps(y, n);
   __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(0.05518098f), f, _mm512_set1_ps(0.24263459f));
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.69326131f));
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.9999262f));
   const __m512 r = _mm512_scalef_ps(p, n);
+  if (!masked) return r;
   return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(y, _mm512_set1_ps(-INFINITY), _CMP_GT_OQ), r);
 }
 
@@ -196,8 +199,14 @@ static inline __attribute__((always_inline)) float hm_softmax_row(const __m512 *
   const __m512 vm = _mm512_set1_ps(mnew);
   __m512 sum = _mm512_setzero_ps();
   for (int c = 0; c < HM_NC; c += 2) {
-    const __m512 p0 = hm_exp2_bf16(_mm512_sub_ps(x[c], vm));
-    const __m512 p1 = hm_exp2_bf16(_mm512_sub_ps(x[c + 1], vm));
+    __m512 p0, p1;
+    if (masked) {
+      p0 = hm_exp2_bf16(_mm512_sub_ps(x[c], vm), 1);
+      p1 = hm_exp2_bf16(_mm512_sub_ps(x[c + 1], vm), 1);
+    } else {
+      p0 = hm_exp2_bf16(_mm512_sub_ps(x[c], vm), 0);
+      p1 = hm_exp2_bf16(_mm512_sub_ps(x[c + 1], vm), 0);
+    }
     sum = _mm512_add_ps(sum, _mm512_add_ps(p0, p1));
     const __m512bh packed = _mm512_cvtne2ps_pbh(p1, p0);
     memcpy(pb + 16 * c, &packed, sizeof packed);
