@@ -23,4 +23,26 @@ static inline uint16_t hm_round_bf16(float f) {
 /* f rounded to bf16, as fp32 */
 static inline float hm_bf16_round(float f) { return hm_bf16_scalar(hm_round_bf16(f)); }
 
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+/* The same 16 lanes at a time (the conversion rounds to nearest even and flushes values below
+ * bf16's normal range to zero). */
+static inline __m512 hm_bf16_to_ps(const uint16_t *src) {
+  const __m256i v = _mm256_loadu_si256((const __m256i *)src);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
+}
+
+static inline __m512 hm_round_ps(__m512 v) { /* v rounded to bf16, back in fp32 */
+  const __m256bh h = _mm512_cvtneps_pbh(v);
+  __m256i bits;
+  memcpy(&bits, &h, sizeof bits);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+
+static inline void hm_store_bf16(uint16_t *dst, __m512 v) {
+  const __m256bh h = _mm512_cvtneps_pbh(v);
+  memcpy(dst, &h, sizeof h);
+}
+#endif
+
 #endif

@@ -63,23 +63,6 @@ void hm_linear_bf16_pack(const uint16_t *w, int n, int k, uint16_t *panels, int 
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
-static inline __m512 hm_bf16_to_ps(const uint16_t *src) {
-  const __m256i v = _mm256_loadu_si256((const __m256i *)src);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
-}
-
-static inline __m512 hm_round_ps(__m512 v) { /* v rounded to bf16, back in fp32 */
-  const __m256bh h = _mm512_cvtneps_pbh(v);
-  __m256i bits;
-  memcpy(&bits, &h, sizeof bits);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
-}
-
-static inline void hm_store_bf16(uint16_t *dst, __m512 v) {
-  const __m256bh h = _mm512_cvtneps_pbh(v);
-  memcpy(dst, &h, sizeof h);
-}
-
 /* bf16(bf16(silu(g)) * u) of 16 lanes of bf16 values g and u (held in fp32), as the reference's
  * two ops round: SwiGLU's step, whether it reads gate/up from memory or from the matmul. */
 static inline __m512 hm_silu_mul16(__m512 g, __m512 u) {

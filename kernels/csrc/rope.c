@@ -12,30 +12,12 @@
 #include "hm_bf16.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
-#include <immintrin.h>
 /* 16 lanes at a time, for halves that are a multiple of 16 (head_dim 32, 64, 128, ...). Why: one
  * lane at a time a 1,024-token prefill of SmolLM2 spent 0.25 ms a layer here (7.5 ms of a
  * 234 ms forward on a 2-core AMX Xeon), ten times its matmul's share of the bytes. The
  * roundings are the scalar path's (nearest even; the instruction flushes values below bf16's
  * normal range to zero, as the matmuls' own conversions do). */
 #define HM_ROPE_VEC 16
-
-static inline __m512 hm_rope_load(const uint16_t *p) {
-  const __m256i v = _mm256_loadu_si256((const __m256i *)p);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
-}
-
-static inline __m512 hm_rope_round(__m512 v) { /* v rounded to bf16, back in fp32 */
-  const __m256bh h = _mm512_cvtneps_pbh(v);
-  __m256i bits;
-  memcpy(&bits, &h, sizeof bits);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
-}
-
-static inline void hm_rope_store(uint16_t *p, __m512 v) {
-  const __m256bh h = _mm512_cvtneps_pbh(v);
-  memcpy(p, &h, sizeof h);
-}
 #endif
 
 enum { HM_ROPE_F32 = 0, HM_ROPE_BF16 = 1 };
@@ -70,12 +52,12 @@ void hm_rope_row(void *x, int64_t ldx, int64_t ldh, int n, int heads, int d, con
       int i0 = 0;
 #ifdef HM_ROPE_VEC
       for (; i0 + HM_ROPE_VEC <= half; i0 += HM_ROPE_VEC) {
-        const __m512 x1 = hm_rope_load(a + i0), x2 = hm_rope_load(b + i0);
-        const __m512 ci = hm_rope_load(c + i0), si = hm_rope_load(s + i0);
-        hm_rope_store(a + i0, _mm512_sub_ps(hm_rope_round(_mm512_mul_ps(x1, ci)),
-                                            hm_rope_round(_mm512_mul_ps(x2, si))));
-        hm_rope_store(b + i0, _mm512_add_ps(hm_rope_round(_mm512_mul_ps(x2, ci)),
-                                            hm_rope_round(_mm512_mul_ps(x1, si))));
+        const __m512 x1 = hm_bf16_to_ps(a + i0), x2 = hm_bf16_to_ps(b + i0);
+        const __m512 ci = hm_bf16_to_ps(c + i0), si = hm_bf16_to_ps(s + i0);
+        hm_store_bf16(a + i0, _mm512_sub_ps(hm_round_ps(_mm512_mul_ps(x1, ci)),
+                                            hm_round_ps(_mm512_mul_ps(x2, si))));
+        hm_store_bf16(b + i0, _mm512_add_ps(hm_round_ps(_mm512_mul_ps(x2, ci)),
+                                            hm_round_ps(_mm512_mul_ps(x1, si))));
       }
 #endif
       for (int i = i0; i < half; i++) {
