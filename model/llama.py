@@ -450,12 +450,12 @@ class LlamaModel(nn.Module):
             v_cache[slot_block, slot_off] = v.to(pool.dtype)
             if on_layer_done is not None:
                 on_layer_done(li)
-            attn = torch.cat(
-                [
-                    self._attend(p, q[s:e], k[s:e], v[s:e], k_cache, v_cache)
-                    for p, s, e in zip(plans, bounds[:-1], bounds[1:])
-                ]
-            )
+            attns = [
+                self._attend(p, q[s:e], k[s:e], v[s:e], k_cache, v_cache)
+                for p, s, e in zip(plans, bounds[:-1], bounds[1:])
+            ]
+            # one sequence (a long prompt's forward): its output as it is, not copied by cat
+            attn = attns[0] if len(attns) == 1 else torch.cat(attns)
             kernels.linear_add_(x, attn, layer.o_proj)
             x = self._mlp(layer, x)
         logits = self._logits(x[torch.tensor(bounds[1:]) - 1])
