@@ -193,8 +193,10 @@ static inline __attribute__((always_inline)) float hm_softmax_row(const __m512 *
   }
   const float mx = _mm512_reduce_max_ps(mxv);
   const float mnew = mx > *m ? mx : *m;
-  /* key 0 is in every row's first block, so mnew is finite from the first block on */
-  const float alpha = hm_exp((*m - mnew) * HM_LN2); /* 0 on the first block (m = -inf) */
+  /* key 0 is in every row's first block, so mnew is finite from the first block on; 0 on the
+   * first block (m = -inf), and exactly 1 (hm_exp(0)) where the max stayed, as most blocks past
+   * the first few find: that scalar e^x is skipped there */
+  const float alpha = mnew == *m ? 1.0f : hm_exp((*m - mnew) * HM_LN2);
   *m = mnew;
   const __m512 vm = _mm512_set1_ps(mnew);
   __m512 sum = _mm512_setzero_ps();
@@ -531,8 +533,9 @@ static inline __attribute__((always_inline)) void hm_panel_f(
     }
     const float mx = hm_hmax8(mxv);
     const float mnew = mx > m[r] ? mx : m[r];
-    /* key 0 is in every row's first block, so mnew is finite from the first block on */
-    alpha[r] = hm_exp(m[r] - mnew); /* 0 on the first block (m = -inf) */
+    /* key 0 is in every row's first block, so mnew is finite from the first block on; 0 on the
+     * first block (m = -inf), exactly 1 where the max stayed (hm_softmax_row's shortcut) */
+    alpha[r] = mnew == m[r] ? 1.0f : hm_exp(m[r] - mnew);
     m[r] = mnew;
     const __m256 vm = _mm256_set1_ps(mnew);
     __m256 sum = _mm256_setzero_ps();
