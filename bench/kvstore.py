@@ -10,11 +10,10 @@ batch API), and whatever a put needs to start from an empty store (halfmoon's Cl
 remove_all) and fresh keys happens outside the timed call. Store rates count value bytes once
 (`put_gbps`, `get_gbps`). A copy reads and writes its bytes, so copy bandwidth is counted both ways
 (`memcpy_rw_gbps`), and the shared-memory path, one copy per value, is put beside it on the same
-convention (`put_rw_gbps`, `get_rw_gbps`, twice its value rate), on one thread as the memcpy
-is (--copy-threads: a worker shares a large batch's copies among its torch threads). Mooncake's
-put is the better of its put_batch and its zero-copy batch_put_from, its get the better of
-get_batch and batch_get_into. The JSON records the load average at start and end, the CPU
-pressure and the CPU flags: on a shared machine the figures compare only at like load.
+convention (`put_rw_gbps`, `get_rw_gbps`, twice its value rate). Mooncake's put is the better of
+its put_batch and its zero-copy batch_put_from, its get the better of get_batch and
+batch_get_into. The JSON records the load average at start and end, the CPU pressure and the CPU
+flags: on a shared machine the figures compare only at like load.
 
 Mooncake runs from its own venv (default /tmp/mooncake-venv, or $MOONCAKE_PYTHON):
 python3 -m venv /tmp/mooncake-venv &&
@@ -384,13 +383,6 @@ def main() -> int:
     )
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--chunk-kib", type=int, default=1024, help="the node's gRPC chunk size")
-    p.add_argument(
-        "--copy-threads",
-        type=int,
-        default=1,
-        help="threads of this client's shared-memory copies (a batch of 256 KiB or more is "
-        "shared among torch's threads, as in a worker); 1: as the memcpy baseline",
-    )
     p.add_argument("--skip-mooncake", action="store_true")
     p.add_argument(
         "--mooncake-python",
@@ -402,7 +394,6 @@ def main() -> int:
         print("--repeats must be at least 3 (figures are medians)", file=sys.stderr)
         return 2
     total = args.total_mib << 20
-    torch.set_num_threads(max(1, args.copy_threads))  # like for like with the one-thread memcpy
     load_start = os.getloadavg()
     print(
         f"kvstore bench: {args.total_mib} MiB per call, median of {args.repeats}; "
@@ -444,7 +435,6 @@ def main() -> int:
         "cpus": os.cpu_count(),
         "cpu_flags": cpu_flags(),
         "memcpy_rw_gbps": round(memcpy_rw, 3),
-        "copy_threads": torch.get_num_threads(),
         # shm against memcpy, both counted read+write: the least favourable size, then each size
         "shm_get_vs_memcpy": round(min(shm[s]["get_rw_gbps"] for s in SIZES) / memcpy_rw, 3),
         "shm_put_vs_memcpy": round(min(shm[s]["put_rw_gbps"] for s in SIZES) / memcpy_rw, 3),

@@ -802,12 +802,13 @@ def copy_hashed(
     src_offsets: list[int],
     nbytes: int,
     layer_bytes: int,
-    threads: int | None = None,
+    threads: int = 1,
 ) -> np.ndarray:
     """For each i: dst[dst_offsets[i]:][:nbytes] = src[src_offsets[i]:][:nbytes] (flat uint8
     arrays), and the XXH3-64 of each `layer_bytes` layer of each copy, hashed while it is in
     cache: uint64 [len(offsets), layers]. A batch of 256 KiB or more is shared among `threads`
-    (default: torch's intra-op threads). Call only where copy_hashed_available()."""
+    (for a caller whose other threads would only wait: a prefill between two layers). Call only
+    where copy_hashed_available()."""
     lib, _ = _library()
     if len(dst_offsets) != len(src_offsets):
         raise ValueError("copy_hashed: flat contiguous uint8 arrays, one offset each per block")
@@ -819,7 +820,7 @@ def copy_hashed(
     lib.hm_copy_hashed(
         dst.ctypes.data, d_off.ctypes.data, src.ctypes.data, s_off.ctypes.data, len(d_off),
         nbytes, layer_bytes, _xxh3_64(), sums.ctypes.data,
-        torch.get_num_threads() if threads is None else threads,
+        max(1, threads),
     )  # fmt: skip
     return sums
 

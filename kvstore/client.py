@@ -83,14 +83,14 @@ _FUSED_COPY_BYTES = 2 << 20  # blocks up to this are copied whole before their l
 
 def _copy_hashed(
     dst: np.ndarray, dst_offsets: list[int], src: np.ndarray, src_offsets: list[int], nbytes: int,
-    layer_bytes: int,
+    layer_bytes: int, threads: int = 1,
 ) -> list[list[int]]:  # fmt: skip
     """dst[dst_offsets[i]:][:nbytes] = src[src_offsets[i]:][:nbytes] for each block i (flat
     uint8 arrays); the checksum of each layer of each copy, taken while it is still in cache (one
     pass over memory instead of two): one C call for the batch where the kernels are built
     (kernels/csrc/copy_hashed.c), else block by block here."""
     if kernels.copy_hashed_available():
-        sums = kernels.copy_hashed(dst, dst_offsets, src, src_offsets, nbytes, layer_bytes)
+        sums = kernels.copy_hashed(dst, dst_offsets, src, src_offsets, nbytes, layer_bytes, threads)
         return sums.tolist()
     step = nbytes if nbytes <= _FUSED_COPY_BYTES else layer_bytes  # big: copy, hash by layer
     mv, out = memoryview(dst), []
@@ -827,9 +827,12 @@ class BlockWriter:
         contiguous CPU pool of the blocks exactly as they are stored (only shared memory)."""
         return False
 
-    def copy_layer(self, layer: int, pool: np.ndarray, offsets: list[int]) -> None:
+    def copy_layer(
+        self, layer: int, pool: np.ndarray, offsets: list[int], threads: int = 1
+    ) -> None:
         """`write_layer` of layer `layer` read where it lies: key i's layer at byte offsets[i] of
-        the pool's bytes (flat uint8), hashed in the pass that copies it."""
+        the pool's bytes (flat uint8), hashed in the pass that copies it; on `threads` threads
+        (a caller whose other threads would only wait)."""
         raise NotImplementedError
 
     def commit(self) -> PutResult: ...
@@ -914,7 +917,7 @@ class _ShmWriter(BlockWriter):
     def can_copy_layers(self, pool: torch.Tensor) -> bool:
         return pool.device.type == "cpu" and pool.is_contiguous() and self._fits_whole(pool)
 
-    def copy_layer(self, layer, pool, offsets):
+    def copy_layer(self, layer, pool, offsets, threads=1):
         if self.closed:
             raise RuntimeError("writer already committed or aborted")
         self._renew()
@@ -922,7 +925,7 @@ class _ShmWriter(BlockWriter):
         slots = list(self.slots)
         sums = _copy_hashed(
             self.client.slab.array, [off + h.layer_offset(layer) for _, off in slots], pool,
-            [offsets[i] for i, _ in slots], h.layer_bytes, h.layer_bytes,
+            [offsets[i] for i, _ in slots], h.layer_bytes, h.layer_bytes, threads,
         )  # fmt: skip
         for (i, _), block_sums in zip(slots, sums):
             self.sums[i][layer] = block_sums[0]

@@ -164,8 +164,12 @@ class LayerPublisher:
             if self._inline_error is None:
                 try:
                     shift = layer * self._layer_bytes
+                    # the forward's threads would only wait for this copy: they share it
                     self._writer.copy_layer(
-                        layer, self._pool_bytes, [o + shift for o in self._offsets]
+                        layer,
+                        self._pool_bytes,
+                        [o + shift for o in self._offsets],
+                        threads=torch.get_num_threads(),
                     )
                 except Exception as exc:  # noqa: BLE001 - raised again at finish (aborts)
                     self._inline_error = exc
