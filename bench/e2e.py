@@ -478,12 +478,12 @@ def main(argv=None) -> int:
 
     import torch
 
-    from bench.machine import cpu_flags, finish
+    from bench.machine import cpu_flags, fastest_dtype, finish
     from model import load_model
 
     flags = cpu_flags()
     if args.dtype == "auto":
-        args.dtype = "bfloat16" if flags.get("avx512_bf16") else "float32"
+        args.dtype = fastest_dtype(flags)
     load_start = os.getloadavg()[0]
     say(
         f"loading {args.model} ({args.dtype}); {os.cpu_count()} CPUs, "

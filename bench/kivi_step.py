@@ -21,29 +21,17 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.machine import finish  # noqa: E402
+from bench.machine import fastest_dtype, finish, median_s  # noqa: E402
 
 
 def say(*a) -> None:
     print(*a, flush=True)
-
-
-def median_ms(fn, repeats: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1000.0
 
 
 def main(argv=None) -> int:
@@ -83,10 +71,8 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     load0 = os.getloadavg()[0]
-    from bench.machine import cpu_flags
-
     if args.dtype == "auto":
-        args.dtype = "bfloat16" if cpu_flags().get("avx512_bf16") else "float32"
+        args.dtype = fastest_dtype()
     if args.window_dtype == "auto":
         args.window_dtype = "bfloat16" if args.dtype == "bfloat16" else "float16"
     lm = load_model(args.model, getattr(torch, args.dtype))
@@ -131,12 +117,12 @@ def main(argv=None) -> int:
         row = {}
         # attention over one token: what the step costs without context
         one = torch.zeros(b, dtype=torch.long)
-        row["no_context"] = median_ms(lambda: m.decode(tok, pool, tables, one), args.repeats)
+        row["no_context"] = 1e3 * median_s(lambda: m.decode(tok, pool, tables, one), args.repeats)
         for be in backends:
             row[f"kv16_{be}"] = with_backend(
                 "paged_decode_attention",
                 be,
-                lambda: median_ms(lambda: m.decode(tok, pool, tables, pos), args.repeats),
+                lambda: 1e3 * median_s(lambda: m.decode(tok, pool, tables, pos), args.repeats),
             )
         for bits in (4, 2):
             layout = KiviKVLayout(
@@ -162,8 +148,11 @@ def main(argv=None) -> int:
                 row[f"kivi{bits}_{be}"] = with_backend(
                     "paged_decode_attention_kivi_window",
                     be,
-                    lambda: median_ms(
-                        lambda: m.decode_kivi(tok, kp, ptab, plens, wtab, pos), args.repeats
+                    lambda: (
+                        1e3
+                        * median_s(
+                            lambda: m.decode_kivi(tok, kp, ptab, plens, wtab, pos), args.repeats
+                        )
                     ),
                 )
         say(f"batch {b:3d}: " + "  ".join(f"{k} {v:7.1f} ms" for k, v in row.items()))

@@ -25,6 +25,12 @@ def cpu_flags() -> dict[str, bool]:
     }
 
 
+def fastest_dtype(flags: dict[str, bool] | None = None) -> str:
+    """What `--dtype auto` means in the benchmarks: bfloat16 where the CPU has AVX-512 BF16,
+    else float32 (bf16 is emulated there, 5-7x slower)."""
+    return "bfloat16" if (cpu_flags() if flags is None else flags).get("avx512_bf16") else "float32"
+
+
 def median_s(fn, repeats: int, warmup: bool = True) -> float:
     """Median wall seconds of `repeats` calls of fn (after one untimed call when `warmup`): this
     machine is shared and noisy, so medians, not means."""

@@ -29,15 +29,11 @@ sys.path.insert(0, str(ROOT))
 
 from bench.e2e import process_cluster  # noqa: E402
 from bench.machine import finish  # noqa: E402
+from client import percentiles  # noqa: E402
 
 
 def say(*a) -> None:
     print(*a, flush=True)
-
-
-def percentile(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else 0.0
 
 
 def stream(stub, ids: list[int], max_tokens: int) -> tuple[float, list[float]]:
@@ -121,19 +117,19 @@ def run_setting(lm, args, slice_ms: float) -> dict:
             x = rounds[-1]
             say(
                 f"  slice {slice_ms:g} ms, round {r + 1}/{args.repeats}: gaps during prefill "
-                f"p50 {percentile(x['during'], 0.5):.0f} p99 {percentile(x['during'], 0.99):.0f} "
+                f"p50 {percentiles(x['during']).p50:.0f} p99 {percentiles(x['during']).p99:.0f} "
                 f"max {max(x['during']):.0f} ms (outside p50 "
-                f"{percentile(x['outside'], 0.5):.0f}); cold TTFT "
+                f"{percentiles(x['outside']).p50:.0f}); cold TTFT "
                 f"{statistics.median(x['ttfts']):.0f} ms; streams {x['tok_s']:.0f} tok/s"
             )
     finally:
         cluster.stop()
     med = lambda f: statistics.median(f(x) for x in rounds)  # noqa: E731
     return {
-        "tbt_during_prefill_p50_ms": med(lambda x: percentile(x["during"], 0.5)),
-        "tbt_during_prefill_p99_ms": med(lambda x: percentile(x["during"], 0.99)),
+        "tbt_during_prefill_p50_ms": med(lambda x: percentiles(x["during"]).p50),
+        "tbt_during_prefill_p99_ms": med(lambda x: percentiles(x["during"]).p99),
         "tbt_during_prefill_max_ms": med(lambda x: max(x["during"])),
-        "tbt_outside_p50_ms": med(lambda x: percentile(x["outside"], 0.5)),
+        "tbt_outside_p50_ms": med(lambda x: percentiles(x["outside"]).p50),
         "ttft_cold_ms": med(lambda x: statistics.median(x["ttfts"])),
         "stream_tok_s_during": med(lambda x: x["tok_s"]),
         "_last_round": rounds[-1],
@@ -188,12 +184,12 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     import os
 
-    from bench.machine import cpu_flags
+    from bench.machine import fastest_dtype
     from model import load_model
 
     load0 = os.getloadavg()[0]
     if args.dtype == "auto":
-        args.dtype = "bfloat16" if cpu_flags().get("avx512_bf16") else "float32"
+        args.dtype = fastest_dtype()
     lm = load_model(args.model, dtype=args.dtype)
     runs = {}
     for label, slice_ms in (("shared", args.slice_ms), ("kept", 0.0)):

@@ -120,12 +120,7 @@ class KiviDecodeRunner(DecodeRunner):
         if got:
             packed = self.pool.packed.kv[torch.tensor(s.table[:got], device=self.device)]
             scratch.kv[:got] = layout.unpack(packed, self.dtype)
-        prompt = torch.tensor(s.prompt[got * bs :], dtype=torch.long)
-        with self.turns.turn():  # a forward like any other: it takes turns at the CPUs
-            self.lm.model.prefill(
-                prompt, scratch, ids, got * bs, last_only=True,
-                on_layer_done=lambda _: self.turns.share(),
-            )  # fmt: skip
+        self._recompute_forward(s.prompt[got * bs :], scratch, ids, got * bs)
         window_full = min(n // bs, layout.residual // bs)
         s.n_packed = n // bs - window_full
         if s.n_packed > got:

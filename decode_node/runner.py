@@ -187,12 +187,17 @@ class DecodeRunner:
                 have += h.tail_tokens
         self._filled(s, t0, have)
         if have < len(s.prompt):
-            ids = torch.tensor(s.prompt[have:], dtype=torch.long)
-            with self.turns.turn():
-                self.lm.model.prefill(
-                    ids, self.pool, s.table, have, last_only=True,
-                    on_layer_done=lambda _: self.turns.share(),
-                )  # fmt: skip
+            self._recompute_forward(s.prompt[have:], self.pool, s.table, have)
+
+    def _recompute_forward(self, tokens: list[int], pool, table: list[int], start: int) -> None:
+        """A prompt's `tokens` from position `start` on computed into `pool`'s blocks `table`:
+        a forward like any other, taking its turn at the CPUs and handing it to a waiting step
+        between layers."""
+        ids = torch.tensor(tokens, dtype=torch.long)
+        with self.turns.turn():
+            self.lm.model.prefill(
+                ids, pool, table, start, last_only=True, on_layer_done=lambda _: self.turns.share()
+            )
 
     def _filled(self, s: Seq, t0: float, have: int) -> None:
         s.transfer_ms = (time.perf_counter() - t0) * 1000.0
