@@ -397,10 +397,14 @@ def test_models_health_and_metrics(api, cluster):
     status, body = get(f"http://{cluster.http_address}/health")
     assert status == 200 and body["conductor"] == cluster.address
     api.completions.create(model=MODEL, prompt="count me", max_tokens=2)
+    # TTFT is a streamed answer's (its first chunk out): one here, so this test does not lean
+    # on an earlier test having streamed
+    for _ in api.completions.create(model=MODEL, prompt="time me", max_tokens=2, stream=True):
+        pass
     status, text = get(f"http://{cluster.http_address}/metrics")
     assert status == 200
     assert 'halfmoon_http_requests_total{route="/v1/completions",status="200"}' in text
-    assert "halfmoon_http_ttft_seconds_bucket" in text
+    assert 'halfmoon_http_ttft_seconds_count{route="/v1/completions"}' in text
 
 
 def test_api_keys_authenticate_and_map_to_tenants(cluster, lm):
