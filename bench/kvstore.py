@@ -216,6 +216,7 @@ def bench_mooncake(python: str, total: int, repeats: int) -> dict:
             stderr=subprocess.STDOUT,
         )
         holder = None
+        holder_err = open(os.path.join(tmp, "holder.err"), "w+")
         try:
             time.sleep(1.0)
             if master.poll() is not None:
@@ -225,14 +226,15 @@ def bench_mooncake(python: str, total: int, repeats: int) -> dict:
                 [python, driver, "holder", *args],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
-                stderr=subprocess.DEVNULL,
+                stderr=holder_err,
                 text=True,
             )
             line = holder.stdout.readline()
             if '"ready"' not in line:
-                return {
-                    "skipped": f"Mooncake holder failed to start: {line.strip() or 'no output'}"
-                }
+                holder.wait(timeout=10)
+                holder_err.seek(0)  # its last words (a missing module, a refused setup)
+                err = (holder_err.read().strip().splitlines() or ["no output"])[-1]
+                return {"skipped": f"Mooncake holder failed to start: {line.strip() or err}"}
             client = subprocess.run(
                 [python, driver, "client", *args], capture_output=True, text=True, timeout=600
             )
@@ -263,6 +265,7 @@ def bench_mooncake(python: str, total: int, repeats: int) -> dict:
             master.terminate()
             master.wait(timeout=10)
             log.close()
+            holder_err.close()
 
 
 CEILING_SERVER = r"""
