@@ -184,7 +184,8 @@ class LayerPublisher:
 
     def finish(self, ok: bool) -> bool:
         """Commit when every layer went (and the forward succeeded), else abort; whether the
-        blocks are stored. A failure is counted and logged; `ensure_stored` tries again."""
+        store holds every one of the blocks now (it may have taken fewer: full, or evicting). A
+        failure is counted and logged; `ensure_stored` tries again."""
         try:
             if self._inline_error is not None:
                 raise self._inline_error
@@ -192,8 +193,8 @@ class LayerPublisher:
                 f.result()
             if not ok:
                 raise RuntimeError("the forward failed")
-            self._c._publisher.submit(self._writer.commit).result()
-            return True
+            result = self._c._publisher.submit(self._writer.commit).result()
+            return result.held == self._ids.numel()
         except Exception as exc:  # noqa: BLE001 - counted and logged; the blocks are put again later
             if ok:
                 self._c._error("publish_layerwise", exc)

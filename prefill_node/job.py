@@ -37,6 +37,7 @@ class PrefillJob:
         self.counts = {"device": 0, "dram": 0, "ssd": 0, "remote": 0}  # reused blocks by tier
         self.transfer_ms = 0.0
         self.stored = False  # its full blocks are known to be in this host's store
+        self.stored_blocks = 0  # its leading full blocks the store confirmed at a publish
         self.cachegen_levels: list[int] = []  # level of each CacheGen chunk fetched
         self.fetched_bytes = 0  # bytes the fetch from fetch_from moved (blocks or chunks)
         self.fetch_ms = 0.0  # time that fetch took

@@ -200,7 +200,14 @@ class PrefillRunner:
     def compute_step(self, step: list[PrefillJob], spans: list[tuple[int, int]]) -> list:
         """One forward over each job's positions [s, e); the full blocks it completes go to the
         store layer by layer while later layers compute. Last-position logits per job (CPU)."""
-        publishers = [p for p in (self._publisher(j, s, e) for j, (s, e) in zip(step, spans)) if p]
+        bs = self.config.block_size
+        # (job, its first and end block, the publisher of those blocks)
+        publishing = [
+            (j, s // bs, e // bs, p)
+            for j, (s, e) in zip(step, spans)
+            if (p := self._publisher(j, s, e)) is not None
+        ]
+        publishers = [p for *_, p in publishing]
 
         shared_s = 0.0
 
@@ -222,8 +229,10 @@ class PrefillRunner:
             self.turn_wait_ms = (waited + shared_s) * 1000.0
             ok = True
         finally:
-            for p in publishers:
-                p.finish(ok)
+            for job, first, end, p in publishing:
+                # blocks the store confirmed from the job's first on need no lookup at its end
+                if p.finish(ok) and first <= job.stored_blocks:
+                    job.stored_blocks = max(job.stored_blocks, end)
         return [lg.float().cpu() for lg in logits]
 
     def _publisher(self, job: PrefillJob, s: int, e: int):
@@ -243,7 +252,9 @@ class PrefillRunner:
 
         def store(job: PrefillJob) -> None:
             t1 = time.perf_counter()
-            self.kv.ensure_stored(job.keys, job.table)
+            if job.stored_blocks < len(job.keys):  # else its forwards' commits said so (a cold
+                # prompt's whole publish): no lookup round trip before its answer
+                self.kv.ensure_stored(job.keys, job.table)
             job.transfer_ms += (time.perf_counter() - t1) * 1000.0
             job.stored = True
 

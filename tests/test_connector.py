@@ -197,6 +197,38 @@ def test_device_tier_is_visible_to_routing(lm):
             index.close()
 
 
+def test_a_prompt_whose_publish_the_store_confirmed_is_answered_without_a_lookup(lm):
+    """A cold prompt's blocks go to the store layer by layer, and its commit says the store holds
+    them all: the answer needs no store lookup first (ensure_stored, a round trip before the
+    first token). A prompt reusing a cached prefix, or whose publish did not happen, is still
+    checked (and filled) before its answer, and every one's blocks end up in the store."""
+    rng = random.Random(5)
+    cold = [rng.randrange(3, 259) for _ in range(3 * BS + 5)]
+    reused = cold[: 2 * BS] + [rng.randrange(3, 259) for _ in range(2 * BS + 3)]
+    unpublished = [rng.randrange(3, 259) for _ in range(2 * BS + 1)]
+    with Cluster(lm, prefill={"layerwise": True}) as c:
+        runner = c.prefills[0].runner
+        kv = runner.kv
+        checked = []
+        ensure_stored = kv.ensure_stored
+        kv.ensure_stored = lambda keys, ids: checked.append(len(keys)) or ensure_stored(keys, ids)
+        c.generate(token_ids=cold, max_tokens=4)
+        assert checked == []
+        c.generate(token_ids=reused, max_tokens=2)
+        assert checked == [4]  # the prefix came from the device tier: checked
+        open_layerwise = kv.open_layerwise
+        kv.open_layerwise = lambda *a: None  # the store could not take a layer-wise put now
+        try:
+            c.generate(token_ids=unpublished, max_tokens=2)
+        finally:
+            kv.open_layerwise = open_layerwise
+        assert checked == [4, 2]
+        fp = c.prefills[0].fingerprint
+        for prompt in (cold, reused, unpublished):
+            keys = block_keys(prompt, BS, fp)
+            assert kv._local.lookup(keys).num_blocks == len(keys)
+
+
 def test_load_walks_device_then_the_hosts_store(lm, redis):
     node = StoreNode(StoreConfig(node_id="s2", redis_url=redis.url, dram_bytes=8 << 20))
     address = node.start()
