@@ -29,6 +29,7 @@
 
 #include "hm_kernels.h"
 #include "hm_exp.h"
+#include "hm_tree16.h"
 
 #define HM_MAX_BS 256
 #define HM_MAX_GROUP 16 /* query rows a KIVI block scores with one bias array */
@@ -367,26 +368,12 @@ typedef struct {
 #if defined(__AVX512F__) && defined(__AVX512DQ__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
     defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define HM_BLOCK64 1
-/* Sixteen vectors' lane sums as one vector, in a fixed order of the sixteen (a tree of 128-bit
- * lane shuffles, then in-lane unpacks: 30 operations, not sixteen horizontal sums). */
+/* Sixteen vectors' lane sums as one vector (hm_tree16.h; lane j: vector HM_TREE16[j]'s sum). */
 static inline __m512 hm_tree16(__m512 *a) {
-  __m512 x[8], y[4], z[2];
-  for (int i = 0; i < 8; i++)
-    x[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[i], a[i + 8], 0x44),
-                         _mm512_shuffle_f32x4(a[i], a[i + 8], 0xEE));
-  for (int i = 0; i < 4; i++)
-    y[i] = _mm512_add_ps(_mm512_shuffle_f32x4(x[i], x[i + 4], 0x88),
-                         _mm512_shuffle_f32x4(x[i], x[i + 4], 0xDD));
-  for (int i = 0; i < 2; i++)
-    z[i] = _mm512_add_ps(_mm512_unpacklo_ps(y[i], y[i + 2]), _mm512_unpackhi_ps(y[i], y[i + 2]));
-  const __m512d lo = _mm512_unpacklo_pd(_mm512_castps_pd(z[0]), _mm512_castps_pd(z[1]));
-  const __m512d hi = _mm512_unpackhi_pd(_mm512_castps_pd(z[0]), _mm512_castps_pd(z[1]));
-  return _mm512_add_ps(_mm512_castpd_ps(lo), _mm512_castpd_ps(hi));
+  __m512 out;
+  HM_TREE16_OP(a, _mm512_add_ps, out);
+  return out;
 }
-
-/* The tree's lane j holds vector HM_TREE16[j]'s sum (an involution): a key written to slot
- * HM_TREE16[t] comes out in lane t. */
-static const int HM_TREE16[16] = {0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15};
 
 /* Codes 16c .. 16c + 15 of a row as 16 floats: their 2 * bits bytes spread over the lanes (lane
  * l takes the 32-bit word holding bit l * bits), shifted down and masked. */
