@@ -186,13 +186,14 @@ _BF16_PANELS = native.panels_supported(torch.ones(16, 2, dtype=torch.bfloat16))
 
 @pytest.mark.skipif(not _BF16_PANELS, reason="no C compiler or no AVX-512 BF16")
 @pytest.mark.parametrize("amx", [True, False], ids=["amx", "vdpbf16ps"])
-@pytest.mark.parametrize("rows", [1, 7, 16, 17, 40, 64, 65, 300])
+@pytest.mark.parametrize("rows", [1, 7, 16, 17, 40, 64, 65, 300, 600])
 def test_bf16_panels_equal_a_bf16_matmul_rounded_once(rows, amx, monkeypatch):
     """bf16 panels (csrc/linear_bf16.c): products of bf16 values summed in fp32, rounded to bf16
     once, so each output is the exact product's bf16 rounding or its neighbour; the residual
     form adds in fp32 before that rounding. Both paths: AMX tiles (where the CPU has them) and
     `vdpbf16ps`. 80 outputs = 5 panels: an odd panel out of the AMX path's pairs. 300 rows: the
-    AMX path's 256-row blocks, and a second block of a 32-row strip and a 12-row tail."""
+    AMX path's 256-row blocks, and a second block of a 32-row strip and a 12-row tail; 600 rows:
+    the threads split the rows (288 and 312: blocks of 256, a strip, a 24-row tail)."""
     if amx and not native._library()[0].hm_linear_bf16_amx_available():
         pytest.skip("no AMX here")
     monkeypatch.setattr(native, "AMX_MIN_ROWS", 1 if amx else 1 << 30)
@@ -226,13 +227,13 @@ def test_bf16_panels_equal_a_bf16_matmul_rounded_once(rows, amx, monkeypatch):
 
 @pytest.mark.skipif(not _BF16_PANELS, reason="no C compiler or no AVX-512 BF16")
 @pytest.mark.parametrize("amx", [True, False], ids=["amx", "vdpbf16ps"])
-@pytest.mark.parametrize("rows", [1, 7, 16, 17, 40, 70, 300])
+@pytest.mark.parametrize("rows", [1, 7, 16, 17, 40, 70, 300, 600])
 def test_swiglu_in_the_matmuls_pass_equals_the_two_steps(rows, amx, monkeypatch):
     """linear_silu_mul on bf16 panels: gate's and up's panels meet in the matmul's epilogue
     (csrc/linear_bf16.c), on AMX tiles or on `vdpbf16ps`, rounded as the unfused matmul and
     silu_mul round, so the values are the two steps' bit for bit. 6 panels of gate and 6 of up:
     the 32-row blocks, the 16-row tail and a short one (and past 256 rows, a second block of
-    rows on AMX)."""
+    rows on AMX; from 512, the threads split the rows)."""
     if amx and not native._library()[0].hm_linear_bf16_amx_available():
         pytest.skip("no AMX here")
     monkeypatch.setattr(native, "AMX_MIN_ROWS", 1 if amx else 1 << 30)

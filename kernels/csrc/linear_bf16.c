@@ -25,6 +25,7 @@
 #include "hm_bf16.h"
 #include "hm_exp.h"
 #include "hm_amx.h"
+#include <omp.h>
 
 #define HM_NR 16 /* outputs per panel */
 /* Element-wise steps split rows among threads from this many rows up. Below it a row costs less
@@ -256,6 +257,16 @@ static inline void hm_micro_rows(const int32_t *xp, int r0, int mr, const uint16
  * 0.51-0.53 -> 0.41-0.44, down 0.76-0.83 -> 0.63-0.68 (medians of 40, three alternating runs);
  * the same bits. */
 #define HM_AMX_BLOCK_ROWS 256
+/* From this many rows the threads split x's rows (each thread all the panels over its rows),
+ * below it the panels (each thread its panels over every row). Why: a prefill's layer is a
+ * chain of steps over the same rows, and the element-wise ones between the matmuls (RMSNorm,
+ * rotary embedding) split rows too; rows a thread wrote are then in its own core's cache when
+ * it reads them next, where with the panels split each row came half from the other core. Each
+ * thread reads every weight, which a short prompt's matmuls (and a decode step's) cannot
+ * afford. On the 2-core AMX Xeon, SmolLM2's bf16 prefill forward: 1,024 tokens 178-180 ->
+ * 165-174 ms, 512 tokens 92.5 -> 89-90, 2,048 tokens 420-427 -> 401-422; 256 tokens went
+ * 49-50 -> 56-58, so those keep the panels split. */
+#define HM_AMX_SPLIT_ROWS 512
 
 static void hm_amx_config(int rows) {
   hm_tilecfg cfg;
@@ -356,17 +367,29 @@ static void hm_linear_bf16_amx(const uint16_t *x, int64_t ldx, int m, const uint
     float strip[2][4][16 * 16] __attribute__((aligned(64)));
     hm_amx_pending pend = {NULL, 0, 0};
     int configured = 0, cur = 0;
-    for (int m0 = 0; m0 < m; m0 += HM_AMX_BLOCK_ROWS) {
-      const int m1 = m0 + HM_AMX_BLOCK_ROWS < m ? m0 + HM_AMX_BLOCK_ROWS : m;
-#pragma omp for schedule(static) nowait
-      for (int g = 0; g < pairs; g++) {
+    /* this thread's rows or panels (HM_AMX_SPLIT_ROWS says which) */
+    const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
+    const int by_rows = nt > 1 && m >= HM_AMX_SPLIT_ROWS;
+    int r_begin = 0, r_end = m, g_begin = 0, g_end = pairs;
+    if (by_rows) {
+      const int strips = (m + 31) / 32;
+      r_begin = (int)((int64_t)strips * tid / nt) * 32;
+      r_end = (int)((int64_t)strips * (tid + 1) / nt) * 32;
+      r_end = r_end < m ? r_end : m;
+    } else {
+      g_begin = (int)((int64_t)pairs * tid / nt);
+      g_end = (int)((int64_t)pairs * (tid + 1) / nt);
+    }
+    for (int m0 = r_begin; m0 < r_end; m0 += HM_AMX_BLOCK_ROWS) {
+      const int m1 = m0 + HM_AMX_BLOCK_ROWS < r_end ? m0 + HM_AMX_BLOCK_ROWS : r_end;
+      for (int g = g_begin; g < g_end; g++) {
         const int p0 = step * g, two = silu || p0 + 1 < np;
         const uint16_t *b0 = panels + p0 * panel_elems, *b1 = b0 + second;
         uint16_t *col = out + (int64_t)g * HM_NR * (silu ? 1 : 2);
         /* the next pair's lines of each step kk are prefetched with this pair's: 1 KB of each of
          * its two panels, in flight while these work */
         const uint16_t *next0 = b0 + step * panel_elems, *next1 = next0 + second;
-        int prefetch = g + 1 < pairs;
+        int prefetch = g + 1 < g_end;
 #define HM_AMX_PREFETCH(kk)                                                           \
   if (prefetch)                                                                       \
     for (int line = 0; line < 16 * 64; line += 64) {                                  \
