@@ -432,7 +432,6 @@ static void hm_linear_bf16_amx(const uint16_t *x, int64_t ldx, int m, const uint
             cur ^= 1;
           }
         }
-        if (r0 < m1) hm_amx_emit_pending(&pend, 32, ldo, add, silu); /* acc[] is the tail's */
         for (; r0 < m1; r0 += 16, prefetch = 0) {
           const int rows = m1 - r0 < 16 ? m1 - r0 : 16;
           if (configured != rows) {
@@ -459,7 +458,7 @@ static void hm_linear_bf16_amx(const uint16_t *x, int64_t ldx, int m, const uint
 #undef HM_AMX_PREFETCH
       }
     }
-    hm_amx_emit_pending(&pend, 32, ldo, add, silu);
+    hm_amx_emit_pending(&pend, 32, ldo, add, silu); /* the last strip's rows */
     if (configured) _tile_release();
   }
 }
