@@ -17,7 +17,7 @@ from model import KVPool, kv_fingerprint, load_model
 from prefill_node import PrefillConfig
 from protos import halfmoon_pb2 as pb
 from servekit import resolve_device
-from serving_cluster import Cluster
+from serving_cluster import Cluster, wait_for
 
 BS = 16
 
@@ -113,6 +113,8 @@ def test_layerwise_publishing_copies_a_cpu_pool_in_place(lm, redis):
         assert pub._pool_bytes is not None  # copied in this thread, straight from the pool
         for layer in range(lm.config.num_layers):
             pub.layer_done(layer)
+        # the last layer sent the commit: the blocks are stored while the forward goes on
+        wait_for(lambda: a._local.lookup(keys).num_blocks == 3, 10, "a commit before finish")
         assert not pub._futures and pub.finish(True)
         assert b.pull(address, keys, [0, 1, 2]) == 3
         assert torch.equal(dst.kv[:3], src.kv[[9, 2, 5]])
