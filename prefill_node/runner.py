@@ -207,13 +207,12 @@ class PrefillRunner:
             for j, (s, e) in zip(step, spans)
             if (p := self._publisher(j, s, e)) is not None
         ]
-        publishers = [p for *_, p in publishing]
 
         shared_s = 0.0
 
         def on_layer(layer: int) -> None:
             nonlocal shared_s
-            for p in publishers:
+            for *_, p in publishing:
                 p.layer_done(layer)
             # a decode step waiting for the CPUs runs between two layers (CpuTurns.share)
             shared_s += self.turns.share()
@@ -252,8 +251,9 @@ class PrefillRunner:
 
         def store(job: PrefillJob) -> None:
             t1 = time.perf_counter()
-            if job.stored_blocks < len(job.keys):  # else its forwards' commits said so (a cold
-                # prompt's whole publish): no lookup round trip before its answer
+            # a job whose forwards' commits confirmed every block (a cold prompt's whole
+            # publish) needs no lookup round trip before its answer
+            if job.stored_blocks < len(job.keys):
                 self.kv.ensure_stored(job.keys, job.table)
             job.transfer_ms += (time.perf_counter() - t1) * 1000.0
             job.stored = True
