@@ -173,7 +173,8 @@ def test_kivi_sequences_with_all_their_heads_give_a_head_at_a_time_bits(
     "lens,head_dim,block_size,group_size",
     [
         ([0, 1, 16, 45], 64, 16, 32),  # one key group a block: the AVX-512 block path
-        ([20, 3], 64, 16, 16),
+        ([20, 3], 64, 16, 16),  # four value groups a row
+        ([9, 16, 40], 64, 16, 64),  # one value group a row
         ([7, 33], 40, 8, 4),
         ([5, 70, 2], 128, 16, 8),
         ([12], 24, 12, 5),

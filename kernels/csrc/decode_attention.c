@@ -33,6 +33,13 @@
 
 #define HM_MAX_BS 256
 #define HM_MAX_GROUP 16 /* query rows a KIVI block scores with one bias array */
+/* the next block's key rows prefetched in one burst as a block-head starts (hm_block64 says where
+ * that pays): on cores with AMX only */
+#ifdef __AMX_TILE__
+#define HM_KEYS_AHEAD 1
+#else
+#define HM_KEYS_AHEAD 0
+#endif
 
 enum { HM_F32 = 0, HM_BF16 = 1, HM_F16 = 2 };
 
@@ -98,6 +105,18 @@ static inline float hm_dot(const float *a, const float *b, int n) {
 /* codes of one row (n values, 8/bits a byte, low bits first) as floats */
 static inline void hm_unpack(const uint8_t *codes, int bits, int n, float *dst) {
   int i = 0; /* codes done */
+#ifdef __AVX512F__
+  if (bits == 4) { /* as below, sixteen codes a vector: half the conversions and stores */
+    const __m128i low = _mm_set1_epi8(15);
+    for (; i + 32 <= n; i += 32) {
+      __m128i b = _mm_loadu_si128((const __m128i *)(codes + i / 2));
+      __m128i lo = _mm_and_si128(b, low), hi = _mm_and_si128(_mm_srli_epi16(b, 4), low);
+      _mm512_storeu_ps(dst + i, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi8(lo, hi))));
+      _mm512_storeu_ps(dst + i + 16,
+                       _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpackhi_epi8(lo, hi))));
+    }
+  }
+#endif
 #ifdef __AVX2__
   if (bits == 4) {
     const __m128i low = _mm_set1_epi8(15);
@@ -398,12 +417,15 @@ static inline __attribute__((always_inline)) void hm_block64(
     const hm_kivi_values *kv, const hm_next_rows *next) {
   const __mmask16 live = (__mmask16)((1u << n) - 1u);
   float prob[4][16];
-  /* the next block's key rows now, in flight while this block's scores are worked out, and its
-   * value rows one per value row here (below); all of them there left the memory idle through
-   * the scores: on the 2-core AMX Xeon, 8 x 4,096 tokens x 30 layers in bf16 took 47.8-49.7
-   * against 48.9-50.4 ms a step (four alternating runs) */
+  /* HM_KEYS_AHEAD: the next block's key rows now, in flight while this block's scores are worked
+   * out, and its value rows one per value row below. On the 2-core AMX Xeon, 8 x 4,096 tokens x
+   * 30 layers in bf16 took 47.8-49.7 against 48.9-50.4 ms a step (four alternating runs); on the
+   * 2-core AVX-512 BF16 EPYC (Zen 4, no AMX) the burst stalled the core, 28.9-30.5 against
+   * 25.0-28.5 ms, so there both rows go one per value row. AMX stands in for the core here. */
+#if HM_KEYS_AHEAD
   if (next)
     for (int t = 0; t < n; t++) hm_prefetch(next->k + t * next->stride, next->bytes);
+#endif
   for (int r = 0; r < G; r++) {
     __m512 a[16];
 #ifdef __AVX512BF16__
@@ -459,6 +481,14 @@ static inline __attribute__((always_inline)) void hm_block64(
   for (int r = 0; r < G; r++)
     for (int c = 0; c < 4; c++) acc[r * 4 + c] = _mm512_loadu_ps(st->acc + (size_t)(r0 + r) * 64 + c * 16);
   __m512i idx = _mm512_setzero_si512(), shift = idx, mask = idx;
+  /* KIVI values (v = code * s + z, s and z per group of gv channels of a row): a block's
+   * sum_t p_t v_t is sum_t (p_t s_t) code_t + sum_t p_t z_t, so each row's codes go into the
+   * accumulators as they are, against probabilities scaled by the row's group scales (ps, one
+   * 16-lane product a row and group), and the zero points come in once a block (zs). Rebuilding
+   * every value row (an FMA a vector, a half-float scale and zero fetched and widened a vector)
+   * had cost more than the row's products. */
+  float ps[4][4][16] __attribute__((aligned(64))), zs[4][4];
+  int vgrp[4] = {0, 0, 0, 0}; /* the group of each 16 channels */
   if (kv) { /* lane l of a 16-code group: bit l * bits, in 32-bit word (l * bits) / 32 */
     const __m512i bitpos = _mm512_mullo_epi32(
         _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
@@ -466,25 +496,49 @@ static inline __attribute__((always_inline)) void hm_block64(
     idx = _mm512_srli_epi32(bitpos, 5);
     shift = _mm512_and_si512(bitpos, _mm512_set1_epi32(31));
     mask = _mm512_set1_epi32((1 << kv->bits) - 1);
+    for (int c = 0; c < 4; c++) vgrp[c] = c * 16 / kv->gv;
+    const int vg = vgrp[3] + 1; /* groups a row: gv is 16, 32 or 64 here */
+    uint16_t sh[4][16] __attribute__((aligned(32))), zh[4][16] __attribute__((aligned(32)));
+    for (int t = 0; t < 16; t++) /* rows past n: probability 0, scale and zero 0 */
+      for (int g = 0; g < vg; g++) {
+        sh[g][t] = t < n ? kv->scale[t][g] : 0;
+        zh[g][t] = t < n ? kv->zero[t][g] : 0;
+      }
+    for (int g = 0; g < vg; g++) {
+      const __m512 sg = _mm512_cvtph_ps(_mm256_load_si256((const __m256i *)sh[g]));
+      const __m512 zg = _mm512_cvtph_ps(_mm256_load_si256((const __m256i *)zh[g]));
+      for (int r = 0; r < G; r++) {
+        const __m512 pr = _mm512_loadu_ps(prob[r]);
+        _mm512_store_ps(ps[r][g], _mm512_mul_ps(pr, sg));
+        zs[r][g] = _mm512_reduce_add_ps(_mm512_mul_ps(pr, zg));
+      }
+    }
   }
   for (int t = 0; t < n; t++) {
     __m512 v0, v1, v2, v3;
-    /* the next block's value rows, one per value row here: issued at once with its key rows
-     * (hm_prefetch before the block) they queued up behind the few misses a core keeps in
-     * flight and stalled it; spread over the block, 8 x 4,096 tokens x 30 layers bf16 went
-     * 0.81-0.83 of the time on a 2-core AVX-512 BF16 EPYC (then with the key rows here too) */
-    if (next) /* the next block is as long as this one: only a last block is short */
+    /* the next block's value rows (and, without HM_KEYS_AHEAD, its key rows), one per value row
+     * here: all issued at once before the block they queued up behind the few misses a core
+     * keeps in flight and stalled it; spread over the block, 8 x 4,096 tokens x 30 layers bf16
+     * went 0.81-0.83 of the time on a 2-core AVX-512 BF16 EPYC */
+    if (next) { /* the next block is as long as this one: only a last block is short */
+#if !HM_KEYS_AHEAD
+      hm_prefetch(next->k + t * next->stride, next->bytes);
+#endif
       hm_prefetch(next->v + t * next->stride, next->bytes);
-    if (kv) { /* rebuilt in registers: code * scale + zero, each group's pair broadcast */
+    }
+    if (kv) { /* the codes, against the probabilities scaled by their group's scale */
       const uint8_t *ct = kv->codes[t];
-      __m512 vc[4];
-      for (int c = 0; c < 4; c++) {
-        const int grp = c * 16 / kv->gv;
-        vc[c] = _mm512_fmadd_ps(hm_codes16(ct, c, kv->bits, idx, shift, mask),
-                                _mm512_set1_ps(_cvtsh_ss(kv->scale[t][grp])),
-                                _mm512_set1_ps(_cvtsh_ss(kv->zero[t][grp])));
+      v0 = hm_codes16(ct, 0, kv->bits, idx, shift, mask);
+      v1 = hm_codes16(ct, 1, kv->bits, idx, shift, mask);
+      v2 = hm_codes16(ct, 2, kv->bits, idx, shift, mask);
+      v3 = hm_codes16(ct, 3, kv->bits, idx, shift, mask);
+      for (int r = 0; r < G; r++) {
+        acc[r * 4] = _mm512_fmadd_ps(_mm512_set1_ps(ps[r][vgrp[0]][t]), v0, acc[r * 4]);
+        acc[r * 4 + 1] = _mm512_fmadd_ps(_mm512_set1_ps(ps[r][vgrp[1]][t]), v1, acc[r * 4 + 1]);
+        acc[r * 4 + 2] = _mm512_fmadd_ps(_mm512_set1_ps(ps[r][vgrp[2]][t]), v2, acc[r * 4 + 2]);
+        acc[r * 4 + 3] = _mm512_fmadd_ps(_mm512_set1_ps(ps[r][vgrp[3]][t]), v3, acc[r * 4 + 3]);
       }
-      v0 = vc[0], v1 = vc[1], v2 = vc[2], v3 = vc[3];
+      continue;
     } else if (bf16) { /* bf16 is fp32's top half: widened by a shift */
       const uint16_t *vt = (const uint16_t *)v[t];
 #define HM_WIDEN(o) _mm512_castsi512_ps(_mm512_slli_epi32( \
@@ -504,6 +558,10 @@ static inline __attribute__((always_inline)) void hm_block64(
       acc[r * 4 + 3] = _mm512_fmadd_ps(pt, v3, acc[r * 4 + 3]);
     }
   }
+  if (kv) /* the block's zero points, sum_t p_t z_t of each row and group */
+    for (int r = 0; r < G; r++)
+      for (int c = 0; c < 4; c++)
+        acc[r * 4 + c] = _mm512_add_ps(acc[r * 4 + c], _mm512_set1_ps(zs[r][vgrp[c]]));
   for (int r = 0; r < G; r++)
     for (int c = 0; c < 4; c++) _mm512_storeu_ps(st->acc + (size_t)(r0 + r) * 64 + c * 16, acc[r * 4 + c]);
 }
@@ -879,7 +937,8 @@ static inline void hm_kivi_fields(const hm_kivi_pool *p, int64_t blk, int kv_hea
 
 /* KV head h's n rows of one block of a KIVI pool (its fields at `at`), for the state's g query
  * rows [r0, r0 + g). Keys: q . k = (q * scale) . code + q . zero, per key group, so keys are
- * never dequantized; values are rebuilt a row at a time. */
+ * never dequantized; values are rebuilt a row at a time, or (hm_block64) never either: their
+ * codes go against the probabilities scaled by each row's group scales. */
 static void hm_kivi_block_head(hm_state *st, const hm_kivi_pool *p, const char *const *at, int n,
                                int kv_heads, int h, int g, int r0) {
   const int d = st->d, packed = d * p->bits / 8, gk = p->gk, vg = p->vg;
@@ -894,7 +953,7 @@ static void hm_kivi_block_head(hm_state *st, const hm_kivi_pool *p, const char *
   const int one_group = gk >= n && d == 64 && n <= 16;
 #endif
 #ifdef HM_BLOCK64
-  /* hm_block64 rebuilds value rows in registers from their codes */
+  /* hm_block64 reads value rows as codes (their scales folded into the probabilities) */
   const int packed_values = one_group && p->gv % 16 == 0;
   hm_kivi_values kv = {.bits = p->bits, .gv = p->gv};
 #endif
@@ -927,8 +986,20 @@ static void hm_kivi_block_head(hm_state *st, const hm_kivi_pool *p, const char *
       for (int r = 0; r < m; r++) {
         const float *qr = q + (size_t)(m0 + r) * d;
         float *qs = st->qs + (size_t)(m0 + r) * d;
+#ifdef HM_BLOCK64
+        /* d is 64 here: in four vectors, the bias's sum a tree (hm_dot's ended in a chain of
+         * sixteen scalar adds, three times a block-head) */
+        __m512 zq = _mm512_setzero_ps();
+        for (int c = 0; c < 64; c += 16) {
+          const __m512 qv = _mm512_loadu_ps(qr + c);
+          _mm512_storeu_ps(qs + c, _mm512_mul_ps(qv, _mm512_loadu_ps(sc + c)));
+          zq = _mm512_fmadd_ps(qv, _mm512_loadu_ps(zr + c), zq);
+        }
+        bias[r] = _mm512_reduce_add_ps(zq);
+#else
         for (int i = 0; i < d; i++) qs[i] = qr[i] * sc[i];
         bias[r] = hm_dot(qr, zr, d);
+#endif
       }
 #ifdef HM_BLOCK64
       const hm_kivi_values *packed_kv = packed_values ? &kv : NULL;
