@@ -1,14 +1,15 @@
 """The fused CPU decode-attention kernels (kernels/csrc/decode_attention.c) and the small-batch
 linear over packed weight panels (kernels/csrc/linear.c): built on first use with the system C
-compiler, cached by source and compiler flags, called through ctypes.
+compiler, cached by source, compiler flags and CPU, called through ctypes.
 
 `native_status()` says whether they are there and, if not, why; the dispatch then falls back to
 the torch twin (paged_attention_torch.py), logs the reason once, and a worker reports it as a
 metric. `HALFMOON_NATIVE=0` turns them off (to compare against the twin). The compiled library
 lives under $HALFMOON_CACHE (default ~/.cache/halfmoon, where models are fetched to) in
-`kernels/`, named by a hash of the source, the compiler and the flags, so a changed source or
-another machine's CPU builds its own; the build writes a temporary file and renames it, so
-processes that build at once never load a half-written library.
+`kernels/`, named by a hash of the source, the compiler, the flags and what `-march=native`
+means on this CPU, so a changed source or another kind of CPU builds its own; the build writes a
+temporary file and renames it, so processes that build at once never load a half-written
+library.
 
 The libraries link OpenMP as `libgomp.so.1`, the soname torch's own runtime is loaded under, so
 both share one thread pool.
@@ -82,12 +83,28 @@ def _compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
 
 
-def _build(cc: str) -> Path:
-    """The library for this source, compiler and flags, compiled now unless cached."""
+def _native_target(cc: str) -> str:
+    """What `-march=native` means to this compiler on this CPU: the macros it predefines (the
+    instruction sets, __AMX_TILE__ among them, and the CPU's name). Part of the library's cache
+    key, so that a cache shared between machines (a home directory on NFS) holds a library per
+    kind of CPU, and none is loaded on a CPU without the instructions it was built for."""
+    done = subprocess.run(
+        [cc, "-march=native", "-dM", "-E", "-"], input="", capture_output=True, text=True
+    )
+    return done.stdout
+
+
+def _library_path(cc: str, target: str) -> Path:
+    """Where the library for this source, compiler, flags and target lives in the cache."""
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
     sources = b"".join(src.read_bytes() for src in (*SOURCES, *HEADERS))
-    key = hashlib.sha256(sources + version.encode() + " ".join(CFLAGS).encode()).hexdigest()[:16]
-    out = _build_dir() / f"decode_attention-{key}.so"
+    salt = (version + " ".join(CFLAGS) + target).encode()
+    return _build_dir() / f"decode_attention-{hashlib.sha256(sources + salt).hexdigest()[:16]}.so"
+
+
+def _build(cc: str) -> Path:
+    """The library for this source, compiler, flags and CPU, compiled now unless cached."""
+    out = _library_path(cc, _native_target(cc))
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import kernels
-from kernels import FullKVLayout, KiviKVLayout
+from kernels import FullKVLayout, KiviKVLayout, native
 from kernels.native import (
     paged_attention_full,
     paged_attention_kivi,
@@ -30,6 +30,17 @@ def test_the_kernels_build_here():
     # CI machines have a C compiler: the fused path must be there, not silently the twin.
     status = kernels.native_status()
     assert status.available and status.detail.endswith(".so"), status
+
+
+def test_another_kind_of_cpu_gets_its_own_library_in_the_cache():
+    # a cache shared between machines must never hand one CPU a library built for another's
+    # instructions: what -march=native means here is part of the library's name
+    cc = native._compiler()
+    here = native._native_target(cc)
+    assert "__SSE2__" in here  # the compiler's view of this CPU, not an empty string
+    assert native._library_path(cc, here) == native._library_path(cc, here)
+    amx = here + "#define __AMX_TILE__ 1\n"
+    assert native._library_path(cc, here) != native._library_path(cc, amx)
 
 
 @pytest.fixture
