@@ -294,9 +294,8 @@ def main() -> None:
         result["kivi4_vs_rw_bw"] = round(kivi_bytes / secs / copy_bw, 3)
         # the same step over 16-bit blocks: whether reading a third of the bytes pays on this
         # device, or unpacking the codes costs more than the bytes saved
-        headline = result.get(f"{result.get('headline_dtype')}_step_ms")
-        if headline:
-            result[f"kivi4_step_vs_{result['headline_dtype']}"] = round(secs * 1e3 / headline, 3)
+        head = result["headline_dtype"]
+        result[f"kivi4_step_vs_{head}"] = round(secs * 1e3 / result[f"{head}_step_ms"], 3)
         bars["kivi4 packed"] = kivi_bytes / secs / 1e9
     if args.prefill_tokens > 0:
         # in the headline dtype (the model's here): bf16's kernel or fp32's

@@ -105,22 +105,19 @@ static inline float hm_dot(const float *a, const float *b, int n) {
 /* codes of one row (n values, 8/bits a byte, low bits first) as floats */
 static inline void hm_unpack(const uint8_t *codes, int bits, int n, float *dst) {
   int i = 0; /* codes done */
-#ifdef __AVX512F__
-  if (bits == 4) { /* as below, sixteen codes a vector: half the conversions and stores */
+#ifdef __AVX2__
+  if (bits == 4) {
     const __m128i low = _mm_set1_epi8(15);
-    for (; i + 32 <= n; i += 32) {
+#ifdef __AVX512F__
+    for (; i + 32 <= n; i += 32) { /* as below, sixteen codes a vector: half the conversions */
       __m128i b = _mm_loadu_si128((const __m128i *)(codes + i / 2));
       __m128i lo = _mm_and_si128(b, low), hi = _mm_and_si128(_mm_srli_epi16(b, 4), low);
       _mm512_storeu_ps(dst + i, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi8(lo, hi))));
       _mm512_storeu_ps(dst + i + 16,
                        _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpackhi_epi8(lo, hi))));
     }
-  }
 #endif
-#ifdef __AVX2__
-  if (bits == 4) {
-    const __m128i low = _mm_set1_epi8(15);
-    for (; i + 32 <= n; i += 32) { /* 16 bytes -> 32 codes */
+    for (; i + 32 <= n; i += 32) { /* 16 bytes -> 32 codes (none left here on AVX-512) */
       __m128i b = _mm_loadu_si128((const __m128i *)(codes + i / 2));
       __m128i lo = _mm_and_si128(b, low), hi = _mm_and_si128(_mm_srli_epi16(b, 4), low);
       __m128i c0 = _mm_unpacklo_epi8(lo, hi), c1 = _mm_unpackhi_epi8(lo, hi);
