@@ -9,17 +9,20 @@
    paged_mla_decode_attention`: every head attends over the shared latent rows, the key
    up-projection folded into the query, the value up-projection after) against the non-absorbed
    path (the latent rows up-projected by kv_b_proj to per-head keys and values, then ordinary
-   attention) at --contexts tokens, at the V2-Lite shape (16 heads), batch --batch, fp32. Bytes
-   read per second by the absorbed step against this run's copy bandwidth (a copy of a buffer
-   the cache's size; a copy reads and writes its bytes, so bandwidth = 2 x bytes / time), and
-   its arithmetic against this run's fp32 matmul rate (torch.mm of 2048 x 2048, same threads):
-   every head attends over the same latent row, so the step does 16 x (576 + 512) x 2 FLOPs per
-   2,304 bytes read (15 a byte): it is bound by arithmetic, not by memory, and
-   `mla_decode_vs_sgemm` is the bound that means something.
+   attention) at --contexts tokens, at the V2-Lite shape (16 heads), batch --batch, in fp32
+   and, where the CPU has avx512_bf16, again in bf16 (rows, query and weights: a bf16 model's
+   own step; --dtypes picks). Bytes read per second by the absorbed step against this run's copy
+   bandwidth (a copy of a buffer the cache's size; a copy reads and writes its bytes, so
+   bandwidth = 2 x bytes / time), and its arithmetic against this run's matmul rate in the same
+   dtype (torch.mm of 2048 x 2048, same threads): every head attends over the same latent row,
+   so the step does 16 x (576 + 512) x 2 FLOPs per 2,304 bytes read (15 a byte, fp32): it is
+   bound by arithmetic, not by memory, and `mla_decode_vs_sgemm` (fp32) is the bound that means
+   something. bf16's step scores on bf16 dot products and sums values in fp32; its time against
+   fp32's is `mla_decode_bfloat16_vs_float32_4k`.
 
 The last line printed is one JSON object.
 
-    .venv/bin/python bench/mla.py [--contexts 1024,4096,16384 --batch 2]
+    .venv/bin/python bench/mla.py [--contexts 1024,4096,16384 --batch 2 --dtypes float32,bfloat16]
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.machine import finish, median_s  # noqa: E402
+from bench.machine import cpu_flags, fastest_dtype, finish, median_s  # noqa: E402
 
 # The published configs' attention fields (config.json of deepseek-ai/DeepSeek-V2, -V2-Lite)
 CONFIGS = {
@@ -70,12 +73,17 @@ def main(argv=None) -> int:
     ap.add_argument("--gqa-heads", type=int, default=8, help="KV heads of the GQA equivalent")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument(
+        "--dtypes",
+        default="",
+        help="the latent rows' and query's dtypes, comma-separated (default: float32, and "
+        "bfloat16 where the CPU has avx512_bf16)",
+    )
     args = ap.parse_args(argv)
 
     import torch
 
-    import kernels
-    from model import KVPool, ModelConfig
+    from model import KVPool, ModelConfig, absorbed_decode_attention
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -107,82 +115,103 @@ def main(argv=None) -> int:
         )
     result["mla_kv_bytes_vs_mha"] = result["deepseek_v2_mla_vs_mha"]
 
-    # ---- 2. absorbed vs non-absorbed decode attention ----
+    # ---- 2. absorbed vs non-absorbed decode attention, in each dtype ----
     cfg = CONFIGS["deepseek-v2-lite"]
     heads, rank, rope = cfg["num_heads"], cfg["kv_lora_rank"], cfg["qk_rope_head_dim"]
     nope, vdim = cfg["qk_nope_head_dim"], cfg["v_head_dim"]
     scale = (nope + rope) ** -0.5
     g = torch.Generator().manual_seed(0)
-    w_kv_b = torch.randn(heads * (nope + vdim), rank, generator=g) * rank**-0.5
-    w = w_kv_b.view(heads, nope + vdim, rank)
-    w_uk, w_uv = w[:, :nope], w[:, nope:]  # [H, nope, rank], [H, v, rank]
+    w_kv_b32 = torch.randn(heads * (nope + vdim), rank, generator=g) * rank**-0.5
     bs, batch = 16, args.batch
-    rows: list[dict] = []
-    a, b_ = torch.randn(2048, 2048, generator=g), torch.randn(2048, 2048, generator=g)
-    sgemm_flops = 2 * 2048**3 / median_s(lambda: a @ b_, args.repeats)
-    result["sgemm_gflops"] = round(sgemm_flops / 1e9, 1)
-    say(f"fp32 matmul (2048^3) here: {sgemm_flops / 1e9:.1f} GFLOP/s")
-    for ctx in [int(x) for x in args.contexts.split(",")]:
-        nb = ctx // bs
-        cache = torch.randn(batch * nb, bs, rank + rope, generator=g)
-        tables = torch.arange(batch * nb, dtype=torch.int32).view(batch, nb)
-        lens = torch.full((batch,), nb * bs, dtype=torch.int32)
-        q_nope = torch.randn(batch, heads, nope, generator=g)
-        q_rope = torch.randn(batch, heads, rope, generator=g)
+    result["cpu_flags"] = cpu_flags()
+    dtypes = args.dtypes.split(",") if args.dtypes else ["float32"]
+    if not args.dtypes and fastest_dtype(result["cpu_flags"]) == "bfloat16":
+        dtypes.append("bfloat16")  # a bf16 model's own decode step, where bf16 is native
+    for name in dtypes:
+        dtype = getattr(torch, name)
+        a, b_ = (torch.randn(2048, 2048, generator=g).to(dtype) for _ in range(2))
+        mm_flops = 2 * 2048**3 / median_s(lambda: a @ b_, args.repeats)
+        result[f"{name}_matmul_gflops"] = round(mm_flops / 1e9, 1)
+        say(f"{name} matmul (2048^3) here: {mm_flops / 1e9:.1f} GFLOP/s")
+        w_kv_b = w_kv_b32.to(dtype)
+        rows: list[dict] = []
+        for ctx in [int(x) for x in args.contexts.split(",")]:
+            nb = ctx // bs
+            cache = torch.randn(batch * nb, bs, rank + rope, generator=g).to(dtype)
+            tables = torch.arange(batch * nb, dtype=torch.int32).view(batch, nb)
+            lens = torch.full((batch,), nb * bs, dtype=torch.int32)
+            q_nope = torch.randn(batch, heads, nope, generator=g).to(dtype)
+            q_rope = torch.randn(batch, heads, rope, generator=g).to(dtype)
 
-        def absorbed():
-            q_lat = torch.einsum("bhn,hnr->bhr", q_nope, w_uk)
-            o = kernels.paged_mla_decode_attention(q_lat, q_rope, cache, tables, lens, scale)
-            return torch.einsum("bhr,hvr->bhv", o, w_uv)
+            def absorbed():  # the model's own decode step (W_uk into the query, W_uv after)
+                return absorbed_decode_attention(
+                    q_nope, q_rope, w_kv_b, vdim, cache, tables, lens, scale
+                )
 
-        def naive():
-            outs = []
-            for b in range(batch):
-                rows_ = cache[tables[b].long()].reshape(-1, rank + rope)[: int(lens[b])]
-                kv = torch.nn.functional.linear(rows_[:, :rank], w_kv_b)
-                kv = kv.view(-1, heads, nope + vdim)
-                k = torch.cat([kv[..., :nope], rows_[:, None, rank:].expand(-1, heads, rope)], -1)
-                q = torch.cat([q_nope[b], q_rope[b]], -1)  # [H, nope + rope]
-                s = torch.einsum("hd,thd->ht", q, k) * scale
-                outs.append(torch.einsum("ht,thv->hv", torch.softmax(s, -1), kv[..., nope:]))
-            return torch.stack(outs)
+            def naive():
+                outs = []
+                for b in range(batch):
+                    rows_ = cache[tables[b].long()].reshape(-1, rank + rope)[: int(lens[b])]
+                    kv = torch.nn.functional.linear(rows_[:, :rank], w_kv_b)
+                    kv = kv.view(-1, heads, nope + vdim)
+                    k = torch.cat(
+                        [kv[..., :nope], rows_[:, None, rank:].expand(-1, heads, rope)], -1
+                    )
+                    q = torch.cat([q_nope[b], q_rope[b]], -1)  # [H, nope + rope]
+                    s_ = torch.einsum("hd,thd->ht", q.float(), k.float()) * scale
+                    v_ = kv[..., nope:].float()
+                    outs.append(torch.einsum("ht,thv->hv", torch.softmax(s_, -1), v_))
+                return torch.stack(outs)
 
-        err = (absorbed() - naive()).abs().max().item()
-        t_abs = median_s(absorbed, args.repeats)
-        t_naive = median_s(naive, max(1, args.repeats // 2))
-        nbytes = cache[: batch * nb].numel() * cache.element_size()
-        dst = torch.empty_like(cache)
-        t_copy = median_s(lambda: dst.copy_(cache), args.repeats)
-        copy_bw = 2 * nbytes / t_copy
-        read_bw = nbytes / t_abs
-        # the kernel's arithmetic: scores over rank + rope, values over rank, for every head
-        flops = batch * nb * bs * heads * (2 * rank + rope) * 2 / t_abs
-        row = {
-            "context": ctx,
-            "absorbed_ms": round(t_abs * 1000, 3),
-            "naive_ms": round(t_naive * 1000, 3),
-            "absorbed_speedup": round(t_naive / t_abs, 2),
-            "read_gb_s": round(read_bw / 1e9, 2),
-            "copy_gb_s": round(copy_bw / 1e9, 2),
-            "vs_copy_bw": round(read_bw / copy_bw, 3),
-            "gflops": round(flops / 1e9, 1),
-            "vs_sgemm": round(flops / sgemm_flops, 3),
-            "max_abs_err": err,
-        }
-        rows.append(row)
-        say(
-            f"context {ctx:6d} x batch {batch}: absorbed {row['absorbed_ms']:8.2f} ms, "
-            f"non-absorbed {row['naive_ms']:9.2f} ms ({row['absorbed_speedup']}x); reads "
-            f"{row['read_gb_s']} GB/s = {row['vs_copy_bw']} of copy bandwidth "
-            f"({row['copy_gb_s']} GB/s), {row['gflops']} GFLOP/s = {row['vs_sgemm']} of the "
-            f"matmul's; max |diff| {err:.2e}"
-        )
-    result["decode"] = rows
-    by = {r["context"]: r for r in rows}
-    if 4096 in by:
-        result["mla_absorbed_vs_naive_4k"] = by[4096]["absorbed_speedup"]
-        result["mla_decode_vs_copy_bw"] = by[4096]["vs_copy_bw"]
-        result["mla_decode_vs_sgemm"] = by[4096]["vs_sgemm"]
+            err = (absorbed().float() - naive()).abs().max().item()
+            t_abs = median_s(absorbed, args.repeats)
+            t_naive = median_s(naive, max(1, args.repeats // 2))
+            nbytes = cache[: batch * nb].numel() * cache.element_size()
+            dst = torch.empty_like(cache)
+            t_copy = median_s(lambda: dst.copy_(cache), args.repeats)
+            copy_bw = 2 * nbytes / t_copy
+            read_bw = nbytes / t_abs
+            # the kernel's arithmetic: scores over rank + rope, values over rank, for every head
+            flops = batch * nb * bs * heads * (2 * rank + rope) * 2 / t_abs
+            row = {
+                "context": ctx,
+                "absorbed_ms": round(t_abs * 1000, 3),
+                "naive_ms": round(t_naive * 1000, 3),
+                "absorbed_speedup": round(t_naive / t_abs, 2),
+                "read_gb_s": round(read_bw / 1e9, 2),
+                "copy_gb_s": round(copy_bw / 1e9, 2),
+                "vs_copy_bw": round(read_bw / copy_bw, 3),
+                "gflops": round(flops / 1e9, 1),
+                "vs_matmul": round(flops / mm_flops, 3),
+                "max_abs_err": err,
+            }
+            rows.append(row)
+            say(
+                f"{name} context {ctx:6d} x batch {batch}: absorbed {row['absorbed_ms']:8.2f} ms, "
+                f"non-absorbed {row['naive_ms']:9.2f} ms ({row['absorbed_speedup']}x); reads "
+                f"{row['read_gb_s']} GB/s = {row['vs_copy_bw']} of copy bandwidth "
+                f"({row['copy_gb_s']} GB/s), {row['gflops']} GFLOP/s = {row['vs_matmul']} of "
+                f"the {name} matmul's; max |diff| {err:.2e}"
+            )
+        by = {r["context"]: r for r in rows}
+        if name == "float32":
+            result["decode"] = rows
+            if 4096 in by:
+                result["mla_absorbed_vs_naive_4k"] = by[4096]["absorbed_speedup"]
+                result["mla_decode_vs_copy_bw"] = by[4096]["vs_copy_bw"]
+                result["mla_decode_vs_sgemm"] = by[4096]["vs_matmul"]
+        else:
+            result[f"decode_{name}"] = rows
+            if 4096 in by:
+                result[f"mla_decode_{name}_ms_4k"] = by[4096]["absorbed_ms"]
+                result[f"mla_decode_{name}_vs_{name}_matmul"] = by[4096]["vs_matmul"]
+    fp32, other = result.get("decode"), [d for d in dtypes if d != "float32"]
+    if fp32 and other and f"mla_decode_{other[0]}_ms_4k" in result:
+        at = {r["context"]: r["absorbed_ms"] for r in fp32}
+        if 4096 in at:  # the same step's time in the 16-bit dtype over fp32's
+            result[f"mla_decode_{other[0]}_vs_float32_4k"] = round(
+                result[f"mla_decode_{other[0]}_ms_4k"] / at[4096], 3
+            )
     return finish(result, load0)
 
 

@@ -140,6 +140,11 @@ def _library() -> tuple[ctypes.CDLL | None, str]:
         _ptr, _ptr, _ptr, _i32, _i64, _i64, _i64, _i64, _ptr, _i64, _ptr,
         _i32, _i32, _i32, _i32, _i32, _f32, _i32, _ptr, _ptr,
     ]  # fmt: skip
+    lib.hm_paged_attention_latent.restype = ctypes.c_int
+    lib.hm_paged_attention_latent.argtypes = [
+        _ptr, _ptr, _i32, _i64, _i64, _i64, _ptr, _i64, _ptr,
+        _i32, _i32, _i32, _i32, _i32, _f32, _i32, _ptr, _ptr,
+    ]  # fmt: skip
     lib.hm_paged_attention_kivi_window.restype = ctypes.c_int
     lib.hm_paged_attention_kivi_window.argtypes = [
         _ptr, _ptr, _ptr, _i64, _i32, _i32, _i32, _i32, _ptr, _i64, _ptr,
@@ -291,6 +296,31 @@ def paged_attention_full(q, k_cache, v_cache, block_tables, seq_lens, scale=None
         num_blocks, s[0], s[1], s[2], tables.data_ptr(), tables.stride(0), lens.data_ptr(),
         q.shape[0], q.shape[1], kv_heads, head_dim, block_size, scale,
         torch.get_num_threads(), out.data_ptr(), lse.data_ptr(),
+    )  # fmt: skip
+    _check_bad(bad)
+    return out, lse
+
+
+def paged_attention_latent(q, latent_cache, block_tables, seq_lens, scale, value_dim: int):
+    """(out fp32 [B, QH, value_dim], lse fp32 [B, QH]) of absorbed MLA decode attention: every
+    query row q [B, QH, D] attends over its sequence's latent rows latent_cache [num_blocks,
+    block_size, D] (fp32, bf16 or fp16, contiguous rows) as keys, and over their first
+    value_dim columns as values (each row read once for both)."""
+    lib, _ = _library()
+    num_blocks, block_size, head_dim = latent_cache.shape
+    if latent_cache.stride(2) != 1 or latent_cache.dtype not in _DTYPE_CODES:
+        raise ValueError(f"unsupported latent rows {latent_cache.dtype}, strides "
+                         f"{latent_cache.stride()}")  # fmt: skip
+    if not 0 < value_dim <= head_dim:
+        raise ValueError(f"value_dim {value_dim} outside a row of {head_dim}")
+    qf, tables, lens, scale, _, lse = _common(q, block_tables, seq_lens, block_size, scale)
+    out = torch.empty(q.shape[0], q.shape[1], value_dim)
+    s = latent_cache.stride()
+    bad = lib.hm_paged_attention_latent(
+        qf.data_ptr(), latent_cache.data_ptr(), _DTYPE_CODES[latent_cache.dtype], num_blocks,
+        s[0], s[1], tables.data_ptr(), tables.stride(0), lens.data_ptr(), q.shape[0],
+        q.shape[1], head_dim, value_dim, block_size, scale, torch.get_num_threads(),
+        out.data_ptr(), lse.data_ptr(),
     )  # fmt: skip
     _check_bad(bad)
     return out, lse
@@ -464,20 +494,19 @@ def paged_mla_decode_attention_native(
     from kernels.mla_attention import check_mla_shapes, paged_mla_decode_attention_torch
 
     check_mla_shapes(q_latent, q_rope, latent_cache, block_tables, seq_lens)
-    rows = latent_cache.unsqueeze(2)  # [num_blocks, block_size, 1 KV head, rank + rope]
-    fits = supports(q_latent, 1, latent_cache.shape[1]) and rows.stride(3) == 1
+    fits = supports(q_latent, 1, latent_cache.shape[1]) and latent_cache.stride(2) == 1
     if not (native_status().available and fits and latent_cache.dtype in _DTYPE_CODES):
         return paged_mla_decode_attention_torch(
             q_latent, q_rope, latent_cache, block_tables, seq_lens, scale, split_bytes,
             return_lse=return_lse,
         )  # fmt: skip
     q = torch.cat([q_latent.float(), q_rope.float()], dim=-1)
+    rank = q_latent.shape[-1]
     parts = torch.get_num_threads() // q.shape[0]
     if parts > 1 and int(seq_lens.max()) >= _MLA_SPLIT_TOKENS:
-        out, lse = _split_sequences(q, rows, block_tables, seq_lens, scale, parts)
+        out, lse = _split_sequences(q, latent_cache, block_tables, seq_lens, scale, parts, rank)
     else:
-        out, lse = paged_attention_full(q, rows, rows, block_tables, seq_lens, scale)
-    out = out[..., : q_latent.shape[-1]]
+        out, lse = paged_attention_latent(q, latent_cache, block_tables, seq_lens, scale, rank)
     return (out, lse) if return_lse else out
 
 
@@ -487,8 +516,8 @@ def paged_mla_decode_attention_native(
 _MLA_SPLIT_TOKENS = 1024
 
 
-def _split_sequences(q, rows, block_tables, seq_lens, scale, parts: int):
-    """paged_attention_full with each sequence's blocks cut into `parts` runs, each run a
+def _split_sequences(q, rows, block_tables, seq_lens, scale, parts: int, value_dim: int):
+    """paged_attention_latent with each sequence's blocks cut into `parts` runs, each run a
     sequence of its own (its own work item), merged back by their log-sum-exps (exact)."""
     batch, bs = q.shape[0], rows.shape[1]
     per = -(-block_tables.shape[1] // parts)  # blocks a run
@@ -496,9 +525,9 @@ def _split_sequences(q, rows, block_tables, seq_lens, scale, parts: int):
     tables[:, : block_tables.shape[1]] = block_tables
     starts = torch.arange(parts, dtype=seq_lens.dtype) * (per * bs)
     lens = (seq_lens.view(-1, 1) - starts).clamp(0, per * bs)
-    out, lse = paged_attention_full(
-        q.repeat_interleave(parts, 0), rows, rows, tables.view(batch * parts, per),
-        lens.reshape(-1), scale,
+    out, lse = paged_attention_latent(
+        q.repeat_interleave(parts, 0), rows, tables.view(batch * parts, per), lens.reshape(-1),
+        scale, value_dim,
     )  # fmt: skip
     out, lse = out.view(batch, parts, *out.shape[1:]), lse.view(batch, parts, -1)
     top = lse.amax(1, keepdim=True)

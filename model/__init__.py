@@ -13,6 +13,7 @@ from model.rules import finish_reason, prompt_problem
 from model.tokenizer import Tokenizer
 
 _LAZY = {
+    "absorbed_decode_attention": "model.deepseek",
     "DeepseekModel": "model.deepseek",
     "Engine": "model.engine",
     "Timing": "model.engine",
@@ -39,6 +40,7 @@ def __getattr__(name: str):
 
 __all__ = [
     "DTYPES",
+    "absorbed_decode_attention",
     "DeepseekModel",
     "MODEL_NAMES",
     "Engine",

@@ -158,12 +158,15 @@ def test_the_fused_cpu_kernel_matches_the_reference():
 
 
 @pytest.mark.parametrize("heads", [16, 4, 6])
-def test_the_fused_cpu_kernel_at_deepseek_v2_lite_widths(heads):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_the_fused_cpu_kernel_at_deepseek_v2_lite_widths(heads, dtype):
     # latent 512 + rope 64: the AVX-512 tiled path where this CPU has it (16 and 4 heads: rows
-    # in fours), the row-at-a-time path for 6; ragged lengths end blocks mid-way
+    # in fours), the row-at-a-time path for 6; ragged lengths end blocks mid-way. 16-bit rows are
+    # widened once and serve as key and value; the reference reads the same rounded rows.
     q_latent, q_rope, cache, tables, lens = _case(
         8, [1, 37, 64, 0], heads=heads, rank=512, rope=64, block_size=16, num_blocks=24
     )
+    cache = cache.to(dtype)
     ref = mla_decode_attention_reference(q_latent, q_rope, cache, tables, lens, 0.05)
     out, lse = kernels.paged_mla_decode_attention(
         q_latent, q_rope, cache, tables, lens, 0.05, backend="native", return_lse=True
@@ -174,6 +177,39 @@ def test_the_fused_cpu_kernel_at_deepseek_v2_lite_widths(heads):
     )
     finite = twin_lse.isfinite()
     assert (lse[finite] - twin_lse[finite]).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("heads", [16, 6])
+def test_bf16_rows_and_a_bf16_query_at_deepseek_v2_lite_widths(heads):
+    # A bf16 model's query (every value a bf16) over bf16 rows: scored on bf16 dot products
+    # where the CPU has them (16 heads), the scale applied to their sums; the same values as the
+    # fp32 reference over the same rounded numbers, to fp32 rounding
+    q_latent, q_rope, cache, tables, lens = _case(
+        6, [3, 40, 64, 16], heads=heads, rank=512, rope=64, block_size=16, num_blocks=24
+    )
+    q_latent, q_rope, cache = q_latent.bfloat16(), q_rope.bfloat16(), cache.bfloat16()
+    ref = mla_decode_attention_reference(
+        q_latent.float(), q_rope.float(), cache.float(), tables, lens, 0.07
+    )
+    out, lse = kernels.paged_mla_decode_attention(
+        q_latent, q_rope, cache, tables, lens, 0.07, backend="native", return_lse=True
+    )
+    assert (out - ref).abs().max() < 1e-5
+    _, twin_lse = paged_mla_decode_attention_torch(
+        q_latent.float(), q_rope.float(), cache, tables, lens, 0.07, return_lse=True
+    )
+    assert (lse - twin_lse).abs().max() < 1e-5
+
+
+def test_the_fused_cpu_kernel_refuses_a_block_outside_the_pool():
+    q_latent, q_rope, cache, tables, lens = _case(
+        4, [20, 33], heads=16, rank=512, rope=64, block_size=16, num_blocks=8
+    )
+    tables[1, 2] = 8  # sequence 1's third block (its tokens 32..33) is past the pool's end
+    with pytest.raises(IndexError, match="sequence 1 names a block outside the pool"):
+        kernels.paged_mla_decode_attention(
+            q_latent, q_rope, cache, tables, lens, 0.05, backend="native"
+        )
 
 
 def test_sequences_split_among_idle_threads_merge_exactly(monkeypatch):

@@ -251,11 +251,19 @@ static inline void hm_prefetch(const void *p, int64_t bytes) {
   for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch((const char *)p + i, 0, 2);
 }
 
+/* Whether block j of a table has a next block within the sequence's len tokens that lies in the
+ * pool (its rows are then prefetched while block j is worked on) */
+static inline int hm_next_block(const int32_t *table, int j, int len, int block_size,
+                                int64_t num_blocks) {
+  return (j + 1) * block_size < len && table[j + 1] >= 0 && table[j + 1] < num_blocks;
+}
+
 /* Online-softmax state of one sequence's query rows (all heads), and its scratch. */
 typedef struct {
   int rows, d;
+  int dv;        /* value columns accumulated and written: d, but MLA's latent rows' first dv */
   float *q;      /* [rows][d] query rows, pre-scaled */
-  float *acc;    /* [rows][d] unnormalised output */
+  float *acc;    /* [rows][d] unnormalised output (its first dv columns in use) */
   float *m, *l;  /* [rows] running max and mass */
   float *s;      /* [rows][HM_MAX_BS]: one block's scores, then its probabilities */
   float *kbuf, *vbuf; /* [HM_MAX_BS][d]: one block-head's rows widened to fp32 */
@@ -283,6 +291,7 @@ static int hm_begin(hm_state *st, const float *q, int rows, int group, int d, fl
   float *mem = hm_scratch;
   st->rows = rows;
   st->d = d;
+  st->dv = d;
   st->q = mem;
   st->acc = st->q + (size_t)rows * d;
   st->m = st->acc + (size_t)rows * d;
@@ -321,7 +330,7 @@ static void hm_softmax_block(hm_state *st, int r0, int g, int n) {
       float alpha = st->m[r] == -INFINITY ? 0.0f : expf(st->m[r] - m_new);
       float *acc = st->acc + (size_t)r * st->d;
       st->l[r] *= alpha;
-      for (int i = 0; i < st->d; i++) acc[i] *= alpha;
+      for (int i = 0; i < st->dv; i++) acc[i] *= alpha;
       st->m[r] = m_new;
     }
     float mass = 0.0f;
@@ -349,11 +358,12 @@ static void hm_softmax_block(hm_state *st, int r0, int g, int n) {
   }
 }
 
+/* out [rows][dv] (the accumulator's first dv columns over the mass) and lse [rows] */
 static void hm_finish(hm_state *st, float *out, float *lse) {
   for (int r = 0; r < st->rows; r++) {
     float inv = st->l[r] > 0.0f ? 1.0f / st->l[r] : 0.0f;
     const float *acc = st->acc + (size_t)r * st->d;
-    for (int i = 0; i < st->d; i++) out[(size_t)r * st->d + i] = acc[i] * inv;
+    for (int i = 0; i < st->dv; i++) out[(size_t)r * st->dv + i] = acc[i] * inv;
     lse[r] = st->l[r] > 0.0f ? st->m[r] + logf(st->l[r]) : -INFINITY;
   }
 }
@@ -719,54 +729,108 @@ static inline int hm_block8_rows(hm_state *st, int r0, int g, int n, const void 
 
 #ifdef HM_BLOCK64
 #define HM_TILED 1
-/* One block-head of a wide head (d > 64, a multiple of 64; g a multiple of 4 query rows) over
- * fp32 rows in register tiles: MLA's absorbed decode (16 heads on one latent row of 576) and
- * head dims of 128 and up. Where hm_scores loads a query vector per key vector and the key rows
- * once per query row, a scores tile of 4 query rows x 4 key rows loads 8 vectors per 16 products
- * and sums its 16 dot products at once (hm_tree16); a values tile holds 4 rows x 64 columns of
- * the accumulator in registers while the block's value rows stream past (each value vector
- * loaded once for the 4 rows, each probability broadcast once per 64 columns). */
-static void hm_tiled_rows(hm_state *st, int g, int n, const float *const *k,
-                          const float *const *v) {
-  const int d = st->d;
+/* Keeps a vector in a register: the compiler may not fold its load into each FMA that uses it
+ * (it did in the tiled scores: 4 query loads and 16 folded key loads a 16 FMAs, so the loads,
+ * not the FMAs, set the pace; MLA's decode took 1.45x as long) */
+#define HM_IN_REG(x) __asm__("" : "+v"(x))
+
+/* A 4 x 4 scores tile's 16 dot products (acc, one vector of lane partials each: 4 * row + key)
+ * into st->s, times `scale`: rows r0.., keys t0.. (a key past n is a repeat, not stored). */
+static inline void hm_tile_sums(hm_state *st, __m512 *acc, int r0, int t0, int n, float scale) {
+  float sums[16];
+  _mm512_storeu_ps(sums, _mm512_mul_ps(hm_tree16(acc), _mm512_set1_ps(scale)));
+  for (int j = 0; j < 16; j++) { /* lane j: vector HM_TREE16[j] */
+    const int vec = HM_TREE16[j], t = t0 + (vec & 3);
+    if (t < n) st->s[(size_t)(r0 + (vec >> 2)) * HM_MAX_BS + t] = sums[j];
+  }
+}
+
+/* The register tiles of wide rows: MLA's latent rows (16 heads or more on one row of 576) and
+ * block-heads of head_dim 128 and up. Where hm_scores loads a query vector per key vector and
+ * the key rows once per query row, a scores tile of 4 query rows x 4 key rows loads 8 vectors
+ * per 16 products and sums its 16 dot products at once (hm_tree16); a values tile holds 4 rows x
+ * 64 columns of the accumulator in registers while the block's value rows stream past.
+ *
+ * Scores of one block's n key rows for the state's g query rows (g a multiple of 4, d of 16):
+ * fp32 rows k against st->q, or with `dots` (AVX-512 BF16, d a multiple of 32) bf16 rows as they
+ * lie against st->qb (the query rows unscaled in bf16) on vdpbf16ps, 32 channels an instruction
+ * (twice the FMAs'; each product of two bf16 values is exact in fp32, so the scores are the fp32
+ * path's up to the order of the sums), times `scale`. `next[t]`: row t of the next block (NULL:
+ * none), in the pool's `esize`-byte elements; its lines are asked for while the first query
+ * rows' scores run, one a chunk of channels, rather than in one burst (which stalled an AVX-512
+ * core without AMX; see HM_KEYS_AHEAD). */
+static void hm_tiled_scores(hm_state *st, int g, int n, const void *const *k,
+                            const char *const *next, int esize, int dots, float scale) {
+  const int d = st->d, ksize = dots ? 2 : 4; /* bytes of a key row's element */
   for (int t0 = 0; t0 < n; t0 += 4) {
-    const float *kt[4];
-    for (int j = 0; j < 4; j++) kt[j] = k[t0 + j < n ? t0 + j : n - 1]; /* a short tail repeats */
+    const char *kt[4], *pf[4];
+    for (int j = 0; j < 4; j++) {
+      kt[j] = (const char *)k[t0 + j < n ? t0 + j : n - 1]; /* a short tail repeats */
+      pf[j] = next && t0 + j < n ? next[t0 + j] : NULL;
+    }
     for (int r0 = 0; r0 < g; r0 += 4) {
-      const float *qr = st->q + (size_t)r0 * d;
       __m512 acc[16];
       for (int j = 0; j < 16; j++) acc[j] = _mm512_setzero_ps();
-      for (int i = 0; i < d; i += 16) {
-        const __m512 k0 = _mm512_loadu_ps(kt[0] + i), k1 = _mm512_loadu_ps(kt[1] + i);
-        const __m512 k2 = _mm512_loadu_ps(kt[2] + i), k3 = _mm512_loadu_ps(kt[3] + i);
+      /* i: the chunk's first channel; a chunk is one vector of each row (16 fp32, 32 bf16) */
+      for (int i = 0; i < d; i += dots ? 32 : 16) {
+        __m512i k0 = _mm512_loadu_si512(kt[0] + i * ksize);
+        __m512i k1 = _mm512_loadu_si512(kt[1] + i * ksize);
+        __m512i k2 = _mm512_loadu_si512(kt[2] + i * ksize);
+        __m512i k3 = _mm512_loadu_si512(kt[3] + i * ksize);
+        HM_IN_REG(k0);
+        HM_IN_REG(k1);
+        HM_IN_REG(k2);
+        HM_IN_REG(k3);
         for (int r = 0; r < 4; r++) {
-          const __m512 qv = _mm512_loadu_ps(qr + (size_t)r * d + i);
-          acc[4 * r] = _mm512_fmadd_ps(qv, k0, acc[4 * r]);
-          acc[4 * r + 1] = _mm512_fmadd_ps(qv, k1, acc[4 * r + 1]);
-          acc[4 * r + 2] = _mm512_fmadd_ps(qv, k2, acc[4 * r + 2]);
-          acc[4 * r + 3] = _mm512_fmadd_ps(qv, k3, acc[4 * r + 3]);
+          __m512 *a = acc + 4 * r;
+#ifdef __AVX512BF16__
+          if (dots) {
+            __m512i qv = _mm512_loadu_si512(st->qb + (size_t)(r0 + r) * d + i);
+            HM_IN_REG(qv);
+            a[0] = _mm512_dpbf16_ps(a[0], (__m512bh)qv, (__m512bh)k0);
+            a[1] = _mm512_dpbf16_ps(a[1], (__m512bh)qv, (__m512bh)k1);
+            a[2] = _mm512_dpbf16_ps(a[2], (__m512bh)qv, (__m512bh)k2);
+            a[3] = _mm512_dpbf16_ps(a[3], (__m512bh)qv, (__m512bh)k3);
+            continue;
+          }
+#endif
+          __m512 qv = _mm512_loadu_ps(st->q + (size_t)(r0 + r) * d + i);
+          HM_IN_REG(qv);
+          a[0] = _mm512_fmadd_ps(qv, _mm512_castsi512_ps(k0), a[0]);
+          a[1] = _mm512_fmadd_ps(qv, _mm512_castsi512_ps(k1), a[1]);
+          a[2] = _mm512_fmadd_ps(qv, _mm512_castsi512_ps(k2), a[2]);
+          a[3] = _mm512_fmadd_ps(qv, _mm512_castsi512_ps(k3), a[3]);
         }
+        if (r0 == 0 && (i * esize) % 64 == 0) /* a line of each next row a chunk or two */
+          for (int j = 0; j < 4; j++)
+            if (pf[j]) __builtin_prefetch(pf[j] + i * esize, 0, 2);
       }
-      float sums[16];
-      _mm512_storeu_ps(sums, hm_tree16(acc));
-      for (int j = 0; j < 16; j++) { /* lane j: vector HM_TREE16[j] = 4 * row + key */
-        const int vec = HM_TREE16[j], t = t0 + (vec & 3);
-        if (t < n) st->s[(size_t)(r0 + (vec >> 2)) * HM_MAX_BS + t] = sums[j];
-      }
+      hm_tile_sums(st, acc, r0, t0, n, scale);
     }
   }
+}
+
+/* Softmax of a block's scores (st->s) and its values: the first dv columns (a multiple of 64) of
+ * its n rows v (fp32), in tiles of 4 query rows x 64 columns held in registers while the rows
+ * stream past. */
+static void hm_tiled_values(hm_state *st, int g, int n, const float *const *v) {
+  const int d = st->d, dv = st->dv;
   hm_softmax_block(st, 0, g, n);
   for (int r0 = 0; r0 < g; r0 += 4) {
     const float *p = st->s + (size_t)r0 * HM_MAX_BS;
-    for (int c = 0; c < d; c += 64) {
+    for (int c = 0; c < dv; c += 64) {
       __m512 acc[16];
       for (int r = 0; r < 4; r++)
         for (int j = 0; j < 4; j++)
           acc[4 * r + j] = _mm512_loadu_ps(st->acc + (size_t)(r0 + r) * d + c + 16 * j);
       for (int t = 0; t < n; t++) {
         const float *vt = v[t] + c;
-        const __m512 v0 = _mm512_loadu_ps(vt), v1 = _mm512_loadu_ps(vt + 16);
-        const __m512 v2 = _mm512_loadu_ps(vt + 32), v3 = _mm512_loadu_ps(vt + 48);
+        __m512 v0 = _mm512_loadu_ps(vt), v1 = _mm512_loadu_ps(vt + 16);
+        __m512 v2 = _mm512_loadu_ps(vt + 32), v3 = _mm512_loadu_ps(vt + 48);
+        HM_IN_REG(v0);
+        HM_IN_REG(v1);
+        HM_IN_REG(v2);
+        HM_IN_REG(v3);
         for (int r = 0; r < 4; r++) {
           const __m512 pr = _mm512_set1_ps(p[(size_t)r * HM_MAX_BS + t]);
           acc[4 * r] = _mm512_fmadd_ps(pr, v0, acc[4 * r]);
@@ -827,8 +891,7 @@ static int hm_full_blocks(hm_state *st, const hm_full_pool *p, const int32_t *ta
     /* the next block's rows of this head only (a row is d values; the other heads' rows
      * between them are other work items'): spread over this block on the block paths that
      * read rows as they lie, else issued here */
-    const int ahead =
-        (j + 1) * block_size < len && table[j + 1] >= 0 && table[j + 1] < p->num_blocks;
+    const int ahead = hm_next_block(table, j, len, block_size, p->num_blocks);
     const int64_t next_at =
         ahead ? (table[j + 1] * p->blk_stride + (int64_t)h * p->head_stride) * esize : 0;
     const hm_next_rows next = {(const char *)p->k + next_at, (const char *)p->v + next_at,
@@ -874,13 +937,77 @@ static int hm_full_blocks(hm_state *st, const hm_full_pool *p, const int32_t *ta
 #endif
 #ifdef HM_TILED
     if (d > 64 && d % 64 == 0 && g % 4 == 0) {
-      hm_tiled_rows(st, g, n, krow, vrow);
+      hm_tiled_scores(st, g, n, (const void *const *)krow, NULL, (int)esize, 0, 1.0f);
+      hm_tiled_values(st, g, n, vrow);
       continue;
     }
 #endif
     for (int r = 0; r < g; r++)
       hm_scores(st->q + (size_t)r * d, krow, n, d, 0.0f, st->s + (size_t)r * HM_MAX_BS);
     hm_block_values(st, 0, g, n, vrow);
+  }
+  return 0;
+}
+
+/* A sequence's `len` latent rows of a pool with one KV head (MLA, absorbed: kernels/
+ * mla_attention.py), block by block: each row [c_kv | k_rope] (d values) is the key of every
+ * query row in the state, and its first dv values (c_kv) the value; a 16-bit row is widened once
+ * for both. `qb_scale`: nonzero when st->qb holds the query rows unscaled in bf16, exactly, and
+ * the rows are bf16 (the scores then run on bf16 dot products, times qb_scale). 0, or 1 if the
+ * table names a block outside the pool. */
+static int hm_latent_blocks(hm_state *st, const hm_full_pool *p, const int32_t *table, int len,
+                            int block_size, float qb_scale) {
+  const int d = st->d, g = st->rows;
+  const int64_t esize = p->dtype == HM_F32 ? 4 : 2;
+  const float *row[HM_MAX_BS];
+  const char *next[HM_MAX_BS];
+#ifdef HM_TILED
+  const int tiled = g % 4 == 0 && d % 16 == 0 && st->dv % 64 == 0;
+#else
+  const int tiled = 0;
+#endif
+#if defined(HM_TILED) && defined(__AVX512BF16__)
+  const int dots = tiled && qb_scale != 0.0f && p->dtype == HM_BF16 && d % 32 == 0;
+#else
+  const int dots = 0;
+  (void)qb_scale;
+#endif
+  for (int j = 0; j * block_size < len; j++) {
+    const int64_t blk = table[j];
+    if (blk < 0 || blk >= p->num_blocks) return 1;
+    const int n = len - j * block_size < block_size ? len - j * block_size : block_size;
+    const int ahead = hm_next_block(table, j, len, block_size, p->num_blocks);
+    const int64_t nblk = ahead ? table[j + 1] : blk; /* (a block with a next one is full) */
+    const void *raw[HM_MAX_BS];
+    for (int t = 0; t < n; t++) {
+      const int64_t off = (blk * p->blk_stride + t * p->tok_stride) * esize;
+      raw[t] = (const char *)p->k + off;
+      /* the bf16 dot products read the keys as they lie: only the values are widened */
+      row[t] = hm_row(raw[t], p->dtype, dots ? st->dv : d, st->kbuf + (size_t)t * d);
+      next[t] = (const char *)p->k + (nblk * p->blk_stride + t * p->tok_stride) * esize;
+    }
+#if defined(HM_TILED) && defined(__AVX512BF16__)
+    if (dots) {
+      hm_tiled_scores(st, g, n, raw, ahead ? next : NULL, 2, 1, qb_scale);
+      hm_tiled_values(st, g, n, row);
+      continue;
+    }
+#endif
+#ifdef HM_TILED
+    if (tiled) {
+      hm_tiled_scores(st, g, n, (const void *const *)row, ahead ? next : NULL, (int)esize, 0,
+                      1.0f);
+      hm_tiled_values(st, g, n, row);
+      continue;
+    }
+#endif
+    if (ahead)
+      for (int t = 0; t < n; t++) hm_prefetch(next[t], d * esize);
+    for (int r = 0; r < g; r++)
+      hm_scores(st->q + (size_t)r * d, row, n, d, 0.0f, st->s + (size_t)r * HM_MAX_BS);
+    hm_softmax_block(st, 0, g, n);
+    for (int r = 0; r < g; r++)
+      hm_accumulate(st->acc + (size_t)r * d, st->s + (size_t)r * HM_MAX_BS, row, n, st->dv);
   }
   return 0;
 }
@@ -899,8 +1026,7 @@ static int hm_full_blocks_heads(hm_state *st, const hm_full_pool *p, const int32
     const int64_t blk = table[j];
     if (blk < 0 || blk >= p->num_blocks) return 1;
     const int n = len - j * block_size < block_size ? len - j * block_size : block_size;
-    const int ahead = (j + 1) * block_size < len && table[j + 1] >= 0 &&
-                      table[j + 1] < p->num_blocks;
+    const int ahead = hm_next_block(table, j, len, block_size, p->num_blocks);
     const int64_t next_at = ahead ? table[j + 1] * p->blk_stride * esize : 0;
     for (int h = 0; h < kv_heads; h++) {
       /* the next block's rows of head h, prefetched while this block's head h is worked on
@@ -1036,7 +1162,7 @@ static int hm_kivi_blocks(hm_state *st, const hm_kivi_pool *p, const int32_t *ta
     const char *at[6];
     int64_t bytes[6];
     hm_kivi_fields(p, blk, kv_heads, st->d, block_size, at, bytes);
-    if ((j + 1) * block_size < len && table[j + 1] >= 0 && table[j + 1] < p->num_blocks) {
+    if (hm_next_block(table, j, len, block_size, p->num_blocks)) {
       const char *next[6];
       hm_kivi_fields(p, table[j + 1], kv_heads, st->d, block_size, next, NULL);
       for (int f = 0; f < 6; f++) /* this layer's part of the field, C-contiguous in a block (the
@@ -1061,8 +1187,7 @@ static int hm_kivi_blocks_heads(hm_state *st, const hm_kivi_pool *p, const int32
     const char *at[6], *next[6];
     int64_t bytes[6];
     hm_kivi_fields(p, blk, kv_heads, st->d, block_size, at, bytes);
-    const int ahead =
-        (j + 1) * block_size < len && table[j + 1] >= 0 && table[j + 1] < p->num_blocks;
+    const int ahead = hm_next_block(table, j, len, block_size, p->num_blocks);
     if (ahead) hm_kivi_fields(p, table[j + 1], kv_heads, st->d, block_size, next, NULL);
     for (int h = 0; h < kv_heads; h++) {
       /* the next block's fields spread over this block's heads: a share before each head */
@@ -1184,6 +1309,48 @@ int hm_paged_attention_full(const float *q, const void *k, const void *v, int dt
                               lse);
   HM_SEQUENCES(fail = hm_full_blocks(&st, &pool, tables + (int64_t)b * table_stride, lens[b], h,
                                      g, block_size);)
+}
+
+/* Absorbed MLA over a latent pool: rows [num_blocks, block_size, 1, head_dim] (strides blk,
+ * tok), every one of a sequence's q_heads query rows (head_dim each) attending over its rows as
+ * keys and over their first value_dim columns as values. One work item is one sequence (the
+ * caller splits long sequences into several, kernels/native.py). Outputs out [B, QH, value_dim],
+ * lse [B, QH] fp32; returns as the other entry points. */
+int hm_paged_attention_latent(const float *q, const void *rows, int dtype, int64_t num_blocks,
+                              int64_t blk_stride, int64_t tok_stride, const int32_t *tables,
+                              int64_t table_stride, const int32_t *lens, int batch, int q_heads,
+                              int head_dim, int value_dim, int block_size, float scale,
+                              int threads, float *out, float *lse) {
+  const hm_full_pool pool = {rows, rows, dtype, num_blocks, blk_stride, tok_stride, 0};
+  int bad = 0;
+#pragma omp parallel for num_threads(threads) schedule(dynamic)
+  for (int b = 0; b < batch; b++) {
+    const int64_t row0 = (int64_t)b * q_heads;
+    hm_state st;
+    if (!hm_begin(&st, q + row0 * head_dim, q_heads, q_heads, head_dim, scale)) {
+#pragma omp atomic write
+      bad = -1;
+      continue;
+    }
+    st.dv = value_dim;
+    /* the query rows unscaled in bf16, where every one of them is a bf16 exactly (a bf16
+     * model's): bf16 rows are then scored on bf16 dot products */
+    const float *qrows = q + row0 * head_dim;
+    int exact = dtype == HM_BF16;
+    for (int i = 0; exact && i < q_heads * head_dim; i++) {
+      uint32_t bits;
+      memcpy(&bits, qrows + i, 4);
+      exact = (bits & 0xffffu) == 0;
+      st.qb[i] = (uint16_t)(bits >> 16);
+    }
+    if (hm_latent_blocks(&st, &pool, tables + (int64_t)b * table_stride, lens[b], block_size,
+                         exact ? scale : 0.0f)) {
+#pragma omp atomic write
+      bad = b + 1;
+    }
+    hm_finish(&st, out + row0 * value_dim, lse + row0);
+  }
+  return bad;
 }
 
 int hm_paged_attention_kivi(const float *q, const void *const *ptr, const int64_t *blk_bytes,

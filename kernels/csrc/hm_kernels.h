@@ -30,6 +30,11 @@ int hm_paged_attention_full(const float *q, const void *k, const void *v, int dt
                             const int32_t *lens, int batch, int q_heads, int kv_heads,
                             int head_dim, int block_size, float scale, int threads, float *out,
                             float *lse);
+int hm_paged_attention_latent(const float *q, const void *rows, int dtype, int64_t num_blocks,
+                              int64_t blk_stride, int64_t tok_stride, const int32_t *tables,
+                              int64_t table_stride, const int32_t *lens, int batch, int q_heads,
+                              int head_dim, int value_dim, int block_size, float scale,
+                              int threads, float *out, float *lse);
 int hm_paged_attention_kivi_window(
     const float *q, const void *const *ptr, const int64_t *blk_bytes, int64_t num_blocks, int bits,
     int gk, int vg, int gv, const int32_t *tables, int64_t table_stride, const int32_t *lens,
