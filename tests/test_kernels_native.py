@@ -141,6 +141,24 @@ def test_bf16_queries_over_a_bf16_pool(lens, group, threads, torch_threads):
     assert (nudged.double() - want).abs().max() < 1e-4
 
 
+@pytest.mark.parametrize("head_dim,group", [(128, 4), (192, 8), (128, 3)])
+def test_bf16_queries_over_a_bf16_pool_of_wide_heads(head_dim, group):
+    """Query rows that are bf16 values over a bf16 pool of heads wider than 64: where AVX-512
+    BF16 tiles them (rows in fours), the keys are scored as they lie on vdpbf16ps against the
+    unscaled query (the scale is not a power of two: applied to the sums), values widened; a
+    group of 3 goes row by row. Either way: attention over the widened rows."""
+    q, kv, table, seq_lens = case(6, [5, 70, 33], 2, group, head_dim, 16)
+    q = q.to(torch.bfloat16).float()
+    layout = FullKVLayout(2, 2, head_dim, 16, torch.bfloat16)
+    pool = layout.empty_blocks(kv.shape[0])
+    pool[:, 0] = kv.to(torch.bfloat16)
+    k, v = layout.layer_views(pool, 0)
+    out, lse = paged_attention_full(q, k, v, table, seq_lens)
+    want, want_lse = dense(q, k.float(), v.float(), table, seq_lens, head_dim**-0.5)
+    assert (out.double() - want).abs().max() < 2e-5
+    assert (lse.double() - want_lse).abs().max() < 2e-5
+
+
 @pytest.mark.parametrize("bits", [2, 4])
 @pytest.mark.parametrize("window", [False, True])
 @pytest.mark.parametrize("threads", [1, 2])

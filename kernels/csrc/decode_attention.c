@@ -269,8 +269,10 @@ typedef struct {
   float *kbuf, *vbuf; /* [HM_MAX_BS][d]: one block-head's rows widened to fp32 */
   float *qs;     /* [group][d]: query rows times a key group's scales (KIVI) */
   float *scratch;     /* [2][d] (KIVI scales and zeros) */
-  uint16_t *qb;  /* [rows][d]: the query rows in bf16, when q_bf16 */
+  uint16_t *qb;  /* [rows][d]: the query rows in bf16, when q_bf16 or qb_scale */
   int q_bf16;    /* 1: every pre-scaled query value is a bf16 exactly (q from a bf16 model) */
+  float qb_scale; /* rows wider than 64: nonzero when qb holds the query rows unscaled, each a
+                   * bf16 exactly, for the tiles' dot products (the scale then on their sums) */
 } hm_state;
 
 /* Each thread's scratch, kept from call to call: a decode step calls the kernel once per layer,
@@ -309,6 +311,18 @@ static int hm_begin(hm_state *st, const float *q, int rows, int group, int d, fl
     memcpy(&bits, st->q + i, 4);
     st->qb[i] = (uint16_t)(bits >> 16);
     st->q_bf16 &= (bits & 0xffffu) == 0; /* widening it back gives the same float */
+  }
+  st->qb_scale = 0.0f;
+  if (d > 64) { /* a head's scale is a power of two at 64 only: the tiles take q unscaled */
+    int exact = 1;
+    for (int i = 0; i < rows * d; i++) {
+      uint32_t bits;
+      memcpy(&bits, q + i, 4);
+      st->qb[i] = (uint16_t)(bits >> 16);
+      exact &= (bits & 0xffffu) == 0;
+    }
+    st->q_bf16 = 0; /* qb holds the unscaled rows */
+    st->qb_scale = exact ? scale : 0.0f;
   }
   memset(st->acc, 0, sizeof(float) * rows * d);
   for (int r = 0; r < rows; r++) {
@@ -847,6 +861,28 @@ static void hm_tiled_values(hm_state *st, int g, int n, const float *const *v) {
 }
 #endif
 
+/* Whether g query rows of the state go through the register tiles (hm_tiled_scores and
+ * hm_tiled_values): rows wider than 64 (64 has its block paths), in fours, values in 64s */
+static inline int hm_tiles_fit(const hm_state *st, int g) {
+#ifdef HM_TILED
+  return g % 4 == 0 && st->d > 64 && st->d % 16 == 0 && st->dv % 64 == 0;
+#else
+  (void)st, (void)g;
+  return 0;
+#endif
+}
+
+/* Whether tiled keys of `dtype` are scored as they lie on bf16 dot products: bf16 keys, a query
+ * whose values are all bf16 (st->qb_scale), d a multiple of 32, a build with AVX-512 BF16 */
+static inline int hm_tiles_dot(const hm_state *st, int tiled, int dtype) {
+#if defined(HM_TILED) && defined(__AVX512BF16__)
+  return tiled && st->qb_scale != 0.0f && dtype == HM_BF16 && st->d % 32 == 0;
+#else
+  (void)st, (void)tiled, (void)dtype;
+  return 0;
+#endif
+}
+
 /* A pool of full-precision blocks: k and v are [num_blocks, block_size, kv_heads, head_dim]
  * views with element strides (blk, tok, head) and unit stride along head_dim. */
 typedef struct {
@@ -884,6 +920,7 @@ static int hm_full_blocks(hm_state *st, const hm_full_pool *p, const int32_t *ta
   const int d = st->d;
   const int64_t esize = p->dtype == HM_F32 ? 4 : 2;
   const float *krow[HM_MAX_BS], *vrow[HM_MAX_BS];
+  const int tiled = hm_tiles_fit(st, g), dots = hm_tiles_dot(st, tiled, p->dtype);
   for (int j = 0; j * block_size < len; j++) {
     const int64_t blk = table[j];
     if (blk < 0 || blk >= p->num_blocks) return 1;
@@ -926,21 +963,23 @@ static int hm_full_blocks(hm_state *st, const hm_full_pool *p, const int32_t *ta
         hm_prefetch(next.v + t * next.stride, next.bytes);
       }
     for (int t = 0; t < n; t++) {
-      const int64_t off = (base + t * p->tok_stride) * esize;
-      krow[t] = hm_row((const char *)p->k + off, p->dtype, d, st->kbuf + (size_t)t * d);
-      vrow[t] = hm_row((const char *)p->v + off, p->dtype, d, st->vbuf + (size_t)t * d);
+      const char *at = (const char *)p->k + (base + t * p->tok_stride) * esize;
+      krow[t] = dots ? (const float *)at : hm_row(at, p->dtype, d, st->kbuf + (size_t)t * d);
+      vrow[t] = hm_row((const char *)p->v + (at - (const char *)p->k), p->dtype, d,
+                       st->vbuf + (size_t)t * d);
     }
+#ifdef HM_TILED
+    if (tiled) { /* (krow: bf16 rows as they lie where dots) */
+      hm_tiled_scores(st, g, n, (const void *const *)krow, NULL, (int)esize, dots,
+                      dots ? st->qb_scale : 1.0f);
+      hm_tiled_values(st, g, n, vrow);
+      continue;
+    }
+#endif
 #ifdef HM_BLOCK64
     if (hm_block64_rows(st, 0, g, n, (const void *const *)krow, (const void *const *)vrow, st->q,
                         NULL, 0, NULL, spread ? &next : NULL))
       continue;
-#endif
-#ifdef HM_TILED
-    if (d > 64 && d % 64 == 0 && g % 4 == 0) {
-      hm_tiled_scores(st, g, n, (const void *const *)krow, NULL, (int)esize, 0, 1.0f);
-      hm_tiled_values(st, g, n, vrow);
-      continue;
-    }
 #endif
     for (int r = 0; r < g; r++)
       hm_scores(st->q + (size_t)r * d, krow, n, d, 0.0f, st->s + (size_t)r * HM_MAX_BS);
@@ -952,26 +991,15 @@ static int hm_full_blocks(hm_state *st, const hm_full_pool *p, const int32_t *ta
 /* A sequence's `len` latent rows of a pool with one KV head (MLA, absorbed: kernels/
  * mla_attention.py), block by block: each row [c_kv | k_rope] (d values) is the key of every
  * query row in the state, and its first dv values (c_kv) the value; a 16-bit row is widened once
- * for both. `qb_scale`: nonzero when st->qb holds the query rows unscaled in bf16, exactly, and
- * the rows are bf16 (the scores then run on bf16 dot products, times qb_scale). 0, or 1 if the
- * table names a block outside the pool. */
+ * for both; bf16 rows against a query of bf16 values (st->qb_scale) are scored on bf16 dot
+ * products. 0, or 1 if the table names a block outside the pool. */
 static int hm_latent_blocks(hm_state *st, const hm_full_pool *p, const int32_t *table, int len,
-                            int block_size, float qb_scale) {
+                            int block_size) {
   const int d = st->d, g = st->rows;
   const int64_t esize = p->dtype == HM_F32 ? 4 : 2;
   const float *row[HM_MAX_BS];
   const char *next[HM_MAX_BS];
-#ifdef HM_TILED
-  const int tiled = g % 4 == 0 && d % 16 == 0 && st->dv % 64 == 0;
-#else
-  const int tiled = 0;
-#endif
-#if defined(HM_TILED) && defined(__AVX512BF16__)
-  const int dots = tiled && qb_scale != 0.0f && p->dtype == HM_BF16 && d % 32 == 0;
-#else
-  const int dots = 0;
-  (void)qb_scale;
-#endif
+  const int tiled = hm_tiles_fit(st, g), dots = hm_tiles_dot(st, tiled, p->dtype);
   for (int j = 0; j * block_size < len; j++) {
     const int64_t blk = table[j];
     if (blk < 0 || blk >= p->num_blocks) return 1;
@@ -988,7 +1016,7 @@ static int hm_latent_blocks(hm_state *st, const hm_full_pool *p, const int32_t *
     }
 #if defined(HM_TILED) && defined(__AVX512BF16__)
     if (dots) {
-      hm_tiled_scores(st, g, n, raw, ahead ? next : NULL, 2, 1, qb_scale);
+      hm_tiled_scores(st, g, n, raw, ahead ? next : NULL, 2, 1, st->qb_scale);
       hm_tiled_values(st, g, n, row);
       continue;
     }
@@ -1333,18 +1361,7 @@ int hm_paged_attention_latent(const float *q, const void *rows, int dtype, int64
       continue;
     }
     st.dv = value_dim;
-    /* the query rows unscaled in bf16, where every one of them is a bf16 exactly (a bf16
-     * model's): bf16 rows are then scored on bf16 dot products */
-    const float *qrows = q + row0 * head_dim;
-    int exact = dtype == HM_BF16;
-    for (int i = 0; exact && i < q_heads * head_dim; i++) {
-      uint32_t bits;
-      memcpy(&bits, qrows + i, 4);
-      exact = (bits & 0xffffu) == 0;
-      st.qb[i] = (uint16_t)(bits >> 16);
-    }
-    if (hm_latent_blocks(&st, &pool, tables + (int64_t)b * table_stride, lens[b], block_size,
-                         exact ? scale : 0.0f)) {
+    if (hm_latent_blocks(&st, &pool, tables + (int64_t)b * table_stride, lens[b], block_size)) {
 #pragma omp atomic write
       bad = b + 1;
     }
