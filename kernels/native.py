@@ -252,9 +252,9 @@ def supports(q: torch.Tensor, kv_heads: int, block_size: int) -> bool:
     )
 
 
-def _common(q, block_tables, seq_lens, block_size, scale):
+def _common(q, block_tables, seq_lens, block_size, scale, out_dim: int | None = None):
     """(q fp32 contiguous, tables int32, lens int32, scale, out, lse) with the table checked to
-    cover every length."""
+    cover every length; out [B, QH, out_dim], head_dim wide by default."""
     batch, q_heads, head_dim = q.shape
     tables = block_tables.to(torch.int32).contiguous()
     lens = seq_lens.to(torch.int32).contiguous()
@@ -267,7 +267,7 @@ def _common(q, block_tables, seq_lens, block_size, scale):
             f"have {tables.shape[1]}"
         )
     scale = head_dim**-0.5 if scale is None else float(scale)
-    out = torch.empty(batch, q_heads, head_dim)
+    out = torch.empty(batch, q_heads, out_dim or head_dim)
     lse = torch.empty(batch, q_heads)
     return q.float().contiguous(), tables, lens, scale, out, lse
 
@@ -313,8 +313,9 @@ def paged_attention_latent(q, latent_cache, block_tables, seq_lens, scale, value
                          f"{latent_cache.stride()}")  # fmt: skip
     if not 0 < value_dim <= head_dim:
         raise ValueError(f"value_dim {value_dim} outside a row of {head_dim}")
-    qf, tables, lens, scale, _, lse = _common(q, block_tables, seq_lens, block_size, scale)
-    out = torch.empty(q.shape[0], q.shape[1], value_dim)
+    qf, tables, lens, scale, out, lse = _common(
+        q, block_tables, seq_lens, block_size, scale, value_dim
+    )
     s = latent_cache.stride()
     bad = lib.hm_paged_attention_latent(
         qf.data_ptr(), latent_cache.data_ptr(), _DTYPE_CODES[latent_cache.dtype], num_blocks,

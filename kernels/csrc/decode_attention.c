@@ -304,26 +304,19 @@ static int hm_begin(hm_state *st, const float *q, int rows, int group, int d, fl
   st->qs = st->vbuf + (size_t)HM_MAX_BS * d;
   st->scratch = st->qs + (size_t)group * d;
   st->qb = (uint16_t *)(st->scratch + 2 * (size_t)d);
-  st->q_bf16 = 1;
+  /* qb: the pre-scaled rows at head_dim 64 (whose scale, 1/8, keeps a bf16 one), the unscaled
+   * ones for the wider rows' tiles (their scale then goes on the dot products' sums) */
+  const float *in_bf16 = d > 64 ? q : st->q;
+  int exact = 1;
   for (int i = 0; i < rows * d; i++) {
     st->q[i] = q[i] * scale;
     uint32_t bits;
-    memcpy(&bits, st->q + i, 4);
+    memcpy(&bits, in_bf16 + i, 4);
     st->qb[i] = (uint16_t)(bits >> 16);
-    st->q_bf16 &= (bits & 0xffffu) == 0; /* widening it back gives the same float */
+    exact &= (bits & 0xffffu) == 0; /* widening it back gives the same float */
   }
-  st->qb_scale = 0.0f;
-  if (d > 64) { /* a head's scale is a power of two at 64 only: the tiles take q unscaled */
-    int exact = 1;
-    for (int i = 0; i < rows * d; i++) {
-      uint32_t bits;
-      memcpy(&bits, q + i, 4);
-      st->qb[i] = (uint16_t)(bits >> 16);
-      exact &= (bits & 0xffffu) == 0;
-    }
-    st->q_bf16 = 0; /* qb holds the unscaled rows */
-    st->qb_scale = exact ? scale : 0.0f;
-  }
+  st->q_bf16 = d > 64 ? 0 : exact;
+  st->qb_scale = d > 64 && exact ? scale : 0.0f;
   memset(st->acc, 0, sizeof(float) * rows * d);
   for (int r = 0; r < rows; r++) {
     st->m[r] = -INFINITY;
@@ -963,10 +956,10 @@ static int hm_full_blocks(hm_state *st, const hm_full_pool *p, const int32_t *ta
         hm_prefetch(next.v + t * next.stride, next.bytes);
       }
     for (int t = 0; t < n; t++) {
-      const char *at = (const char *)p->k + (base + t * p->tok_stride) * esize;
-      krow[t] = dots ? (const float *)at : hm_row(at, p->dtype, d, st->kbuf + (size_t)t * d);
-      vrow[t] = hm_row((const char *)p->v + (at - (const char *)p->k), p->dtype, d,
-                       st->vbuf + (size_t)t * d);
+      const int64_t off = (base + t * p->tok_stride) * esize;
+      const char *kt = (const char *)p->k + off;
+      krow[t] = dots ? (const float *)kt : hm_row(kt, p->dtype, d, st->kbuf + (size_t)t * d);
+      vrow[t] = hm_row((const char *)p->v + off, p->dtype, d, st->vbuf + (size_t)t * d);
     }
 #ifdef HM_TILED
     if (tiled) { /* (krow: bf16 rows as they lie where dots) */
@@ -1014,17 +1007,10 @@ static int hm_latent_blocks(hm_state *st, const hm_full_pool *p, const int32_t *
       row[t] = hm_row(raw[t], p->dtype, dots ? st->dv : d, st->kbuf + (size_t)t * d);
       next[t] = (const char *)p->k + (nblk * p->blk_stride + t * p->tok_stride) * esize;
     }
-#if defined(HM_TILED) && defined(__AVX512BF16__)
-    if (dots) {
-      hm_tiled_scores(st, g, n, raw, ahead ? next : NULL, 2, 1, st->qb_scale);
-      hm_tiled_values(st, g, n, row);
-      continue;
-    }
-#endif
 #ifdef HM_TILED
     if (tiled) {
-      hm_tiled_scores(st, g, n, (const void *const *)row, ahead ? next : NULL, (int)esize, 0,
-                      1.0f);
+      hm_tiled_scores(st, g, n, dots ? raw : (const void *const *)row, ahead ? next : NULL,
+                      (int)esize, dots, dots ? st->qb_scale : 1.0f);
       hm_tiled_values(st, g, n, row);
       continue;
     }
