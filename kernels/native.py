@@ -827,7 +827,33 @@ def _xxh3_64() -> int | None:
 
 def copy_hashed_available() -> bool:
     lib, _ = _library()
-    return lib is not None and _xxh3_64() is not None
+    return lib is not None and _xxh3_64() is not None and _fused_hash_agrees()
+
+
+@functools.cache
+def _fused_hash_agrees() -> bool:
+    """Whether the copy's own XXH3 (csrc/hm_xxh3.h, for layers over 240 bytes) gives the
+    `xxhash` package's sums; checked once, at lengths around its block and stripe boundaries.
+    Where it does not (an xxHash that changed its algorithm), blocks would all read as corrupt:
+    the copy kernels are then not used (logged), and the store's Python path hashes instead."""
+    import xxhash
+
+    src = np.frombuffer(np.random.default_rng(0).bytes(4096), dtype=np.uint8)
+    dst = np.empty_like(src)
+    lib, _ = _library()
+    for n in (241, 1024, 1025, 1087, 4096):
+        sums = np.empty((1, 1), dtype=np.uint64)
+        lib.hm_copy_hashed(
+            dst.ctypes.data, np.zeros(1, np.int64).ctypes.data, src.ctypes.data,
+            np.zeros(1, np.int64).ctypes.data, 1, n, n, _xxh3_64(), sums.ctypes.data, 1,
+        )  # fmt: skip
+        if int(sums[0, 0]) != xxhash.xxh3_64_intdigest(src[:n].tobytes()):
+            log.warning(
+                "the copy kernels' XXH3 differs from xxhash %s's at %d bytes: not used",
+                xxhash.XXHASH_VERSION, n,
+            )  # fmt: skip
+            return False
+    return True
 
 
 def _offsets_in(name: str, array: np.ndarray, offsets, span: int) -> np.ndarray:

@@ -16,6 +16,7 @@ import functools
 import struct
 from typing import NamedTuple
 
+import numpy as np
 import xxhash
 
 MAGIC = b"HMKV"
@@ -263,6 +264,39 @@ def check_bytes(
         if checksum(mv[off : off + lb]) != sums[layer]:
             raise BlockCorrupt(f"checksum mismatch in layer {layer}")
     return h
+
+
+def check_headers(array: np.ndarray, offsets: list[int], sizes: list[int], fingerprint: str = ""):
+    """check_bytes(payload=False) of each block array[offsets[i]:][:sizes[i]] (a flat uint8
+    array: the slab), in one pass where the blocks share the first one's layout: a put's commit
+    of many blocks of one model. A block whose bytes before its checksum table are the first
+    block's, whose length is the first block's and whose header checksum holds parses to the
+    first block's header but for its layers' checksums, so per block only that checksum is
+    hashed (256 headers: ~0.1 ms, against ~0.6 parsing each). Any other block is checked alone.
+    BlockCorrupt (naming the block) at the first that fails."""
+    if not offsets:
+        return
+    first = array[offsets[0] : offsets[0] + sizes[0]]
+    h = _checked(first, fingerprint, 0)
+    fixed_len, end = table_offsets(first, h)
+    off = np.asarray(offsets, dtype=np.int64)[:, None]
+    # the fixed fields and the header's checksum of every block (indices clipped: a block too
+    # short to hold them differs in length, and is checked alone below)
+    last = len(array) - 1
+    same = (array[np.minimum(off + np.arange(fixed_len), last)] == first[:fixed_len]).all(axis=1)
+    same &= np.asarray(sizes) == h.total_len
+    stored = array[np.minimum(off + np.arange(end, end + 8), last)].copy().view("<u8")[:, 0]
+    mv = memoryview(array)
+    hashed = [checksum(mv[o : o + end]) if ok else 0 for o, ok in zip(offsets, same.tolist())]
+    for i in np.flatnonzero(~same | (np.asarray(hashed, dtype=np.uint64) != stored)).tolist():
+        _checked(array[offsets[i] : offsets[i] + sizes[i]], fingerprint, i)
+
+
+def _checked(data, fingerprint: str, i: int) -> BlockHeader:
+    try:
+        return check_bytes(data, fingerprint, payload=False)
+    except BlockCorrupt as e:
+        raise BlockCorrupt(f"block {i}: {e}") from None
 
 
 def layer_ok(data, h: BlockHeader, layer: int, base: int = 0) -> bool:

@@ -12,7 +12,13 @@ import time
 from collections import OrderedDict
 from typing import Callable, NamedTuple
 
-from kvstore.block_header import BlockCorrupt, BlockHeader, check_bytes, read_header
+from kvstore.block_header import (
+    BlockCorrupt,
+    BlockHeader,
+    check_bytes,
+    check_headers,
+    read_header,
+)
 from kvstore.keys import KEY_BYTES
 from kvstore.slab import SlabAllocator, ShmSlab
 from kvstore.ssd import SsdTier
@@ -302,22 +308,29 @@ class BlockStore:
             todo = [i for i, k in enumerate(keys) if k not in self._entries]
             seen: set[bytes] = set()
             todo = [i for i in todo if not (keys[i] in seen or seen.add(keys[i]))]
-            need = sum(SlabAllocator.rounded(sizes[i]) for i in todo)
-            evictable = sum(
-                SlabAllocator.rounded(e.size) for e in self._order[DRAM].values() if not e.leases
-            )
-            if need > self.alloc.size - self.alloc.used + evictable:
-                raise StoreFull(
-                    f"put of {len(todo)} blocks needs {need} bytes; dram tier has "
-                    f"{self.alloc.size - self.alloc.used} free and {evictable} evictable "
-                    f"of {self.alloc.size}"
+            rounded = [SlabAllocator.rounded(sizes[i]) for i in todo]
+            need, free = sum(rounded), self.alloc.size - self.alloc.used
+            if need > free:  # (the walk over every held block only when free space is short)
+                evictable = sum(
+                    SlabAllocator.rounded(e.size)
+                    for e in self._order[DRAM].values()
+                    if not e.leases
                 )
+                if need > free + evictable:
+                    raise StoreFull(
+                        f"put of {len(todo)} blocks needs {need} bytes; dram tier has "
+                        f"{free} free and {evictable} evictable of {self.alloc.size}"
+                    )
             if not todo:
                 return 0, []
             lease = _Lease(next(self._lease_ids), True, self.clock() + ttl)
             out = []
+            # One range for the whole batch where one is free (each block is freed on its own
+            # later: the allocator frees any part of a range); else block by block, evicting.
+            run = self.alloc.alloc(need) if len(todo) > 1 else None
+            starts = itertools.accumulate(rounded[:-1], initial=run) if run is not None else None
             for i in todo:
-                off = self._alloc_dram(sizes[i])
+                off = next(starts) if starts is not None else self._alloc_dram(sizes[i])
                 if off is None:  # fragmentation: undo this reservation
                     for e in lease.entries:
                         self.alloc.free(e.offset, e.size)
@@ -351,10 +364,17 @@ class BlockStore:
                 raise KeyError(f"no open write lease {lease_id} (expired or never granted)")
         if check:  # hashing outside the lock: these ranges belong to the lease alone
             try:
-                # last written first: the writer's latest blocks may still be in cache
-                for e in reversed(lease.entries):
-                    view = self.slab.view[e.offset : e.offset + e.size]
-                    check_bytes(view, self.fingerprint, payloads)
+                if payloads:  # last written first: the writer's latest may still be in cache
+                    for e in reversed(lease.entries):
+                        view = self.slab.view[e.offset : e.offset + e.size]
+                        check_bytes(view, self.fingerprint, payloads)
+                else:
+                    check_headers(
+                        self.slab.array,
+                        [e.offset for e in lease.entries],
+                        [e.size for e in lease.entries],
+                        self.fingerprint,
+                    )
             except BlockCorrupt:
                 self.release(lease_id)
                 raise

@@ -330,6 +330,28 @@ def test_copy_hashed_copies_blocks_and_hashes_their_layers_as_the_block_format_d
     assert np.array_equal(dst, before)
 
 
+@pytest.mark.parametrize(
+    "layer", [200, 240, 241, 255, 256, 1023, 1024, 1025, 1087, 1088, 2048, 2049, 12_288, 12_289]
+)
+def test_the_copys_own_xxh3_gives_xxhashs_sums_at_every_boundary(layer):
+    """Layers over 240 bytes are hashed as they are copied (csrc/hm_xxh3.h: XXH3's long-input
+    branch, blocks of 1,024 bytes in stripes of 64, then the last 64 bytes again); shorter ones
+    with xxhash's function. Around each of those boundaries, with source and copy at odd
+    addresses, a last layer long and short: the copy is exact, nothing past it is written, and
+    every sum is the package's."""
+    from kvstore.block_header import checksum
+
+    g = np.random.default_rng(layer)
+    for nbytes in (3 * layer, 2 * layer + 241, 2 * layer + 17):
+        src = g.integers(0, 256, nbytes + 64, dtype=np.uint8)
+        dst = np.zeros(nbytes + 128, dtype=np.uint8)
+        sums = kernels.copy_hashed(dst, [3], src, [5], nbytes, layer)
+        assert np.array_equal(dst[3 : 3 + nbytes], src[5 : 5 + nbytes])
+        assert not dst[:3].any() and not dst[3 + nbytes :].any()
+        want = [checksum(src[5 + o : 5 + min(o + layer, nbytes)]) for o in range(0, nbytes, layer)]
+        assert sums[0].tolist() == want
+
+
 def test_a_large_batch_is_copied_and_hashed_alike_on_one_thread_and_on_several():
     """From 256 KiB a batch's blocks are shared among threads (a prefill's layer-wise publish):
     every block lands where its offset says, with its own layers' sums, as on one thread."""

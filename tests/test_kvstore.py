@@ -487,6 +487,63 @@ def test_corrupted_shm_write_refused(make_node):
         _assert_nothing_stored(node, keys)
 
 
+def test_a_commit_checks_every_header_of_a_run_not_only_the_first(make_node):
+    """A writer that hashed its layers as it copied them (write_whole) has the node check only
+    the headers at commit, in one pass over the run (block_header.check_headers): a header
+    changed after the copy anywhere in the run (a checksum table entry, the fingerprint) refuses
+    the put, naming the block, and leaves nothing stored; an untouched run is stored."""
+    node = make_node()
+    x = blocks(3)
+    other = encode_block(x[2], "test-mode1")  # same length as FP: the same header length
+    for where in ("table", "fingerprint"):
+        with StoreClient(node.address, transport="shm") as c:
+            keys = chain(3)
+            w = c.open_put(keys, SHAPE, torch.float32, FP)
+            w.write_whole(x)
+            off, seal = dict(w.slots), w._seal_headers
+
+            def seal_then_tamper(where=where, off=off, seal=seal):  # after the writer's seal
+                seal()
+                if where == "table":
+                    fixed_len, _ = table_offsets(c.slab.view[off[1] :], parse_header(other))
+                    c.slab.view[off[1] + fixed_len + 3] ^= 1
+                else:
+                    head = parse_header(other).header_len
+                    c.slab.view[off[2] : off[2] + head] = other[:head]
+
+            w._seal_headers = seal_then_tamper
+            why = "block 1: header checksum" if where == "table" else "block 2: model fingerprint"
+            with pytest.raises(ValueError, match=why):
+                w.commit()
+            _assert_nothing_stored(node, keys)
+    with StoreClient(node.address, transport="shm") as c:
+        assert c.put(chain(3), x, FP) == 3
+        out = torch.empty_like(x)
+        assert c.get_into(chain(3), out) == 3 and torch.equal(out, x)
+
+
+def test_check_headers_takes_blocks_of_other_layouts_alone():
+    """Blocks in one run need not share a layout: one of another shape (another length) is
+    parsed on its own and passes; a cut one fails, named."""
+    import numpy as np
+
+    from kvstore.block_header import check_headers
+
+    encoded = [
+        encode_block(torch.zeros(SHAPE), FP),
+        encode_block(torch.zeros((1, 2, 4, 2, 8)), FP),
+        encode_block(torch.ones(SHAPE), FP),
+    ]
+    array = np.frombuffer(b"".join(encoded) + bytes(64), dtype=np.uint8)
+    offsets = [0, len(encoded[0]), len(encoded[0]) + len(encoded[1])]
+    sizes = [len(b) for b in encoded]
+    check_headers(array, offsets, sizes, FP)
+    with pytest.raises(ValueError, match="block 1: block is"):
+        check_headers(array, offsets, [sizes[0], sizes[1] - 64, sizes[2]], FP)
+    with pytest.raises(ValueError, match="block 0: model fingerprint"):
+        check_headers(array, offsets, sizes, "another")
+
+
 def test_wrong_fingerprint_refused(make_node, transport):
     node = make_node()
     with StoreClient(node.address, transport=transport) as c:

@@ -2,12 +2,16 @@
  * the store's shared-memory get and put (kvstore/client.py) hand over a whole batch of blocks
  * in one call, instead of a Python loop of slices and hash calls per block and layer.
  *
- * The checksum is xxHash's XXH3-64, the block format's; the function is the one the `xxhash`
- * Python package carries (kernels/native.py finds it there), so both paths hash with one code.
+ * The checksum is xxHash's XXH3-64, the block format's. Where the compiler targets AVX-512 or
+ * AVX2, a layer of more than 240 bytes is hashed as it is copied (hm_xxh3.h); elsewhere, and for
+ * shorter layers and the headers, with the function the `xxhash` Python package carries
+ * (kernels/native.py finds it there and checks once that the two agree).
  */
 
 #include <stdint.h>
 #include <string.h>
+
+#include "hm_xxh3.h"
 
 typedef uint64_t (*hm_hash_fn)(const void *data, size_t len);
 
@@ -37,6 +41,15 @@ void hm_copy_hashed(uint8_t *dst, const int64_t *dst_off, const uint8_t *src,
   for (int64_t i = 0; i < count; i++) {
     uint8_t *d = dst + dst_off[i];
     const uint8_t *s = src + src_off[i];
+#ifdef HM_XXH3_FUSED
+    if (layer_bytes >= HM_XXH3_MIN_LONG && n - (layers - 1) * layer_bytes >= HM_XXH3_MIN_LONG) {
+      for (int64_t l = 0; l < layers; l++) {
+        const int64_t o = l * layer_bytes, len = n - o < layer_bytes ? n - o : layer_bytes;
+        sums[i * layers + l] = hm_xxh3_copy(d + o, s + o, (size_t)len);
+      }
+      continue;
+    }
+#endif
     if (n <= HM_WHOLE_COPY_BYTES) memcpy(d, s, (size_t)n);
     for (int64_t l = 0; l < layers; l++) {
       const int64_t o = l * layer_bytes, len = n - o < layer_bytes ? n - o : layer_bytes;
