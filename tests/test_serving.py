@@ -588,9 +588,13 @@ def test_a_job_the_pool_cannot_hold_fails_alone(lm, engine):
             for i, t in enumerate(threads):
                 t.start()
                 deadline = time.monotonic() + 30
-                while w.load().queued_requests < i and time.monotonic() < deadline:
+                # the stall's round must have begun (alone) before a arrives, or a joins it
+                while (
+                    (w.load().queued_requests, w.load().running_tokens) < (i, len(stall))
+                    and time.monotonic() < deadline
+                ):
                     time.sleep(0.01)
-                assert w.load().queued_requests == i
+                assert w.load().queued_requests == i and w.load().running_tokens == len(stall)
         for t in threads:
             t.join(timeout=120)
         for i, p in enumerate((stall, a, b)):
