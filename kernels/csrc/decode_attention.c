@@ -389,6 +389,7 @@ typedef struct {
   const uint8_t *codes[16];
   const uint16_t *scale[16], *zero[16];
   int bits, gv;
+  int group_stride; /* halves from one row's scales (and zeros) to the next row's */
 } hm_kivi_values;
 
 /* The next block's rows of the head a block path is on, to prefetch while it works on this
@@ -512,15 +513,37 @@ static inline __attribute__((always_inline)) void hm_block64(
     mask = _mm512_set1_epi32((1 << kv->bits) - 1);
     for (int c = 0; c < 4; c++) vgrp[c] = c * 16 / kv->gv;
     const int vg = vgrp[3] + 1; /* groups a row: gv is 16, 32 or 64 here */
-    uint16_t sh[4][16] __attribute__((aligned(32))), zh[4][16] __attribute__((aligned(32)));
-    for (int t = 0; t < 16; t++) /* rows past n: probability 0, scale and zero 0 */
-      for (int g = 0; g < vg; g++) {
-        sh[g][t] = t < n ? kv->scale[t][g] : 0;
-        zh[g][t] = t < n ? kv->zero[t][g] : 0;
+    /* each group's scales and zeros of the 16 rows as a vector (rows past n: probability 0,
+     * scale and zero 0). Two groups at once where a row has an even number: a 32-bit gather of
+     * the pair, split into halves. Fetched a half at a time in a scalar loop, they had cost
+     * 0.05-0.1 of a 4-bit step (8 x 4,096 tokens x 30 layers, 45-48 against 42-43 ms without
+     * them, on the 2-core AVX-512 BF16 EPYC). */
+    __m512 sgv[4], zgv[4];
+    if (vg % 2 == 0) {
+      const __m512i rows_at = _mm512_mullo_epi32(
+          _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+          _mm512_set1_epi32(2 * kv->group_stride)); /* bytes from row 0's */
+      for (int g = 0; g < vg; g += 2) {
+        const __m512i s2 = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live, rows_at,
+                                                        kv->scale[0] + g, 1);
+        const __m512i z2 = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live, rows_at,
+                                                        kv->zero[0] + g, 1);
+        sgv[g] = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(s2));
+        sgv[g + 1] = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(s2, 16)));
+        zgv[g] = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(z2));
+        zgv[g + 1] = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(z2, 16)));
       }
+    } else {
+      uint16_t sh[16] __attribute__((aligned(32))), zh[16] __attribute__((aligned(32)));
+      for (int t = 0; t < 16; t++) { /* one group a row */
+        sh[t] = t < n ? kv->scale[t][0] : 0;
+        zh[t] = t < n ? kv->zero[t][0] : 0;
+      }
+      sgv[0] = _mm512_cvtph_ps(_mm256_load_si256((const __m256i *)sh));
+      zgv[0] = _mm512_cvtph_ps(_mm256_load_si256((const __m256i *)zh));
+    }
     for (int g = 0; g < vg; g++) {
-      const __m512 sg = _mm512_cvtph_ps(_mm256_load_si256((const __m256i *)sh[g]));
-      const __m512 zg = _mm512_cvtph_ps(_mm256_load_si256((const __m256i *)zh[g]));
+      const __m512 sg = sgv[g], zg = zgv[g];
       for (int r = 0; r < G; r++) {
         const __m512 pr = _mm512_loadu_ps(prob[r]);
         _mm512_store_ps(ps[r][g], _mm512_mul_ps(pr, sg));
@@ -1092,7 +1115,7 @@ static void hm_kivi_block_head(hm_state *st, const hm_kivi_pool *p, const char *
 #ifdef HM_BLOCK64
   /* hm_block64 reads value rows as codes (their scales folded into the probabilities) */
   const int packed_values = one_group && p->gv % 16 == 0;
-  hm_kivi_values kv = {.bits = p->bits, .gv = p->gv};
+  hm_kivi_values kv = {.bits = p->bits, .gv = p->gv, .group_stride = kv_heads * vg};
 #endif
   for (int t = 0; t < n; t++) {
     float *kr = st->kbuf + (size_t)t * d, *vr = st->vbuf + (size_t)t * d;
