@@ -389,18 +389,34 @@ class StoreClient:
 
     # ------------------------------------------------------------------ reads
 
-    def get_into(self, keys: list[bytes], out: torch.Tensor) -> int:
+    def get_into(self, keys: list[bytes], out: torch.Tensor, rows: list[int] | None = None) -> int:
         """Fill out[:k] with the longest held prefix of keys; k. A block that fails its checks
         ends the prefix (a miss), never bad data. out[k:] is scratch (over gRPC, layers arrive
-        before a later layer of the same block may fail its checksum)."""
-        if out.shape[0] < len(keys):
+        before a later layer of the same block may fail its checksum). With `rows`, key i's
+        block goes to out[rows[i]] instead (a worker's pool and the blocks it allocated), and
+        the rows past the k-th are scratch: over shared memory each block is copied straight to
+        its row (a CPU `out`), elsewhere through a staging tensor."""
+        if rows is not None:
+            rows = [int(r) for r in rows]
+            if len(rows) != len(keys):
+                raise ValueError(f"{len(rows)} rows for {len(keys)} keys")
+            if rows and not (0 <= min(rows) and max(rows) < out.shape[0]):
+                raise ValueError(f"a row lies outside out's {out.shape[0]} blocks")
+            if len(set(rows)) != len(rows):
+                raise ValueError("rows repeat: two blocks would land in one")
+        elif out.shape[0] < len(keys):
             raise ValueError(f"out holds {out.shape[0]} blocks, {len(keys)} keys asked")
         if not out.is_contiguous():
             raise ValueError("out must be contiguous")
         if not keys:
             return 0
+        if rows is not None and (self.slab is None or out.device.type != "cpu"):
+            staging = torch.empty((len(keys), *out.shape[1:]), dtype=out.dtype)
+            got = self.get_into(keys, staging)
+            out[torch.tensor(rows[:got], dtype=torch.long)] = staging[:got].to(out.device)
+            return got
         if self.slab is not None:
-            return self._get_shm(keys, out)
+            return self._get_shm(keys, out, rows if rows is not None else range(len(keys)))
         sock = self._bulk_socket("get") if self.bulk is not None else None
         if sock is not None:
             return self._get_tcp(keys, out, sock)
@@ -431,7 +447,8 @@ class StoreClient:
             return None
         return h
 
-    def _get_shm(self, keys: list[bytes], out: torch.Tensor) -> int:
+    def _get_shm(self, keys: list[bytes], out: torch.Tensor, rows) -> int:
+        """get_into over the slab: block i of the held prefix into out[rows[i]]."""
         try:
             reply = self.stub.Lease(
                 pb.KVLeaseRequest(mode=pb.KVLeaseRequest.READ, keys=keys, packed=True),
@@ -465,7 +482,7 @@ class StoreClient:
                 break
             raw = out_bytes is not None and h.codec == "raw" and h.payload_len == block_bytes
             if raw and off >= 0:
-                passed, failed = self._copy_run(slots, i, view, h, out_bytes, got)
+                passed, failed = self._copy_run(slots, i, view, h, out_bytes, rows, got)
                 got, i = got + passed, i + passed
                 if failed:
                     corrupt.append(keys[slots[i][0]])
@@ -474,7 +491,8 @@ class StoreClient:
             if raw:  # inline
                 payload = np.frombuffer(view, np.uint8, block_bytes, h.header_len)
                 sums = _copy_hashed(
-                    out_bytes, [got * block_bytes], payload, [0], block_bytes, h.layer_bytes
+                    out_bytes, [rows[got] * block_bytes], payload, [0], block_bytes,
+                    h.layer_bytes,
                 )
                 ok = sums[0] == list(h.checksums)
             else:
@@ -483,7 +501,7 @@ class StoreClient:
                     for layer, o in enumerate(range(h.header_len, h.total_len, h.layer_bytes))
                 )
                 if ok:
-                    decode_layers(u8view(view), h, out[got], range(h.num_layers))
+                    decode_layers(u8view(view), h, out[rows[got]], range(h.num_layers))
             if not ok:
                 corrupt.append(keys[index])
                 break
@@ -493,9 +511,10 @@ class StoreClient:
             self._release_later(reply.lease_id, corrupt)
         return got
 
-    def _copy_run(self, slots, i: int, view, h: BlockHeader, out_bytes, got: int):
+    def _copy_run(self, slots, i: int, view, h: BlockHeader, out_bytes, rows, got: int):
         """The raw blocks in the slab from slots[i] on (slot i's header `view`, parsed as `h`)
-        copied into out's rows from `got` on while their headers are h's layout: (how many
+        copied into out's rows rows[got], rows[got + 1], ... while their headers are h's
+        layout: (how many
         passed, whether the next one failed a checksum). One C call checks every header and
         layer (kernels.copy_checked) where the kernels are built, else one block at a time."""
         block_bytes = h.payload_len
@@ -507,7 +526,7 @@ class StoreClient:
         if kernels.copy_hashed_available():
             table, header_sum = table_offsets(view, h)
             res = kernels.copy_checked(
-                out_bytes, [(got + j) * block_bytes for j in range(len(run))], self.slab.array,
+                out_bytes, [rows[got + j] * block_bytes for j in range(len(run))], self.slab.array,
                 run, bytes(view[:table]), table, header_sum, h.header_len, block_bytes,
                 h.layer_bytes,
             )  # fmt: skip
@@ -515,7 +534,7 @@ class StoreClient:
                 return res.passed, res.why == 2
             # slot i's own header refused there (more layers than the C side holds): alone here
         sums = _copy_hashed(
-            out_bytes, [got * block_bytes], self.slab.array, [run[0] + h.header_len],
+            out_bytes, [rows[got] * block_bytes], self.slab.array, [run[0] + h.header_len],
             block_bytes, h.layer_bytes,
         )  # fmt: skip
         return (1, False) if sums[0] == list(h.checksums) else (0, True)

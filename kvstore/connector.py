@@ -484,11 +484,32 @@ class KVConnector:
             return {node: m.speed() for node, m in self._fetch_links.items()}
 
     def _get_into(self, client: StoreClient, keys: list[bytes], ids: list[int], op: str) -> int:
-        """Copy the leading held blocks of `keys` into pool blocks `ids`; how many."""
-        staging, got = self._get_staged(client, keys, op)
+        """Copy the leading held blocks of `keys` into pool blocks `ids`; how many. Where the
+        pool holds blocks as they are stored (a CPU pool of the store layout), the client
+        copies each straight into its pool block: no staging tensor to allocate and fault in,
+        and no second copy (a 960-token pull of SmolLM2 in bf16 is 60 blocks, 22 MB)."""
+        if not self._pool_takes_stored():
+            staging, got = self._get_staged(client, keys, op)
+            self._miss(op, len(keys) - got)
+            self._write_staged(staging[:got], ids[:got])
+            return got
+        try:
+            got = client.get_into(keys, self.kv, rows=ids)
+        except Exception as exc:  # noqa: BLE001 - a failed transfer is a miss
+            self._error(op, exc)
+            got = 0
         self._miss(op, len(keys) - got)
-        self._write_staged(staging[:got], ids[:got])
         return got
+
+    def _pool_takes_stored(self) -> bool:
+        """Whether stored blocks are this pool's blocks byte for byte, in host memory."""
+        return (
+            not self.packs
+            and self.kv.device.type == "cpu"
+            and self.kv.is_contiguous()
+            and tuple(self.kv.shape[1:]) == tuple(self.store_layout.block_shape)
+            and self.kv.dtype == self.store_layout.dtype
+        )
 
     def _get_staged(
         self, client: StoreClient, keys: list[bytes], op: str

@@ -522,6 +522,32 @@ def test_a_commit_checks_every_header_of_a_run_not_only_the_first(make_node):
         assert c.get_into(chain(3), out) == 3 and torch.equal(out, x)
 
 
+def test_get_into_rows_lands_each_block_in_its_row_and_nothing_else(make_node, transport):
+    """get_into(rows=...): key i's block in out[rows[i]] (a pool and the blocks a worker took
+    from it; over shared memory copied there directly, elsewhere staged); other rows untouched;
+    a block that fails its checks ends the run; bad rows are refused before anything moves."""
+    node = make_node()
+    x = blocks(3)
+    with StoreClient(node.address, transport=transport) as c:
+        assert c.put(chain(3), x, FP) == 3
+        pool = torch.full((8, *SHAPE), 7.0)
+        assert c.get_into(chain(3), pool, rows=[5, 0, 3]) == 3
+        assert torch.equal(pool[5], x[0]) and torch.equal(pool[0], x[1])
+        assert torch.equal(pool[3], x[2])
+        assert bool((pool[[1, 2, 4, 6, 7]] == 7.0).all())
+        for rows, why in (([1, 2], "2 rows"), ([1, 8, 2], "outside"), ([1, 1, 2], "repeat")):
+            with pytest.raises(ValueError, match=why):
+                c.get_into(chain(3), pool, rows=rows)
+        if transport == "shm":  # a layer of block 1 corrupted in the slab: the run ends there
+            lease, refs = node.store.acquire(chain(3)[1:2], ttl=5)
+            node.store.release(lease)
+            header = parse_header(node.slab.view[refs[0].offset : refs[0].offset + BLOCK])
+            node.slab.view[refs[0].offset + header.layer_offset(1) + 5] ^= 0xFF
+            pool.fill_(7.0)
+            assert c.get_into(chain(3), pool, rows=[6, 2, 4]) == 1
+            assert torch.equal(pool[6], x[0]) and bool((pool[4] == 7.0).all())
+
+
 def test_check_headers_takes_blocks_of_other_layouts_alone():
     """Blocks in one run need not share a layout: one of another shape (another length) is
     parsed on its own and passes; a cut one fails, named."""
