@@ -15,7 +15,8 @@
 
 typedef uint64_t (*hm_hash_fn)(const void *data, size_t len);
 
-/* Up to this, a block is copied whole and then hashed layer by layer from cache; a bigger one
+/* Where a layer is not hashed as it is copied (no AVX2, or a layer of 240 bytes or less):
+ * up to this, a block is copied whole and then hashed layer by layer from cache; a bigger one
  * is copied and hashed a layer at a time, each layer hashed while its copy is in L1/L2. At 2 MiB
  * a 1 MiB block (source and copy: twice the L2 of the Zen 5 measured) was hashed from L3 after
  * its copy: bench/kvstore.py's 1 MiB shm put went 8.8-9.7 -> 11.0-12.7 GB/s and get 9.1-10.1 ->
@@ -42,6 +43,7 @@ void hm_copy_hashed(uint8_t *dst, const int64_t *dst_off, const uint8_t *src,
     uint8_t *d = dst + dst_off[i];
     const uint8_t *s = src + src_off[i];
 #ifdef HM_XXH3_FUSED
+    /* every layer long enough for XXH3's long-input branch (the last may be short) */
     if (layer_bytes >= HM_XXH3_MIN_LONG && n - (layers - 1) * layer_bytes >= HM_XXH3_MIN_LONG) {
       for (int64_t l = 0; l < layers; l++) {
         const int64_t o = l * layer_bytes, len = n - o < layer_bytes ? n - o : layer_bytes;
