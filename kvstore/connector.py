@@ -488,18 +488,22 @@ class KVConnector:
         pool holds blocks as they are stored (a CPU pool of the store layout), the client
         copies each straight into its pool block: no staging tensor to allocate and fault in,
         and no second copy (a 960-token pull of SmolLM2 in bf16 is 60 blocks, 22 MB)."""
-        if not self._pool_takes_stored():
+        if self._pool_takes_stored():
+            got = self._transfer(client, keys, self.kv, op, rows=ids)
+        else:
             staging, got = self._get_staged(client, keys, op)
-            self._miss(op, len(keys) - got)
             self._write_staged(staging[:got], ids[:got])
-            return got
-        try:
-            got = client.get_into(keys, self.kv, rows=ids)
-        except Exception as exc:  # noqa: BLE001 - a failed transfer is a miss
-            self._error(op, exc)
-            got = 0
         self._miss(op, len(keys) - got)
         return got
+
+    def _transfer(self, client: StoreClient, keys, out: torch.Tensor, op: str, rows=None) -> int:
+        """client.get_into(keys, out, rows); a failed transfer is counted and logged (0 blocks:
+        a miss)."""
+        try:
+            return client.get_into(keys, out, rows=rows)
+        except Exception as exc:  # noqa: BLE001 - a failed transfer is a miss
+            self._error(op, exc)
+            return 0
 
     def _pool_takes_stored(self) -> bool:
         """Whether stored blocks are this pool's blocks byte for byte, in host memory."""
@@ -522,12 +526,7 @@ class KVConnector:
             dtype=self.store_layout.dtype,
             pin_memory=self.kv.is_cuda,
         )
-        try:
-            got = client.get_into(keys, staging)
-        except Exception as exc:  # noqa: BLE001 - a failed transfer is a miss
-            self._error(op, exc)
-            got = 0
-        return staging, got
+        return staging, self._transfer(client, keys, staging, op)
 
     def _write_staged(self, staged: torch.Tensor, ids: list[int]) -> None:
         """Stored blocks from `_get_staged` (unpacked when the store layout packs) into pool
