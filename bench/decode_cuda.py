@@ -32,26 +32,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.kernels import DTYPES, copy_bandwidth, timer  # noqa: E402
 from bench.machine import finish  # noqa: E402
+from bench.random_model import SHAPES  # noqa: E402
 from model import KVPool, ModelConfig  # noqa: E402
 from model.cuda_graphs import GraphedStep, StaticInput  # noqa: E402
 from model.loader import _build, tiny_random_weights  # noqa: E402
 from servekit.memory import tensor_bytes  # noqa: E402
 
 BS = 16
-SHAPES = {  # HF config.json fields of the two models
-    "smollm2": dict(
-        architectures=["LlamaForCausalLM"], hidden_size=576, intermediate_size=1536,
-        num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, vocab_size=49152,
-        max_position_embeddings=8192, rope_theta=100000.0, rms_norm_eps=1e-5,
-        tie_word_embeddings=True,
-    ),
-    "llama-1b": dict(
-        architectures=["LlamaForCausalLM"], hidden_size=2048, intermediate_size=8192,
-        num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
-        max_position_embeddings=8192, rope_theta=500000.0, rms_norm_eps=1e-5,
-        tie_word_embeddings=True,
-    ),
-}  # fmt: skip
 
 
 def build(shape: str, dtype: torch.dtype):

@@ -51,20 +51,25 @@ def model_class(config: ModelConfig) -> type[LlamaModel] | type[DeepseekModel]:
     return DeepseekModel if config.is_mla else LlamaModel
 
 
-def tiny_random_weights(config: ModelConfig, seed: int = TINY_SEED) -> dict[str, torch.Tensor]:
-    """Seeded weights (HF names) large enough that logits are well separated (few near-ties)."""
+def tiny_random_weights(
+    config: ModelConfig, seed: int = TINY_SEED, dtype: torch.dtype = torch.float32
+) -> dict[str, torch.Tensor]:
+    """Seeded weights (HF names) large enough that logits are well separated (few near-ties),
+    each cast to `dtype` as it is drawn (a model of a billion parameters never held in fp32)."""
     g = torch.Generator().manual_seed(seed)
-    model = model_class(config)(config)
+    with torch.device("meta"):  # the names and shapes only
+        model = model_class(config)(config)
     sd = {}
     for name, t in model.hf_state_dict().items():
         if "norm" in name:
-            sd[name] = 1.0 + 0.1 * torch.randn(t.shape, generator=g)
+            w = 1.0 + 0.1 * torch.randn(t.shape, generator=g)
         elif "embed" in name:
-            sd[name] = torch.randn(t.shape, generator=g)
+            w = torch.randn(t.shape, generator=g)
         elif t.dim() == 1:  # a router's score-correction bias
-            sd[name] = 0.1 * torch.randn(t.shape, generator=g)
+            w = 0.1 * torch.randn(t.shape, generator=g)
         else:
-            sd[name] = torch.randn(t.shape, generator=g) * (1.5 / t.shape[1] ** 0.5)
+            w = torch.randn(t.shape, generator=g) * (1.5 / t.shape[1] ** 0.5)
+        sd[name] = w.to(dtype)
     return sd
 
 

@@ -254,6 +254,35 @@ def test_swiglu_in_the_matmuls_pass_equals_the_two_steps(rows, amx, monkeypatch)
 
 
 @pytest.mark.skipif(not _BF16_PANELS, reason="no C compiler or no AVX-512 BF16")
+@pytest.mark.parametrize("rows", [12, 28, 200])
+def test_bf16_rows_a_multiple_of_2_kib_apart_give_the_bits_of_any_other_stride(rows, monkeypatch):
+    """K = 1,024 bf16 inputs: rows 2 KiB apart, which csrc/linear_bf16.c reads through a copy at
+    a padded stride (hm_x_aliases): 12 rows (all read as they lie), 28 (a packed group of 16
+    and 12 more), 200 (blocks of 96 rows, so the third copy reuses the first's half of the
+    scratch). The same x at a stride that does not alias gives the same bits, for the plain
+    product, the residual form and SwiGLU's fused pass."""
+    monkeypatch.setattr(native, "AMX_MIN_ROWS", 1 << 30)  # the `vdpbf16ps` path, which copies
+    g = torch.Generator().manual_seed(rows)
+    k = 1024
+    w = kernels.prepack(torch.randn(64, k, generator=g).bfloat16())
+    x = torch.randn(rows, k, generator=g).bfloat16()
+    wide = torch.zeros(rows, k + 16, dtype=torch.bfloat16)
+    wide[:, :k] = x
+    x_other = wide[:, :k]  # the same values, rows 2,080 bytes apart
+    assert x.stride(0) * 2 % 2048 == 0 and x_other.stride(0) * 2 % 2048 != 0
+    out = kernels.linear(x, w)
+    assert torch.equal(out, kernels.linear(x_other, w))
+    exact = x.double() @ kernels.unpack(w).double().T
+    assert ((out.double() - exact).abs() <= exact.abs().clamp_min(1e-3) * 2.0**-7).all()
+    res = torch.randn(rows, 64, generator=g).bfloat16()
+    a, b = res.clone(), res.clone()
+    assert torch.equal(kernels.linear_add_(a, x, w), kernels.linear_add_(b, x_other, w))
+    fused = native.linear_silu_panels(x, w)
+    assert fused is not None and torch.equal(fused, native.linear_silu_panels(x_other, w))
+    assert torch.equal(fused, kernels.silu_mul(out))
+
+
+@pytest.mark.skipif(not _BF16_PANELS, reason="no C compiler or no AVX-512 BF16")
 def test_bf16_packed_model_gives_the_dense_models_tokens():
     """The bf16 model over panels against the same model unpacked (oneDNN's or torch's bf16
     matmul): logits within bf16 rounding's reach, the same greedy tokens."""

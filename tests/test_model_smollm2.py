@@ -136,3 +136,31 @@ def test_bf16_prefill_reads_a_cached_prefix_as_it_would_recompute_it(models):
     for got in (whole, chunked):
         assert (got - ref).norm() / ref.norm() < 0.03
         assert (got.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.9
+
+
+def test_a_random_model_of_smollm2s_shape_loads_with_its_tokenizer(models, tmp_path):
+    """bench/random_model.py: a HF directory of a named shape (config, bf16 weights as
+    tiny_random_weights draws them, SmolLM2's tokenizer) that load_model takes as a checkpoint,
+    so that the benchmarks can run models of other sizes than the one that ships."""
+    from bench.random_model import SHAPES, write_random_model
+    from model.loader import tiny_random_weights
+
+    path = write_random_model("smollm2", tmp_path / "m", torch.bfloat16, seed=3)
+    lm = load_model(str(path), dtype="bfloat16")
+    ours = models[0]
+    for field in ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads"):
+        assert getattr(lm.config, field) == getattr(ours.config, field)
+    assert lm.config.vocab_size == ours.tokenizer.vocab_size == SHAPES["smollm2"]["vocab_size"]
+    assert lm.config.eos_token_ids == ours.config.eos_token_ids
+    assert lm.tokenizer.encode(TEXT) == ours.tokenizer.encode(TEXT)
+    want = tiny_random_weights(lm.config, 3, torch.bfloat16)
+    got = lm.model.hf_state_dict()
+    for name in ("model.embed_tokens.weight", "model.layers.29.mlp.down_proj.weight"):
+        assert torch.equal(got[name], want[name])
+    logits = lm.model.prefill(torch.tensor(lm.tokenizer.encode(TEXT)), *_pool_for(lm, 96))
+    assert torch.isfinite(logits).all()
+
+
+def _pool_for(lm, tokens: int):
+    pool = KVPool(lm.config, -(-tokens // 16), 16, torch.bfloat16)
+    return pool, pool.allocate(pool.blocks_for(tokens))

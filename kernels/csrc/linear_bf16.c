@@ -183,25 +183,40 @@ static void hm_micro_bf16_x16(const int32_t *xp, const uint16_t *panel, int kh, 
 #undef HM_XSTEP
 #undef HM_XSTORE
 
-/* Scratch for x packed by 16 rows, one per calling thread (grown as needed; never freed). */
-static _Thread_local int32_t *hm_xp;
-static _Thread_local size_t hm_xp_words;
+/* A calling thread's scratch of at least `bytes` (64-byte aligned), grown as needed and never
+ * freed: *buf and *have are that thread's. NULL when there is no memory. */
+static void *hm_scratch(void **buf, size_t *have, size_t bytes) {
+  if (bytes > *have) {
+    void *grown = aligned_alloc(64, (bytes + 63) / 64 * 64);
+    if (!grown) return NULL;
+    free(*buf);
+    *buf = grown;
+    *have = bytes;
+  }
+  return *buf;
+}
+
+/* Scratch for x packed by 16 rows, and for two blocks of x at a padded stride (below): the
+ * calling thread's, shared by its parallel region's threads. */
+static _Thread_local void *hm_xp, *hm_xpad;
+static _Thread_local size_t hm_xp_bytes, hm_xpad_bytes;
 
 /* The calling thread's scratch for m rows of K = 2 kh inputs packed by 16s, or NULL where they
  * go unpacked: more than HM_PACK_X_ROWS rows (a prefill's thousands: packing cost more than it
  * gained), none whole, or no memory. */
 static int32_t *hm_x_scratch(int m, int kh) {
   const size_t words = m <= HM_PACK_X_ROWS ? (size_t)(m / 16) * kh * 16 : 0;
-  if (!words) return NULL;
-  if (words > hm_xp_words) {
-    int32_t *grown = (int32_t *)aligned_alloc(64, (words * 4 + 63) / 64 * 64);
-    if (!grown) return NULL;
-    free(hm_xp);
-    hm_xp = grown;
-    hm_xp_words = words;
-  }
-  return hm_xp;
+  return words ? (int32_t *)hm_scratch(&hm_xp, &hm_xp_bytes, words * 4) : NULL;
 }
+
+/* Where x's rows lie a multiple of 2 KiB apart (K = 1,024, 2,048, 4,096, ...: the hidden sizes
+ * of most Llama-family models, though not SmolLM2's 576), the 16 rows a micro-kernel step reads
+ * fall in one or two of the L1's 64 sets (4 KiB a way on AMD's and Intel's cores alike) and,
+ * with the panel's lines, evict each other every step. On a 2-core AVX-512 BF16 EPYC, 1,024 rows
+ * times a [8,192, 2,048] weight ran at 180 GFLOP/s against 390-430 at K = 2,064; 12 or 15 rows at
+ * 190-260 against 390-430. There the rows read as they lie go through a copy whose stride is one
+ * line longer, a block at a time. */
+static int hm_x_aliases(int64_t ldx) { return (ldx * 2) % 2048 == 0; }
 
 /* x's whole 16-row groups into xp (xp[(g kh + kp) 16 + r] = row 16 g + r's pair kp), a run of
  * kp on each thread of the enclosing parallel region; its threads wait for each other at the
@@ -483,15 +498,32 @@ static void hm_linear_bf16_dp(const uint16_t *x, int64_t ldx, int m, const uint1
   const int kh = k / 2, mb = hm_x_block_rows(k), items = silu ? np / 2 : np;
   const int64_t panel_elems = (int64_t)kh * 2 * HM_NR;
   int32_t *const xp = hm_x_scratch(m, kh); /* NULL: x as it lies */
+  /* rows read as they lie (those outside xp's whole groups): through a padded copy when more
+   * than 8 of them go to one micro-kernel call at a stride that aliases (see hm_x_aliases) */
+  const int64_t ldp = ldx + 32;
+  uint16_t *const pad =
+      hm_x_aliases(ldx) && (xp ? m % 16 : m) > 8 /* two blocks' rows of 2-byte values */
+          ? (uint16_t *)hm_scratch(&hm_xpad, &hm_xpad_bytes, 2 * 2 * (size_t)mb * ldp)
+          : NULL;
   /* one parallel region for every block of x: a thread goes on to its panels of the next block
    * without waiting for the other's (the same panels: a static schedule splits each block's
-   * loop alike), so a thread that fell behind in one block does not stall both */
+   * loop alike), so a thread that fell behind in one block does not stall both. With `pad`,
+   * each block's copy ends in a barrier: both threads are then done with the block before the
+   * last, whose half of the scratch the next copy takes. */
 #pragma omp parallel num_threads(threads)
   {
     if (xp) hm_pack_x(x, ldx, m, kh, xp);
-    for (int m0 = 0; m0 < m; m0 += mb) {
+    for (int m0 = 0, b = 0; m0 < m; m0 += mb, b++) {
       const int rows = m - m0 < mb ? m - m0 : mb;
       const uint16_t *xb = x + (int64_t)m0 * ldx;
+      int64_t ldb = ldx;
+      if (pad) {
+        uint16_t *copy = pad + (size_t)(b & 1) * mb * ldp;
+#pragma omp for schedule(static)
+        for (int r = 0; r < rows; r++) memcpy(copy + r * ldp, xb + r * ldx, (size_t)k * 2);
+        xb = copy;
+        ldb = ldp;
+      }
       uint16_t *ob = out + (int64_t)m0 * ldo;
 #pragma omp for schedule(static) nowait
       for (int p = 0; p < items; p++) {
@@ -499,15 +531,15 @@ static void hm_linear_bf16_dp(const uint16_t *x, int64_t ldx, int m, const uint1
         uint16_t tile[HM_MR * 2 * HM_NR] __attribute__((aligned(64)));
         for (int r = 0, ahead = 1; r < rows; r += HM_MR, ahead = 0) { /* the first prefetches */
           const int mr = rows - r < HM_MR ? rows - r : HM_MR;
-          const uint16_t *xr = xb + r * ldx;
+          const uint16_t *xr = xb + r * ldb;
           uint16_t *o = ob + (int64_t)r * ldo + (int64_t)p * HM_NR;
           if (!silu) {
-            hm_micro_rows(xp, m0 + r, mr, xr, ldx, panel, kh, o, ldo, ahead, add);
+            hm_micro_rows(xp, m0 + r, mr, xr, ldb, panel, kh, o, ldo, ahead, add);
             continue;
           }
           const uint16_t *up = panel + items * panel_elems;
-          hm_micro_rows(xp, m0 + r, mr, xr, ldx, panel, kh, tile, 2 * HM_NR, ahead, 0);
-          hm_micro_rows(xp, m0 + r, mr, xr, ldx, up, kh, tile + HM_NR, 2 * HM_NR, ahead, 0);
+          hm_micro_rows(xp, m0 + r, mr, xr, ldb, panel, kh, tile, 2 * HM_NR, ahead, 0);
+          hm_micro_rows(xp, m0 + r, mr, xr, ldb, up, kh, tile + HM_NR, 2 * HM_NR, ahead, 0);
           for (int i = 0; i < mr; i++) {
             const uint16_t *t = tile + i * 2 * HM_NR;
             hm_store_bf16(o + (int64_t)i * ldo,
