@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Iterator, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -297,7 +297,7 @@ class DeepseekModel(nn.Module):
                     m + "shared_experts.", layer.shared_gate_up, layer.shared_down
                 )
 
-    def load_hf_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
+    def load_hf_state_dict(self, sd: Mapping[str, torch.Tensor]) -> None:
         """Copy weights named as in HF's DeepseekV2ForCausalLM / DeepseekV3ForCausalLM. Tensors
         it does not name (V3's multi-token-prediction layers past num_layers) are ignored."""
         views = list(self._hf_views())

@@ -4,7 +4,7 @@ batched `decode`."""
 from __future__ import annotations
 
 import math
-from typing import Callable, NamedTuple, Sequence
+from typing import Callable, Mapping, NamedTuple, Sequence
 
 import torch
 from torch import nn
@@ -182,7 +182,7 @@ class LlamaModel(nn.Module):
 
     # ---- weights in HF naming (LlamaForCausalLM), for loaders and exporters ----
 
-    def load_hf_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
+    def load_hf_state_dict(self, sd: Mapping[str, torch.Tensor]) -> None:
         """Copy weights named as in HF's LlamaForCausalLM (q/k/v and gate/up are fused here)."""
         missing = []
 

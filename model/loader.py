@@ -7,6 +7,8 @@ tokenizer, weights id, `load_model_info`); this module reads and builds its weig
 from __future__ import annotations
 
 import json
+import math
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Iterator, NamedTuple
 
@@ -49,6 +51,30 @@ class LoadedModel(NamedTuple):
 def model_class(config: ModelConfig) -> type[LlamaModel] | type[DeepseekModel]:
     """The forward that runs `config`: DeepseekModel for MLA, else LlamaModel."""
     return DeepseekModel if config.is_mla else LlamaModel
+
+
+class LazyWeights(Mapping):
+    """A checkpoint's tensors by HF name, each read (dequantized, converted) when a loader asks
+    for it and not kept: a load holds the model and the tensor being copied into it, never a
+    second copy of the whole checkpoint (a Llama-3.2-1B-shaped bf16 checkpoint read whole in
+    fp32 took a worker's load to 6.5 GB resident for 2.2 GB of weights). The last tensor read is
+    kept, for a loader that looks at one twice (its shape, then its values)."""
+
+    def __init__(self, readers: dict[str, Callable[[], torch.Tensor]]):
+        self._readers = readers
+        self._last: tuple[str, torch.Tensor] | None = None
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if self._last is None or self._last[0] != name:
+            self._last = None  # let the previous one go before reading the next
+            self._last = (name, self._readers[name]())
+        return self._last[1]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._readers)
+
+    def __len__(self) -> int:
+        return len(self._readers)
 
 
 def tiny_random_weights(
@@ -104,39 +130,58 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     return rows.swapaxes(1, 2).reshape(w.shape)
 
 
-def _dequantized(meta: GgufMeta, path: Path) -> Iterator[tuple[str, np.ndarray]]:
-    """Each tensor of the file under its GGUF name, dequantized to fp32, writable and contiguous."""
+def _dequantize(data: np.ndarray, t) -> np.ndarray:
+    """One tensor of a GGUF file's map `data`, dequantized to fp32, writable and contiguous."""
     import gguf
 
+    qtype = gguf.GGMLQuantizationType(t.qtype)
+    raw = data[t.offset : t.offset + t.nbytes]
+    raw = raw.reshape(gguf.quant_shape_to_byte_shape(t.shape, qtype))
+    w = gguf.quants.dequantize(raw, qtype).astype(np.float32, copy=False).reshape(t.shape)
+    if not (w.flags.writeable and w.flags.c_contiguous):
+        w = w.copy()  # torch wants writable memory; a float32 tensor is a view of the map
+    return w
+
+
+def _dequantized(meta: GgufMeta, path: Path) -> Iterator[tuple[str, np.ndarray]]:
+    """Each tensor of the file under its GGUF name, dequantized to fp32, writable and contiguous."""
     data = np.memmap(path, dtype=np.uint8, mode="r")
     for t in meta.tensors:
-        qtype = gguf.GGMLQuantizationType(t.qtype)
-        raw = data[t.offset : t.offset + t.nbytes]
-        raw = raw.reshape(gguf.quant_shape_to_byte_shape(t.shape, qtype))
-        w = gguf.quants.dequantize(raw, qtype).astype(np.float32, copy=False).reshape(t.shape)
-        if not (w.flags.writeable and w.flags.c_contiguous):
-            w = w.copy()  # torch wants writable memory; a float32 tensor is a view of the map
-        yield t.name, w
+        yield t.name, _dequantize(data, t)
 
 
-def _llama_hf_weights(meta: GgufMeta, path: Path) -> dict[str, torch.Tensor]:
-    sd: dict[str, torch.Tensor] = {}
-    for name, w in _dequantized(meta, path):
-        if name.endswith("attn_q.weight"):
-            w = _unpermute(w, meta.config.num_heads)
-        elif name.endswith("attn_k.weight"):
-            w = _unpermute(w, meta.config.num_kv_heads)
-        sd[_hf_name(name)] = torch.from_numpy(np.ascontiguousarray(w))
-    return sd
+def _llama_hf_weights(meta: GgufMeta, path: Path) -> LazyWeights:
+    """Each tensor dequantized when it is asked for (llama.cpp's Q/K permutation undone)."""
+    data = np.memmap(path, dtype=np.uint8, mode="r")
+
+    def reader(t) -> Callable[[], torch.Tensor]:
+        def read() -> torch.Tensor:
+            try:
+                w = _dequantize(data, t)
+                if t.name.endswith("attn_q.weight"):
+                    w = _unpermute(w, meta.config.num_heads)
+                elif t.name.endswith("attn_k.weight"):
+                    w = _unpermute(w, meta.config.num_kv_heads)
+                return torch.from_numpy(np.ascontiguousarray(w))
+            except (ValueError, KeyError, IndexError, TypeError, NotImplementedError) as exc:
+                raise ValueError(
+                    f"{path}: corrupt or unsupported GGUF tensor {t.name} "
+                    f"({type(exc).__name__}: {exc})"
+                ) from None
+
+        return read
+
+    return LazyWeights({_hf_name(t.name): reader(t) for t in meta.tensors})
 
 
 def _from_numpy(sd: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
     return {name: torch.from_numpy(w) for name, w in sd.items()}
 
 
-def read_gguf_weights(meta: GgufMeta, path: Path) -> dict[str, torch.Tensor]:
-    """The fp32 weights in HF names, dequantized; for Llama llama.cpp's Q/K permutation undone,
-    for deepseek2 the stacked experts and split kv_b_proj taken apart and joined again."""
+def read_gguf_weights(meta: GgufMeta, path: Path) -> Mapping[str, torch.Tensor]:
+    """The fp32 weights in HF names, dequantized: for Llama each as it is asked for
+    (LazyWeights), llama.cpp's Q/K permutation undone; for deepseek2 all at once, the stacked
+    experts and split kv_b_proj taken apart and joined again."""
     try:
         if meta.fields.get("general.architecture") == "deepseek2":
             return _from_numpy(deepseek2_hf_weights(_dequantized(meta, path), meta.config))
@@ -149,41 +194,120 @@ def read_gguf_weights(meta: GgufMeta, path: Path) -> dict[str, torch.Tensor]:
         ) from None
 
 
-def read_hf_weights(meta: HfMeta) -> dict[str, torch.Tensor]:
-    """The fp32 weights in HF names (a tied lm_head dropped; FP8 ones multiplied out by their
-    block scales)."""
-    from safetensors import safe_open
-
-    sd = {}
-    try:
-        for f in meta.files:
-            with safe_open(str(f), framework="pt") as st:
-                for k in st.keys():
-                    t = st.get_tensor(k)
-                    sd[k] = t if t.dtype in FP8_DTYPES or k.endswith(SCALE_SUFFIX) else t.float()
-    except Exception as exc:  # safetensors raises its own error types on bad headers
-        raise ValueError(
-            f"{meta.path}: corrupt safetensors file ({type(exc).__name__}: {exc})"
-        ) from None
-    fp8 = [k for k, t in sd.items() if t.dtype in FP8_DTYPES]
+def read_hf_weights(meta: HfMeta) -> Mapping[str, torch.Tensor]:
+    """The weights in HF names (a tied lm_head dropped), each read when asked for (LazyWeights)
+    in the file's float dtype: the model's copy converts it, as .to(dtype) would. FP8 ones are
+    read at once and multiplied out by their block scales (in fp32)."""
+    readers: dict[str, Callable[[], torch.Tensor]] = {}
+    fp8 = []
+    for f in meta.files:
+        base, index = _safetensors_index(f)
+        for name, (dtype, shape, begin, end) in index.items():
+            if dtype in FP8_DTYPES:
+                fp8.append(name)
+            readers[name] = _safetensors_reader(f, base + begin, end - begin, dtype, shape)
     if fp8 and meta.fp8_block is None:
         raise ValueError(
             f"{meta.path}: {fp8[0]} is FP8 but config.json declares no quantization_config"
         )
-    if meta.fp8_block is not None:
-        try:
-            sd = dequantize_fp8(sd, meta.fp8_block)
-        except ValueError as exc:
-            raise ValueError(f"{meta.path}: {exc}") from None
     if meta.config.tie_word_embeddings:
-        sd.pop("lm_head.weight", None)
-    return sd
+        readers.pop("lm_head.weight", None)
+    if meta.fp8_block is None:
+        return LazyWeights(readers)
+    sd = {}
+    for k, read in readers.items():
+        t = read()
+        sd[k] = t if t.dtype in FP8_DTYPES or k.endswith(SCALE_SUFFIX) else t.float()
+    try:
+        return dequantize_fp8(sd, meta.fp8_block)
+    except ValueError as exc:
+        raise ValueError(f"{meta.path}: {exc}") from None
+
+
+# safetensors' dtype names (its format's header)
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+    "U8": torch.uint8, "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}  # fmt: skip
+_SAFETENSORS_MAX_HEADER = 100 << 20
+_TensorEntry = tuple[torch.dtype, list[int], int, int]  # dtype, shape, begin, end of its bytes
+
+
+def _safetensors_index(path: Path) -> tuple[int, dict[str, _TensorEntry]]:
+    """(where a safetensors file's data starts, {name: (dtype, shape, begin, end)} of each of its
+    tensors, offsets into the data), from its header, every entry checked against the file's
+    size. Read here rather than through the safetensors package, whose tensors are views of the
+    file mapped into memory: its pages stayed resident (counted in RSS) until the load ended, a
+    second copy of the weights (a 2.2 GB checkpoint: 4.4 GB at the load's peak, 2.3 after)."""
+
+    def corrupt(why: str) -> ValueError:
+        return ValueError(f"{path}: corrupt safetensors file ({why})")
+
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        n = int.from_bytes(head, "little") if len(head) == 8 else -1
+        if not 0 < n <= min(_SAFETENSORS_MAX_HEADER, size - 8):
+            raise corrupt(f"a header of {n} bytes in a file of {size}")
+        try:
+            header = json.loads(f.read(n))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise corrupt(f"its header is not JSON: {exc}") from None
+    data_len, index = size - 8 - n, {}
+    if not isinstance(header, dict):
+        raise corrupt("its header is not a JSON object")
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype = _SAFETENSORS_DTYPES[entry["dtype"]]
+            shape = [int(d) for d in entry["shape"]]
+            begin, end = (int(o) for o in entry["data_offsets"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise corrupt(f"tensor {name}: {type(exc).__name__}: {exc}") from None
+        nbytes = math.prod(shape) * dtype.itemsize
+        if min(shape, default=0) < 0 or not 0 <= begin <= end <= data_len or end - begin != nbytes:
+            raise corrupt(
+                f"tensor {name} of shape {shape} ({nbytes} bytes) at [{begin}, {end}) of "
+                f"{data_len} bytes of data"
+            )
+        index[name] = (dtype, shape, begin, end)
+    return 8 + n, index
+
+
+def _safetensors_reader(
+    path: Path, offset: int, nbytes: int, dtype: torch.dtype, shape: list[int]
+) -> Callable[[], torch.Tensor]:
+    def read() -> torch.Tensor:
+        buf = torch.empty(nbytes, dtype=torch.uint8)
+        with open(path, "rb", buffering=0) as f:
+            f.seek(offset)
+            view, got = memoryview(buf.numpy()), 0
+            while got < nbytes:
+                k = f.readinto(view[got:])
+                if not k:
+                    raise ValueError(
+                        f"{path}: corrupt safetensors file (it ended {nbytes - got} bytes into "
+                        f"a tensor of {nbytes})"
+                    )
+                got += k
+        t = buf.view(dtype).reshape(shape)
+        # 16- and 32-bit floats as stored (the copy into the model rounds them once, as the
+        # fp32 copy did); anything else in fp32, as before
+        if dtype in (torch.float32, torch.bfloat16, torch.float16) or dtype in FP8_DTYPES:
+            return t
+        return t.float()
+
+    return read
 
 
 def _read_weights(
     ckpt: Checkpoint, config: ModelConfig, meta: GgufMeta | HfMeta | None
-) -> dict[str, torch.Tensor]:
-    """The checkpoint's fp32 weights in HF names (`meta`: what read_checkpoint read of it)."""
+) -> Mapping[str, torch.Tensor]:
+    """The checkpoint's weights in HF names (`meta`: what read_checkpoint read of it), read as
+    the model's loader asks for them where the format allows (LazyWeights)."""
     if ckpt.kind == "tiny-random":
         return tiny_random_weights(config)
     if ckpt.kind == "gguf":
@@ -222,7 +346,7 @@ def _torch_dtype(dtype: torch.dtype | str) -> torch.dtype:
 
 
 def _build(
-    config: ModelConfig, sd: dict[str, torch.Tensor], dtype: torch.dtype, device: str
+    config: ModelConfig, sd: Mapping[str, torch.Tensor], dtype: torch.dtype, device: str
 ) -> LlamaModel | DeepseekModel:
     with torch.device("meta"):
         model = model_class(config)(config)

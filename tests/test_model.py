@@ -96,6 +96,60 @@ def test_hf_directory_round_trip(lm, tmp_path):
     assert back.tokenizer.apply_chat_template(msgs) == lm.tokenizer.apply_chat_template(msgs)
 
 
+def test_a_bf16_checkpoint_loads_as_its_fp32_copy_rounds(lm, tmp_path):
+    """Tensors are read as the loader asks for them, in the file's own dtype (model.loader's
+    LazyWeights and safetensors reader): a bf16 checkpoint gives the bits of the fp32 one rounded
+    to bf16, loaded in bf16, and the same values again in fp32."""
+    from safetensors.torch import load_file, save_file
+
+    path = save_hf_dir(lm, tmp_path / "fp32")
+    bf16 = tmp_path / "bf16"
+    bf16.mkdir()
+    for f in path.iterdir():
+        if f.suffix != ".safetensors":
+            (bf16 / f.name).write_bytes(f.read_bytes())
+    halved = {k: t.bfloat16() for k, t in load_file(str(path / "model.safetensors")).items()}
+    save_file(halved, str(bf16 / "model.safetensors"), metadata={"format": "pt"})
+    ids = _prompt(40, 4, lm.config.vocab_size)
+    a, _, _ = _prefill_all(load_model(str(path), dtype="bfloat16"), ids)
+    b, _, _ = _prefill_all(load_model(str(bf16), dtype="bfloat16"), ids)
+    assert torch.equal(a, b)
+    back = load_model(str(bf16), dtype="float32").model.hf_state_dict()
+    assert all(torch.equal(back[k], t.float()) for k, t in halved.items())
+
+
+def _corrupt_copies(path, tmp_path):
+    """(what was done, a copy of the checkpoint directory `path` with its weights so damaged)."""
+    import json as _json
+
+    raw = (path / "model.safetensors").read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = _json.loads(raw[8 : 8 + n])
+    name = next(k for k in header if k != "__metadata__")
+    header[name]["data_offsets"][1] += 4  # one tensor claims bytes that are not its own
+    longer = _json.dumps(header).encode()
+    damaged = {
+        "truncated": raw[: len(raw) - 100],
+        "garbage header length": (1 << 40).to_bytes(8, "little") + raw[8:],
+        "header not JSON": raw[:8] + b"\xff" * n + raw[8 + n :],
+        "offsets past a tensor's size": len(longer).to_bytes(8, "little") + longer + raw[8 + n :],
+    }
+    for what, data in damaged.items():
+        d = tmp_path / what.replace(" ", "-")
+        d.mkdir()
+        for f in path.iterdir():
+            (d / f.name).write_bytes(data if f.suffix == ".safetensors" else f.read_bytes())
+        yield what, d
+
+
+def test_a_corrupt_safetensors_file_is_an_error_naming_it(lm, tmp_path):
+    path = save_hf_dir(lm, tmp_path / "good")
+    for what, d in _corrupt_copies(path, tmp_path):
+        with pytest.raises(ValueError, match="corrupt safetensors file") as e:
+            load_model(str(d))
+        assert str(d) in str(e.value), what
+
+
 @pytest.mark.parametrize("block_size", [16, 5])
 def test_prefill_whole_chunked_and_cached_prefix_agree(lm, block_size):
     ids = _prompt(70, 3, lm.config.vocab_size)
