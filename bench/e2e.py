@@ -279,7 +279,7 @@ def run_halfmoon(
             out[f"rss_peak_mb_{name}"] = round(sampler.rss[name] / 2**20, 1)
             out[f"pss_peak_mb_{name}"] = round(sampler.pss[name] / 2**20, 1)
             out[f"configured_mb_{name}"] = round(configured.get(name, 0) / 2**20, 1)
-        out["rss_vs_configured"] = pss_over_configured(out)
+        add_memory_totals(out)
         say(
             "halfmoon memory (peak RSS / peak PSS / configured, MiB): "
             + ", ".join(
@@ -287,7 +287,8 @@ def run_halfmoon(
                 f"{out[f'configured_mb_{n}']:.0f}"
                 for n in names
             )
-            + f"; PSS over configured {out['rss_vs_configured']}"
+            + f"; PSS over configured {out['rss_vs_configured']} "
+            + f"({out['pss_beyond_configured_mb']:.0f} MiB beyond it)"
         )
         channel.close()
     finally:
@@ -304,16 +305,20 @@ def merge_runs(runs: list[tuple[dict, dict]]) -> dict:
         out[f"{key}_runs"] = [round(r[key], 1) for r, _ in runs]
     for key in [k for k in out if k.startswith(("rss_peak_mb_", "pss_peak_mb_"))]:
         out[key] = max(r[key] for r, _ in runs)
-    out["rss_vs_configured"] = pss_over_configured(out)
+    add_memory_totals(out)
     return out
 
 
-def pss_over_configured(out: dict) -> float | None:
-    """The processes' summed peak PSS (shared pages split among their mappers: the store's slab
-    once) over what they are configured to hold (weights, pools, in-memory tiers)."""
+def add_memory_totals(out: dict) -> None:
+    """`rss_vs_configured`: the processes' summed peak PSS (shared pages split among their
+    mappers: the store's slab once) over what they are configured to hold (weights, pools,
+    in-memory tiers); `pss_beyond_configured_mb`: the difference, in MiB. The ratio depends on
+    the model's size (the runtime's memory is much the same for any model), the difference
+    does not."""
     pss = sum(v for k, v in out.items() if k.startswith("pss_peak_mb_"))
     configured = sum(v for k, v in out.items() if k.startswith("configured_mb_"))
-    return round(pss / configured, 3) if configured else None
+    out["rss_vs_configured"] = round(pss / configured, 3) if configured else None
+    out["pss_beyond_configured_mb"] = round(pss - configured, 1)
 
 
 # ------------------------------------------------ vLLM (its own venv, its own process)
