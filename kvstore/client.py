@@ -491,8 +491,7 @@ class StoreClient:
             if raw:  # inline
                 payload = np.frombuffer(view, np.uint8, block_bytes, h.header_len)
                 sums = _copy_hashed(
-                    out_bytes, [rows[got] * block_bytes], payload, [0], block_bytes,
-                    h.layer_bytes,
+                    out_bytes, [rows[got] * block_bytes], payload, [0], block_bytes, h.layer_bytes
                 )
                 ok = sums[0] == list(h.checksums)
             else:
@@ -514,9 +513,9 @@ class StoreClient:
     def _copy_run(self, slots, i: int, view, h: BlockHeader, out_bytes, rows, got: int):
         """The raw blocks in the slab from slots[i] on (slot i's header `view`, parsed as `h`)
         copied into out's rows rows[got], rows[got + 1], ... while their headers are h's
-        layout: (how many
-        passed, whether the next one failed a checksum). One C call checks every header and
-        layer (kernels.copy_checked) where the kernels are built, else one block at a time."""
+        layout: (how many passed, whether the next one failed a checksum). One C call checks
+        every header and layer (kernels.copy_checked) where the kernels are built, else one
+        block at a time."""
         block_bytes = h.payload_len
         run = []  # the slab offsets of the blocks from slot i on that are in the slab, h's length
         for _, off, length, _ in itertools.islice(slots, i, None):

@@ -130,6 +130,10 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     return rows.swapaxes(1, 2).reshape(w.shape)
 
 
+# What gguf's readers raise on a corrupt or unsupported tensor (beside ValueError)
+_GGUF_ERRORS = (KeyError, IndexError, TypeError, NotImplementedError)
+
+
 def _dequantize(data: np.ndarray, t) -> np.ndarray:
     """One tensor of a GGUF file's map `data`, dequantized to fp32, writable and contiguous."""
     import gguf
@@ -163,7 +167,7 @@ def _llama_hf_weights(meta: GgufMeta, path: Path) -> LazyWeights:
                 elif t.name.endswith("attn_k.weight"):
                     w = _unpermute(w, meta.config.num_kv_heads)
                 return torch.from_numpy(np.ascontiguousarray(w))
-            except (ValueError, KeyError, IndexError, TypeError, NotImplementedError) as exc:
+            except (ValueError, *_GGUF_ERRORS) as exc:
                 raise ValueError(
                     f"{path}: corrupt or unsupported GGUF tensor {t.name} "
                     f"({type(exc).__name__}: {exc})"
@@ -188,7 +192,7 @@ def read_gguf_weights(meta: GgufMeta, path: Path) -> Mapping[str, torch.Tensor]:
         return _llama_hf_weights(meta, path)
     except ValueError as exc:
         raise ValueError(f"{path}: {exc}") from None
-    except (KeyError, IndexError, TypeError, NotImplementedError) as exc:
+    except _GGUF_ERRORS as exc:
         raise ValueError(
             f"{path}: corrupt or unsupported GGUF file ({type(exc).__name__}: {exc})"
         ) from None

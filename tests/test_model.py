@@ -3,6 +3,8 @@ sampling, loaders."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -120,14 +122,12 @@ def test_a_bf16_checkpoint_loads_as_its_fp32_copy_rounds(lm, tmp_path):
 
 def _corrupt_copies(path, tmp_path):
     """(what was done, a copy of the checkpoint directory `path` with its weights so damaged)."""
-    import json as _json
-
     raw = (path / "model.safetensors").read_bytes()
     n = int.from_bytes(raw[:8], "little")
-    header = _json.loads(raw[8 : 8 + n])
+    header = json.loads(raw[8 : 8 + n])
     name = next(k for k in header if k != "__metadata__")
     header[name]["data_offsets"][1] += 4  # one tensor claims bytes that are not its own
-    longer = _json.dumps(header).encode()
+    longer = json.dumps(header).encode()
     damaged = {
         "truncated": raw[: len(raw) - 100],
         "garbage header length": (1 << 40).to_bytes(8, "little") + raw[8:],

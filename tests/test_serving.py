@@ -589,12 +589,12 @@ def test_a_job_the_pool_cannot_hold_fails_alone(lm, engine):
                 t.start()
                 deadline = time.monotonic() + 30
                 # the stall's round must have begun (alone) before a arrives, or a joins it
-                while (
-                    (w.load().queued_requests, w.load().running_tokens) < (i, len(stall))
-                    and time.monotonic() < deadline
-                ):
+                while time.monotonic() < deadline:
+                    load = w.load()  # one snapshot: both counts from the same moment
+                    if load.queued_requests >= i and load.running_tokens >= len(stall):
+                        break
                     time.sleep(0.01)
-                assert w.load().queued_requests == i and w.load().running_tokens == len(stall)
+                assert (load.queued_requests, load.running_tokens) == (i, len(stall))
         for t in threads:
             t.join(timeout=120)
         for i, p in enumerate((stall, a, b)):

@@ -501,10 +501,10 @@ static void hm_linear_bf16_dp(const uint16_t *x, int64_t ldx, int m, const uint1
   /* rows read as they lie (those outside xp's whole groups): through a padded copy when more
    * than 8 of them go to one micro-kernel call at a stride that aliases (see hm_x_aliases) */
   const int64_t ldp = ldx + 32;
-  uint16_t *const pad =
-      hm_x_aliases(ldx) && (xp ? m % 16 : m) > 8 /* two blocks' rows of 2-byte values */
-          ? (uint16_t *)hm_scratch(&hm_xpad, &hm_xpad_bytes, 2 * 2 * (size_t)mb * ldp)
-          : NULL;
+  const size_t pad_bytes = 2 * (size_t)mb * ldp * sizeof(uint16_t); /* two blocks' rows */
+  uint16_t *const pad = hm_x_aliases(ldx) && (xp ? m % 16 : m) > 8
+                            ? (uint16_t *)hm_scratch(&hm_xpad, &hm_xpad_bytes, pad_bytes)
+                            : NULL;
   /* one parallel region for every block of x: a thread goes on to its panels of the next block
    * without waiting for the other's (the same panels: a static schedule splits each block's
    * loop alike), so a thread that fell behind in one block does not stall both. With `pad`,
