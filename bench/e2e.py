@@ -405,7 +405,7 @@ def plot(result: dict, path: Path) -> None:
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
     systems = [("halfmoon", "hm")] + ([("vLLM", "vllm")] if "vllm_ttft_cold_ms" in result else [])
-    for i, (label, key) in enumerate(systems):
+    for i, (_label, key) in enumerate(systems):
         pre = "" if key == "hm" else "vllm_"
         a.bar(
             [i * 3, i * 3 + 1],

@@ -60,17 +60,17 @@ import math
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.machine import cpu_flags, finish  # noqa: E402
-
 import kernels  # noqa: E402
+from bench.machine import cpu_flags, finish  # noqa: E402
 from model import KVPool, LlamaModel, ModelConfig  # noqa: E402
 
 DEFAULT_TEXT = ROOT / "bench" / "data" / "pride_and_prejudice.txt"

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import AsyncIterator, Iterator, Sequence
 from pathlib import Path
-from typing import AsyncIterator, Iterator, NamedTuple, Sequence
+from typing import NamedTuple
 
 import grpc
 
@@ -154,7 +155,7 @@ class Access(NamedTuple):
     tls_server_name: str = ""  # the name checked in the conductor's certificate ("" = the host)
 
     @classmethod
-    def from_env(cls, token: str | None = None, tls_ca: str | None = None) -> "Access":
+    def from_env(cls, token: str | None = None, tls_ca: str | None = None) -> Access:
         """Given values, else $HALFMOON_TOKEN and $HALFMOON_TLS_CA."""
         return cls(
             token=os.environ.get("HALFMOON_TOKEN", "") if token is None else token,
@@ -235,7 +236,7 @@ class Client:
     def close(self) -> None:
         self._channel.close()
 
-    def __enter__(self) -> "Client":
+    def __enter__(self) -> Client:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -298,7 +299,7 @@ class AsyncClient:
     async def close(self) -> None:
         await self._channel.close()
 
-    async def __aenter__(self) -> "AsyncClient":
+    async def __aenter__(self) -> AsyncClient:
         return self
 
     async def __aexit__(self, *exc) -> None:

@@ -42,7 +42,7 @@ def replay_trace(
     *,
     fmt: str = "auto",
     limit: int | None = None,
-    scaling: Scaling = Scaling(),
+    scaling: Scaling | None = None,
     policies: list[str] = ("",),
     ttft_slo_ms: float = 2000.0,
     tbt_slo_ms: float = 200.0,
@@ -52,6 +52,7 @@ def replay_trace(
     progress: bool = True,
 ) -> ReplayResult:
     """Replay the same slice once per policy, each on a cleared cache (and its own cache salt)."""
+    scaling = scaling or Scaling()
     reqs = load_trace(trace, fmt, limit)
     if not reqs:
         raise ValueError(f"{trace}: no requests")

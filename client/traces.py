@@ -7,9 +7,10 @@ import io
 import json
 import math
 import re
+from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 MOONCAKE_BLOCK_TOKENS = 512  # tokens per hash id in Mooncake's released traces
 # More tokens than any context window: a length beyond it is a broken line, not a request (and

@@ -10,8 +10,9 @@ import bisect
 import heapq
 import math
 import random
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, NamedTuple, Sequence
+from typing import NamedTuple
 
 from servekit import blocks_needed, decode_features, predict, prefill_features, reusable_blocks
 

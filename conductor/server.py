@@ -7,7 +7,8 @@ import math
 import threading
 import time
 import uuid
-from typing import Iterator, NamedTuple
+from collections.abc import Iterator
+from typing import NamedTuple
 
 import grpc
 import psutil

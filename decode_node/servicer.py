@@ -9,8 +9,8 @@ import threading
 import grpc
 
 from decode_node.config import DecodeConfig
-from decode_node.metrics import DecodeMetrics
 from decode_node.kivi_runner import KiviDecodeRunner
+from decode_node.metrics import DecodeMetrics
 from decode_node.runner import DecodeRunner
 from decode_node.scheduler import DecodeScheduler
 from decode_node.seq import Seq

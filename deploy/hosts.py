@@ -23,9 +23,10 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, NamedTuple, Sequence
+from typing import NamedTuple
 
 from deploy.netns import Host, Hosts, NetnsUnavailable
 
@@ -122,7 +123,7 @@ class HostCluster:
 
     # ------------------------------------------------------------------ start
 
-    def start(self) -> "HostCluster":
+    def start(self) -> HostCluster:
         try:
             t0 = time.monotonic()
             self.hosts.start()
@@ -304,7 +305,7 @@ class HostCluster:
             shutil.rmtree(f"/tmp/hm-ray-{self.hosts.tag}-{spec.name}", ignore_errors=True)
         shutil.rmtree(self.work_dir, ignore_errors=True)
 
-    def __enter__(self) -> "HostCluster":
+    def __enter__(self) -> HostCluster:
         return self.start()
 
     def __exit__(self, *exc) -> None:

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from deploy.actor import ServerActor, wait_healthy
 from deploy.config import ClusterConfig
@@ -242,7 +243,7 @@ class Cluster:
             self._own_ray = False
         self.address = ""
 
-    def __enter__(self) -> "Cluster":
+    def __enter__(self) -> Cluster:
         self.start()
         return self
 

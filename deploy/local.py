@@ -8,7 +8,8 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import time
-from typing import Any, Collection
+from collections.abc import Collection
+from typing import Any
 
 from deploy.config import ClusterConfig
 from deploy.wiring import ServerInfo, Wiring, metrics_address
@@ -183,7 +184,7 @@ class LocalCluster:
         self.http_server = None
         self.http_address = ""
 
-    def __enter__(self) -> "LocalCluster":
+    def __enter__(self) -> LocalCluster:
         self.start()
         return self
 

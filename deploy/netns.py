@@ -17,7 +17,8 @@ import shutil
 import signal
 import subprocess
 import time
-from typing import NamedTuple, Sequence
+from collections.abc import Sequence
+from typing import NamedTuple
 
 log = logging.getLogger("halfmoon.netns")
 
@@ -141,7 +142,7 @@ class Hosts:
 
     # ------------------------------------------------------------------ make
 
-    def start(self) -> "Hosts":
+    def start(self) -> Hosts:
         problem = netns_problem()
         if problem:
             raise NetnsUnavailable(problem)
@@ -336,7 +337,7 @@ class Hosts:
             _run(["ip", "link", "del", self.bridge], check=False)
             self._bridge_made = False
 
-    def __enter__(self) -> "Hosts":
+    def __enter__(self) -> Hosts:
         return self.start()
 
     def __exit__(self, *exc) -> None:

@@ -17,9 +17,8 @@ from __future__ import annotations
 
 import gc
 
-from servekit import ROLES, role_classes
-
 import deploy.local  # noqa: F401 - the function each child runs
+from servekit import ROLES, role_classes
 
 for _role in ROLES:
     role_classes(_role)

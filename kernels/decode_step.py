@@ -19,7 +19,8 @@ that swaps a weight for another tensor builds a new one (`LlamaModel` does so in
 from __future__ import annotations
 
 import ctypes
-from typing import NamedTuple, Sequence
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 

@@ -18,10 +18,10 @@ from kernels.kivi import KiviPacked, kivi_dequantize_blocks_torch, kivi_quantize
 from kernels.mla_attention import paged_mla_decode_attention_torch
 from kernels.native import (
     native_status,
-    paged_mla_decode_attention_native,
     paged_decode_attention_kivi_native,
     paged_decode_attention_kivi_window_native,
     paged_decode_attention_native,
+    paged_mla_decode_attention_native,
 )
 from kernels.paged_attention_ref import paged_decode_attention_ref
 from kernels.paged_attention_torch import (

@@ -16,14 +16,14 @@ from typing import ClassVar
 import torch
 
 from kernels.dispatch import kivi_dequantize, kivi_quantize
-from kernels.layout_id import dtype_name, full_layout_id, kivi_layout_id, mla_layout_id
-from kernels.pages import zeros_on_huge_pages
 from kernels.kivi import (
     KIVI_FIELD_DTYPES,
     KiviPacked,
     kivi_field_shapes,
     kivi_packed_nbytes,
 )
+from kernels.layout_id import dtype_name, full_layout_id, kivi_layout_id, mla_layout_id
+from kernels.pages import zeros_on_huge_pages
 
 
 class KVLayout(abc.ABC):

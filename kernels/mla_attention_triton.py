@@ -148,7 +148,8 @@ def paged_mla_decode_attention_triton(
     if max_tokens == 0 or batch == 0:
         return (out, lse) if return_lse else out
     splits = _num_splits(q_latent, batch, head_tiles, max_tokens, tile_n)
-    split_tokens = -(-(-(-max_tokens // splits)) // tile_n) * tile_n  # whole tiles
+    per_split = -(-max_tokens // splits)  # ceiling division
+    split_tokens = -(-per_split // tile_n) * tile_n  # whole tiles
     splits = -(-max_tokens // split_tokens)
     op = torch.empty(batch * heads * splits, rank, device=q_latent.device, dtype=torch.float32)
     lp = torch.empty(batch * heads * splits, device=q_latent.device, dtype=torch.float32)

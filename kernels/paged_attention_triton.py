@@ -305,7 +305,7 @@ def _merge_kernel(
         tl.store(LSE + b * q_heads + h, tl.where(den > 0.0, lse_all, float("-inf")))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 

@@ -28,12 +28,12 @@ import ssl
 import struct
 import threading
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator, NamedTuple
+from typing import NamedTuple
 
 from kvstore.keys import KEY_BYTES
 from servekit.security import SecurityConfig, ssl_client_context
-
 
 HELLO, OK, ERR, GET, HEADERS, PUT_OPEN, SLOTS, DATA, COMMIT, DONE = range(1, 11)
 OP_NAMES = {

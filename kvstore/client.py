@@ -12,8 +12,9 @@ import queue
 import socket
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 import grpc
 import numpy as np
@@ -37,7 +38,6 @@ from kvstore.block_header import (
     pack_header,
     table_offsets,
 )
-from kvstore.codecs import get_codec
 from kvstore.bulk import (
     COMMIT,
     DATA,
@@ -60,6 +60,7 @@ from kvstore.bulk import (
     recv_exact,
     send_frame,
 )
+from kvstore.codecs import get_codec
 from kvstore.control import (
     StoreUnavailable,
     clear_store,
@@ -734,7 +735,7 @@ class StoreClient:
         model_fingerprint: str,
         codec: str = "raw",
         parent: bytes | None = None,
-    ) -> "BlockWriter":
+    ) -> BlockWriter:
         """A layer-wise writer: write_layer(l, [n, ...]) for every layer, then commit() or
         abort()."""
         header = make_header(codec, dtype, tuple(block_shape), model_fingerprint)
@@ -767,7 +768,7 @@ class StoreClient:
             self.slab = None
         self.channel.close()
 
-    def __enter__(self) -> "StoreClient":
+    def __enter__(self) -> StoreClient:
         return self
 
     def __exit__(self, *exc) -> None:

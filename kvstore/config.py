@@ -55,7 +55,7 @@ class StoreConfig:
             raise ValueError("chunk_bytes must be positive and below max_message_bytes - 64 KiB")
 
     @classmethod
-    def from_dict(cls, d: dict) -> "StoreConfig":
+    def from_dict(cls, d: dict) -> StoreConfig:
         """Build from a YAML mapping; unknown keys are an error naming them."""
         known = set(cls.__dataclass_fields__)
         unknown = sorted(set(d) - known)

@@ -17,8 +17,9 @@ import socket
 import threading
 import time
 from collections import deque
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from typing import Callable, NamedTuple, Sequence
+from typing import NamedTuple
 
 import torch
 from prometheus_client import CollectorRegistry, Counter
@@ -149,7 +150,7 @@ class LayerPublisher:
     Blocks whose every layer is written are complete whatever the forward does afterwards, so a
     forward that fails after that leaves them stored."""
 
-    def __init__(self, connector: "KVConnector", writer: BlockWriter, ids: torch.Tensor):
+    def __init__(self, connector: KVConnector, writer: BlockWriter, ids: torch.Tensor):
         self._c, self._writer, self._ids = connector, writer, ids
         self._futures: list[Future] = []
         self._inline_error: BaseException | None = None
@@ -723,7 +724,7 @@ class KVConnector:
         table: list[int],
         want: int,
         allocate: Callable[[int], list[int]],
-        plan: "ChunkPlan",
+        plan: ChunkPlan,
     ) -> ChunkFetch:
         """Adaptive streaming from node `fetch_from`: extend `table` (the prefix loaded so far)
         towards `want` blocks chunk by chunk, each at the option CacheGen's rule picks

@@ -93,7 +93,7 @@ class StoreControl:
     def close(self) -> None:
         self.channel.close()
 
-    def __enter__(self) -> "StoreControl":
+    def __enter__(self) -> StoreControl:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from typing import Sequence
+from collections.abc import Sequence
 
 
 class DeviceTier:

@@ -73,13 +73,13 @@ class Index:
         self._script = self.r.register_script(_LONGEST_PREFIX)
 
     @classmethod
-    def from_env(cls) -> "Index":
+    def from_env(cls) -> Index:
         """The index at $REDIS_URL, or on a new EmbeddedRedis when it is unset."""
         url = os.environ.get("REDIS_URL", "")
         return cls(url) if url else cls.embedded()
 
     @classmethod
-    def embedded(cls) -> "Index":
+    def embedded(cls) -> Index:
         """An index on a new EmbeddedRedis, stopped by close()."""
         server = EmbeddedRedis()
         return cls(server.url, embedded=server)

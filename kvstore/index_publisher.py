@@ -18,7 +18,7 @@ import logging
 import threading
 import time
 from collections import Counter
-from typing import Callable
+from collections.abc import Callable
 
 from kvstore.index import Index
 from kvstore.types import NodeInfo

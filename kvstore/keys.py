@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 from array import array
-from typing import Sequence
+from collections.abc import Sequence
 
 KEY_BYTES = 16  # 128-bit digests
 _ROOT = bytes(KEY_BYTES)  # the parent of the first block

@@ -12,20 +12,20 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from kvstore.block_header import BlockCorrupt
+from kvstore.bulk import Pacer
+from kvstore.bulk_server import BulkServer
 from kvstore.config import StoreConfig
 from kvstore.index import Index
 from kvstore.index_publisher import IndexPublisher
 from kvstore.metrics import StoreMetrics
 from kvstore.slab import ShmSlab, remove_stale
 from kvstore.ssd import SsdTier
-from kvstore.bulk import Pacer
-from kvstore.bulk_server import BulkServer
 from kvstore.store import BlockStore, StoreFull, write_problem
 from kvstore.types import NodeInfo
 from kvstore.wire import BadChunk, Part, RawPutData, add_servicer, get_chunk
 from protos import kvstore_pb2 as pb
-from servekit.memory import memory_usage
 from servekit.call_limit import CONTROL_THREADS, CallLimit
+from servekit.memory import memory_usage
 from servekit.security import add_port, server_interceptors
 
 log = logging.getLogger(__name__)
@@ -49,7 +49,7 @@ def grpc_options(max_message_bytes: int) -> list[tuple[str, int]]:
 
 
 class _Servicer:
-    def __init__(self, node: "StoreNode"):
+    def __init__(self, node: StoreNode):
         self.node = node
         self.store = node.store
         self.cfg = node.cfg
@@ -520,7 +520,7 @@ class StoreNode:
             self.slab.close()
             self.slab = None
 
-    def __enter__(self) -> "StoreNode":
+    def __enter__(self) -> StoreNode:
         if self.server is None:
             self.start()
         return self

@@ -15,7 +15,6 @@ import numpy as np
 
 from kvstore.block_header import ALIGN
 
-
 _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 
 
@@ -62,7 +61,7 @@ class ShmSlab:
             view.release()
 
     @classmethod
-    def create(cls, shm_dir: str, node_id: str, size: int) -> "ShmSlab":
+    def create(cls, shm_dir: str, node_id: str, size: int) -> ShmSlab:
         safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in node_id)
         return cls(
             os.path.join(shm_dir, f"halfmoon-{safe}-{uuid.uuid4().hex[:12]}"), size, create=True

@@ -10,7 +10,8 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from typing import Callable, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 from kvstore.block_header import (
     BlockCorrupt,
@@ -20,7 +21,7 @@ from kvstore.block_header import (
     read_header,
 )
 from kvstore.keys import KEY_BYTES
-from kvstore.slab import SlabAllocator, ShmSlab
+from kvstore.slab import ShmSlab, SlabAllocator
 from kvstore.ssd import SsdTier
 
 log = logging.getLogger(__name__)

@@ -189,7 +189,7 @@ class ModelConfig:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+    def from_dict(cls, d: dict[str, Any]) -> ModelConfig:
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in names})
 
@@ -206,7 +206,7 @@ class ModelConfig:
         return json.dumps(d, sort_keys=True)
 
     @classmethod
-    def from_hf(cls, hf: dict[str, Any]) -> "ModelConfig":
+    def from_hf(cls, hf: dict[str, Any]) -> ModelConfig:
         """From a HF config.json (LlamaForCausalLM and its look-alikes, DeepseekV2ForCausalLM,
         DeepseekV3ForCausalLM)."""
         rope_scaling = hf.get("rope_scaling")

@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import bisect
 import logging
-from typing import Callable, NamedTuple, Sequence
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import torch
 

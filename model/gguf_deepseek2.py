@@ -21,7 +21,8 @@ What the converter (convert_hf_to_gguf.py, DeepseekV2Model) changes, undone here
 from __future__ import annotations
 
 import logging
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import numpy as np
 

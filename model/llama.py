@@ -4,7 +4,8 @@ batched `decode`."""
 from __future__ import annotations
 
 import math
-from typing import Callable, Mapping, NamedTuple, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import NamedTuple
 
 import torch
 from torch import nn

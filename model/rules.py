@@ -3,7 +3,8 @@ what makes a prompt acceptable, and when a sequence stops."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from model.sampling import SamplingParams

@@ -10,8 +10,8 @@ import json
 import logging
 import time
 import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing, asynccontextmanager, suppress
-from typing import AsyncIterator, Awaitable, Callable
 
 import anyio
 import grpc

@@ -6,24 +6,24 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 import grpc
 import torch
 
+from kernels import ReleasingThreadPool
 from kvstore import CACHEGEN_LEVELS, ChunkPlan, KVConnector, block_keys
 from model import KVPool, sample
 from prefill_node.config import PrefillConfig
 from prefill_node.job import Failure, PrefillJob
 from prefill_node.metrics import PrefillMetrics
 from protos import halfmoon_pb2 as pb
-from kernels import ReleasingThreadPool
 from servekit import (
-    cpu_turns,
     LinearTimeModel,
+    cpu_turns,
     load_worker_model,
-    prefill_features,
     predict,
+    prefill_features,
     reusable_blocks,
     sampling_params,
 )

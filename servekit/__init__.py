@@ -7,6 +7,7 @@ import it and never one another."""
 import importlib
 
 from servekit.blocks import blocks_needed, reusable_blocks
+from servekit.call_limit import CONTROL_THREADS, CallLimit
 from servekit.config import (
     ConfigError,
     config_from_dict,
@@ -15,7 +16,7 @@ from servekit.config import (
     located,
     read_yaml,
 )
-from servekit.call_limit import CONTROL_THREADS, CallLimit
+from servekit.cpus import CpuTurns, check_cpu_turns, cpu_turns, parse_cpu_list, pin_process
 from servekit.grpc_server import GrpcServer
 from servekit.kv_cache import (
     DTYPE_NAMES,
@@ -26,17 +27,16 @@ from servekit.kv_cache import (
     kv_cache_layout,
     kv_cache_layout_id,
 )
-from servekit.request_guard import DecodeGuard
-from servekit.cpus import CpuTurns, check_cpu_turns, cpu_turns, parse_cpu_list, pin_process
 from servekit.memory import (
-    freeze_startup_objects,
     IDLE_TRIM_S,
     MemoryUsage,
+    freeze_startup_objects,
     memory_usage,
     release_freed_heap,
     resident_without_shared_memory,
     tensor_bytes,
 )
+from servekit.request_guard import DecodeGuard
 from servekit.roles import ROLES, Role, role_classes
 from servekit.security import (
     AuthInterceptor,

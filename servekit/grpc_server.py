@@ -49,10 +49,10 @@ class GrpcServer(abc.ABC):
         """Register this server's servicers; return their full service names (for health)."""
         ...
 
-    def _on_start(self) -> None:
+    def _on_start(self) -> None:  # noqa: B027 (optional hook, empty by default)
         """Start background threads (called before the port opens)."""
 
-    def _on_stop(self) -> None:
+    def _on_stop(self) -> None:  # noqa: B027 (optional hook, empty by default)
         """Stop background threads (called after the port closes)."""
 
     def security(self) -> SecurityConfig:

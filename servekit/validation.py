@@ -3,7 +3,7 @@ for an INVALID_ARGUMENT answer."""
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from model import prompt_problem
 from protos import halfmoon_pb2 as pb

@@ -4,7 +4,7 @@ they were scheduled, so a run repeats exactly)."""
 from __future__ import annotations
 
 import heapq
-from typing import Callable
+from collections.abc import Callable
 
 
 class EventLoop:

@@ -5,7 +5,7 @@ and a colocated one that does both on one pool (prefill first, as vLLM schedules
 from __future__ import annotations
 
 from collections import deque
-from typing import Callable
+from collections.abc import Callable
 
 from servekit import blocks_needed, reusable_blocks
 from sim.cache import BlockCache

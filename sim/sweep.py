@@ -5,8 +5,9 @@ at which the share of requests meeting both SLOs stays at or above a target)."""
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from pathlib import Path
-from typing import NamedTuple, Sequence
+from typing import NamedTuple
 
 from client.traces import TraceRequest
 from sim.arrivals import TraceScaling, make_arrivals

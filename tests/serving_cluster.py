@@ -82,7 +82,7 @@ class Cluster:
             self.close()
             raise
 
-    def __enter__(self) -> "Cluster":
+    def __enter__(self) -> Cluster:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from kvstore import (
-    BlockCorrupt,
     FORMAT_VERSION,
+    BlockCorrupt,
     check_block,
     decode_block,
     encode_block,

@@ -10,6 +10,7 @@ import time
 import pytest
 import torch
 from prometheus_client import CollectorRegistry
+from serving_cluster import Cluster, wait_for
 
 from decode_node import DecodeConfig
 from kvstore import EmbeddedRedis, Index, KVConnector, StoreConfig, StoreNode, block_keys
@@ -17,7 +18,6 @@ from model import KVPool, kv_fingerprint, load_model
 from prefill_node import PrefillConfig
 from protos import halfmoon_pb2 as pb
 from servekit import resolve_device
-from serving_cluster import Cluster, wait_for
 
 BS = 16
 

@@ -8,19 +8,19 @@ import os
 import signal
 import socket
 import subprocess
-import urllib.request
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import psutil
 import pytest
+from ports import free_port_run
 
 from client import SHIPPED_TRACE, AsyncClient, Client, Scaling, replay_trace
 from client.cli import main as cli_main
 from deploy import Cluster, load_cluster_config
 from kvstore import StoreControl
-from ports import free_port_run
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -245,7 +245,7 @@ def test_disconnect_mid_stream_frees_the_decode_workers_blocks(api, cluster):
         extra_body={"ignore_eos": True},
     )
     got = 0
-    for chunk in stream:
+    for _chunk in stream:
         got += 1
         if got >= 5:
             break

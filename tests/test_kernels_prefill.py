@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import FullKVLayout, prefill_attention
-from kernels import native
+from kernels import FullKVLayout, native, prefill_attention
 from kernels.native import amx_supported, prefill_attention_available
+
 
 def _path(dtype, amx, name, available):
     return pytest.param(

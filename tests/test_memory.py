@@ -9,12 +9,12 @@ import sys
 
 import psutil
 import pytest
+from serving_cluster import Cluster
 
 from client.status_cmd import format_status, memory_rows
 from kvstore.ssd import SsdTier
 from model import load_model
 from protos import halfmoon_pb2 as pb
-from serving_cluster import Cluster
 from servekit import memory_usage, tensor_bytes
 
 

@@ -28,6 +28,8 @@ _PROBLEM = netns_problem()
 if _PROBLEM:
     pytest.skip(f"cannot make network namespaces here: {_PROBLEM}", allow_module_level=True)
 
+from serving_cluster import request, wait_for  # noqa: E402
+
 from client.api import Access  # noqa: E402
 from deploy.hosts import HostCluster, HostSpec, Secured  # noqa: E402
 from kvstore import Index, StoreClient, block_keys  # noqa: E402
@@ -37,7 +39,6 @@ from protos import halfmoon_pb2_grpc as pb_grpc  # noqa: E402
 from protos import kvstore_pb2 as kv_pb  # noqa: E402
 from protos import kvstore_pb2_grpc as kv_grpc  # noqa: E402
 from servekit import SecurityConfig, open_channel, tenant_salt  # noqa: E402
-from serving_cluster import request, wait_for  # noqa: E402
 
 BS = 16
 # multinode.yaml's layout, with a second decode host so that losing one is survivable

@@ -18,11 +18,11 @@ from pathlib import Path
 import openai
 import pytest
 import yaml
+from ports import free_port_run
 
 from deploy import LocalCluster, cluster_config_from_dict
 from deploy.wiring import write_prometheus_targets
 from model import load_model
-from ports import free_port_run
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMETHEUS = shutil.which("prometheus")

@@ -200,7 +200,7 @@ def test_decode_worker_refuses_a_forged_handle(cluster, security):
 def test_stop_strings_are_bounded(cluster, certs):
     with client(cluster, "tok-alice", certs) as c:
         for stop in (["x"] * (MAX_STOP_STRINGS + 1), ["y" * (MAX_STOP_CHARS + 1)]):
-            call = lambda: c.generate(token_ids=[5, 6, 7], max_tokens=2, stop=stop)  # noqa: E731
+            call = lambda stop=stop: c.generate(token_ids=[5, 6, 7], max_tokens=2, stop=stop)  # noqa: E731
             assert code_of(call) == grpc.StatusCode.INVALID_ARGUMENT
 
 

@@ -86,7 +86,7 @@ def test_a_conductor_in_its_own_process_serves_without_torch(lm, engine):
         (pid,) = [s.pid for s in c.local.servers if s.role == "conductor"]
         ids = list(range(3, 3 + 3 * BS + 5))
         want = solo(engine, ids, 6)
-        for turn in range(2):
+        for _turn in range(2):
             got, _, last = c.generate(token_ids=ids, max_tokens=6, ignore_eos=True)
             assert got == want
             c.wait_idle()

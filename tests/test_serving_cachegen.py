@@ -14,6 +14,7 @@ import grpc
 import pytest
 import torch
 from prometheus_client import CollectorRegistry
+from serving_cluster import Cluster
 
 from kernels import FullKVLayout
 from kvstore import (
@@ -32,7 +33,6 @@ from kvstore.cachegen_stream import encode_chunk
 from model import load_model
 from protos import halfmoon_pb2 as pb
 from protos import halfmoon_pb2_grpc as pb_grpc
-from serving_cluster import Cluster
 
 BS, CHUNK = 16, 2  # chunks of 2 blocks: 32 tokens
 

@@ -8,12 +8,12 @@ import time
 
 import grpc
 import pytest
+from serving_cluster import Cluster
 
 from kvstore import block_keys
 from model import Engine, load_model
 from protos import halfmoon_pb2 as pb
 from protos import halfmoon_pb2_grpc as pb_grpc
-from serving_cluster import Cluster
 
 BS = 16
 

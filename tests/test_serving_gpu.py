@@ -8,10 +8,10 @@ import random
 
 import pytest
 import torch
+from serving_cluster import Cluster
 
 from model import Engine, SamplingParams, load_model
 from model.cuda_graphs import batch_sizes_upto
-from serving_cluster import Cluster
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 BS = 16

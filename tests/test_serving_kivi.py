@@ -7,10 +7,10 @@ import random
 
 import pytest
 import torch
+from serving_cluster import Cluster
 
 from kvstore import StoreClient, block_keys
 from model import Engine, SamplingParams, kv_fingerprint, load_model
-from serving_cluster import Cluster
 
 BS = 16
 

@@ -9,10 +9,10 @@ import threading
 
 import pytest
 import torch
+from serving_cluster import Cluster
 
 from kvstore import StoreClient, block_keys
 from model import Engine, SamplingParams, load_model
-from serving_cluster import Cluster
 
 BS = 16
 
