@@ -74,18 +74,17 @@ def main(argv=None) -> int:
     import torch
 
     from kernels import FullKVLayout
-    from kvstore import (
+    from kvstore import block_keys
+    from kvstore.client import (
         CACHEGEN_LEVELS,
         RAW_LEVEL,
         ChunkPlan,
         KVConnector,
         StoreClient,
-        StoreConfig,
-        StoreNode,
-        block_keys,
         chunk_keys,
     )
-    from kvstore.cachegen_stream import encode_chunk
+    from kvstore.client.cachegen_stream import encode_chunk
+    from kvstore.node import StoreConfig, StoreNode
     from model import KVPool, load_model
 
     if args.threads:

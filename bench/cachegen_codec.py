@@ -59,14 +59,14 @@ from bench.kv_quality import (  # noqa: E402
     say,
 )
 from bench.machine import cpu_flags, finish  # noqa: E402
-from kvstore.cachegen import (  # noqa: E402
+from kvstore.client.cachegen import (  # noqa: E402
     DEFAULT_LEVEL,
     GROUP_SIZE,
     LEVELS,
     cachegen_decode,
     cachegen_encode,
 )
-from kvstore.codecs import get_codec  # noqa: E402
+from kvstore.client.codecs import get_codec  # noqa: E402
 
 MB = 1e6
 

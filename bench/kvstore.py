@@ -42,7 +42,8 @@ sys.path.insert(0, str(ROOT))
 
 from bench.kernels import cpu_pressure  # noqa: E402
 from bench.machine import cpu_flags  # noqa: E402
-from kvstore import StoreClient, block_keys  # noqa: E402
+from kvstore import block_keys  # noqa: E402
+from kvstore.client import StoreClient  # noqa: E402
 
 FP = "bench-model"
 SIZES = {"256k": 256 << 10, "1m": 1 << 20, "16m": 16 << 20}

@@ -11,7 +11,7 @@ import torch
 
 from decode_node.runner import DecodeRunner, _tables
 from decode_node.seq import Seq
-from kvstore import write_tokens
+from kvstore.client import write_tokens
 from model import KiviPool, KVPool
 from model.cuda_graphs import StaticInput
 from servekit import blocks_needed

@@ -14,7 +14,8 @@ from decode_node.config import DecodeConfig
 from decode_node.metrics import DecodeMetrics
 from decode_node.seq import Seq
 from kernels import native_status
-from kvstore import KVConnector, block_keys
+from kvstore import block_keys
+from kvstore.client import KVConnector
 from model import KVPool, finish_reason, sample
 from model.cuda_graphs import GraphedStep, StaticInput, batch_sizes_upto
 from servekit import blocks_needed, cpu_turns, load_worker_model

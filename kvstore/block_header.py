@@ -2,7 +2,7 @@
 
 A node stores, checks and serves blocks but never decodes one, so it reads headers for their
 lengths, fingerprint and checksums and treats the codec and dtype as names (their sizes are
-checked where a block is decoded: `kvstore.block_format.parse_header`). Importing torch alone
+checked where a block is decoded: `kvstore.client.block_format.parse_header`). Importing torch alone
 costs a process ~170 MB, and a store node holds no tensors.
 
 Layout: [header, padded to 64 B][layer 0][layer 1]...; each layer is `layer_bytes` long (the codec's

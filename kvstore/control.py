@@ -7,8 +7,7 @@ from __future__ import annotations
 
 import grpc
 
-from kvstore.server import grpc_options
-from kvstore.store import StoreFull, StoreStats, TierStats
+from kvstore.types import StoreFull, StoreStats, TierStats, grpc_options
 from protos import kvstore_pb2 as pb
 from protos import kvstore_pb2_grpc as pb_grpc
 from servekit.security import SecurityConfig, open_channel

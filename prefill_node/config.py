@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvstore import CACHEGEN_LEVELS
+from kvstore.client import CACHEGEN_LEVELS
 from servekit import (
     SecurityConfig,
     check_cpu_turns,

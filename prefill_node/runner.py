@@ -12,7 +12,8 @@ import grpc
 import torch
 
 from kernels import ReleasingThreadPool
-from kvstore import CACHEGEN_LEVELS, ChunkPlan, KVConnector, block_keys
+from kvstore import block_keys
+from kvstore.client import CACHEGEN_LEVELS, ChunkPlan, KVConnector
 from model import KVPool, sample
 from prefill_node.config import PrefillConfig
 from prefill_node.job import Failure, PrefillJob

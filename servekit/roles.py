@@ -19,7 +19,7 @@ class Role(NamedTuple):
 
 # the four kinds of server a cluster runs, by role name (also the section names of a cluster YAML)
 ROLES: dict[str, Role] = {
-    "store": Role("kvstore", "StoreConfig", "StoreNode"),
+    "store": Role("kvstore.node", "StoreConfig", "StoreNode"),
     "prefill": Role("prefill_node", "PrefillConfig", "PrefillWorker"),
     "decode": Role("decode_node", "DecodeConfig", "DecodeWorker"),
     "conductor": Role("conductor", "ConductorConfig", "Conductor"),

@@ -7,15 +7,9 @@ import struct
 import pytest
 import torch
 
-from kvstore import (
-    FORMAT_VERSION,
-    BlockCorrupt,
-    check_block,
-    decode_block,
-    encode_block,
-    parse_header,
-)
+from kvstore import FORMAT_VERSION, BlockCorrupt
 from kvstore.block_header import ALIGN, layer_ok
+from kvstore.client import check_block, decode_block, encode_block, parse_header
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])

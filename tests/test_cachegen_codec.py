@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvstore.cachegen import (
+from kvstore.client.cachegen import (
     DEFAULT_LEVEL,
     GROUP_SIZE,
     HEADER_FIELDS,

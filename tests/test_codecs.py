@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvstore import CODECS, decode_block, encode_block, parse_header
+from kvstore.client import CODECS, decode_block, encode_block, parse_header
 
 
 def test_registry_names():

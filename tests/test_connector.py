@@ -13,7 +13,9 @@ from prometheus_client import CollectorRegistry
 from serving_cluster import Cluster, wait_for
 
 from decode_node import DecodeConfig
-from kvstore import EmbeddedRedis, Index, KVConnector, StoreConfig, StoreNode, block_keys
+from kvstore import EmbeddedRedis, Index, block_keys
+from kvstore.client import KVConnector
+from kvstore.node import StoreConfig, StoreNode
 from model import KVPool, kv_fingerprint, load_model
 from prefill_node import PrefillConfig
 from protos import halfmoon_pb2 as pb

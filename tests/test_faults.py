@@ -17,7 +17,8 @@ import grpc
 import pytest
 from serving_cluster import Cluster, request, wait_for
 
-from kvstore import Index, block_keys, parse_header
+from kvstore import Index, block_keys
+from kvstore.client import parse_header
 from model import Engine, SamplingParams, load_model
 from protos import halfmoon_pb2 as pb
 from protos import halfmoon_pb2_grpc as pb_grpc

@@ -378,8 +378,8 @@ def test_copy_checked_copies_a_run_of_encoded_blocks_and_stops_at_the_first_bad_
     the block format are copied while each header matches the run's layout, its own checksum
     and each layer's; it stops at a block of another layout (1: the caller reads that header)
     and at a flipped payload byte or header checksum (2 and 1), never copying past it."""
-    from kvstore.block_format import encode_block, parse_header
     from kvstore.block_header import table_offsets
+    from kvstore.client.block_format import encode_block, parse_header
 
     g = torch.Generator().manual_seed(0)
     shape = (3, 2, 4, 2, 8)  # 3 layers of [2, T, H, D]
@@ -432,8 +432,8 @@ def test_seal_headers_writes_the_block_formats_headers_byte_for_byte():
     fields, each block's checksum table, the header's own checksum, zero padding (the buffer
     starts dirty, so the padding must be written too); a header past the array is an error
     before anything is written."""
-    from kvstore.block_format import make_header
     from kvstore.block_header import fixed_fields, pack_header
+    from kvstore.client.block_format import make_header
 
     h = make_header("raw", torch.bfloat16, (3, 2, 4, 2, 8), "fp")
     g = np.random.default_rng(1)

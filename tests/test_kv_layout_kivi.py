@@ -16,7 +16,7 @@ from kernels import (
     paged_decode_attention,
     paged_decode_attention_kivi,
 )
-from kvstore import decode_block, encode_block
+from kvstore.client import decode_block, encode_block
 
 L, H, D, BS = 3, 2, 16, 16
 

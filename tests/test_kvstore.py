@@ -12,18 +12,10 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import kernels
-from kvstore import (
-    LookupResult,
-    StoreClient,
-    StoreConfig,
-    StoreFull,
-    StoreNode,
-    block_keys,
-    decode_block,
-    encode_block,
-    parse_header,
-)
+from kvstore import LookupResult, StoreFull, block_keys
 from kvstore.block_header import table_offsets
+from kvstore.client import StoreClient, decode_block, encode_block, parse_header
+from kvstore.node import StoreConfig, StoreNode
 from kvstore.slab import SlabAllocator
 from protos import kvstore_pb2 as pb
 from protos import kvstore_pb2_grpc as pb_grpc

@@ -11,16 +11,7 @@ import time
 import pytest
 import torch
 
-from kvstore import (
-    BulkChannel,
-    BulkError,
-    StoreClient,
-    StoreConfig,
-    StoreNode,
-    StoreUnavailable,
-    block_keys,
-    encode_block,
-)
+from kvstore import BulkChannel, BulkError, StoreUnavailable, block_keys
 from kvstore.bulk import (
     COMMIT,
     DATA,
@@ -42,6 +33,8 @@ from kvstore.bulk import (
     recv_frame,
     send_frame,
 )
+from kvstore.client import StoreClient, encode_block
+from kvstore.node import StoreConfig, StoreNode
 from servekit import SecurityConfig, make_certs
 
 FP = "bulk-test"

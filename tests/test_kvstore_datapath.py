@@ -8,7 +8,9 @@ import grpc
 import pytest
 import torch
 
-from kvstore import StoreClient, StoreConfig, StoreNode, block_keys, encode_block, parse_header
+from kvstore import block_keys
+from kvstore.client import StoreClient, encode_block, parse_header
+from kvstore.node import StoreConfig, StoreNode
 from kvstore.wire import Part, get_chunk
 from protos import kvstore_pb2 as pb
 

@@ -10,17 +10,9 @@ import pytest
 import redis
 import torch
 
-from kvstore import (
-    EmbeddedRedis,
-    Index,
-    LookupResult,
-    NodeInfo,
-    StoreClient,
-    StoreConfig,
-    StoreNode,
-    block_keys,
-    encode_block,
-)
+from kvstore import EmbeddedRedis, Index, LookupResult, NodeInfo, block_keys
+from kvstore.client import StoreClient, encode_block
+from kvstore.node import StoreConfig, StoreNode
 
 FP = "idx-model"
 SHAPE = (2, 2, 4, 1, 8)

@@ -11,7 +11,9 @@ import time
 import pytest
 import torch
 
-from kvstore import StoreClient, StoreConfig, StoreFull, StoreNode, block_keys, encode_block
+from kvstore import StoreFull, block_keys
+from kvstore.client import StoreClient, encode_block
+from kvstore.node import StoreConfig, StoreNode
 from protos import kvstore_pb2 as pb
 
 FP = "proc-model"
@@ -119,7 +121,7 @@ def test_killed_readers_lease_expires():
 
 _BARE_NODE = """
 import json, sys
-from kvstore import StoreConfig, StoreNode
+from kvstore.node import StoreConfig, StoreNode
 cfg = StoreConfig(node_id="bare", dram_bytes=int(sys.argv[1]), model_fingerprint=sys.argv[2])
 node = StoreNode(cfg)
 print(node.start(), flush=True)

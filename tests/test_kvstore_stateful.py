@@ -11,10 +11,11 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvstore import encode_block
+from kvstore.client import encode_block
+from kvstore.node.ssd import SsdTier
+from kvstore.node.store import BlockStore
 from kvstore.slab import ShmSlab
-from kvstore.ssd import SsdTier
-from kvstore.store import BlockStore, StoreFull
+from kvstore.types import StoreFull
 
 DRAM_BLOCKS, SSD_BLOCKS = 4, 3
 CHAINS, LENGTH = 3, 4

@@ -12,7 +12,7 @@ import pytest
 from serving_cluster import Cluster
 
 from client.status_cmd import format_status, memory_rows
-from kvstore.ssd import SsdTier
+from kvstore.node.ssd import SsdTier
 from model import load_model
 from protos import halfmoon_pb2 as pb
 from servekit import memory_usage, tensor_bytes

@@ -32,7 +32,8 @@ from serving_cluster import request, wait_for  # noqa: E402
 
 from client.api import Access  # noqa: E402
 from deploy.hosts import HostCluster, HostSpec, Secured  # noqa: E402
-from kvstore import Index, StoreClient, block_keys  # noqa: E402
+from kvstore import Index, block_keys  # noqa: E402
+from kvstore.client import StoreClient  # noqa: E402
 from model import Engine, SamplingParams, load_model  # noqa: E402
 from protos import halfmoon_pb2 as pb  # noqa: E402
 from protos import halfmoon_pb2_grpc as pb_grpc  # noqa: E402

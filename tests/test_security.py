@@ -11,7 +11,8 @@ import grpc
 import pytest
 
 from client.api import Access, AsyncClient, Client
-from kvstore import StoreClient, block_keys
+from kvstore import block_keys
+from kvstore.client import StoreClient
 from model import Engine, SamplingParams, finish_reason, load_model
 from protos import halfmoon_pb2 as pb
 from protos import halfmoon_pb2_grpc as pb_grpc

@@ -15,7 +15,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvstore import StoreConfig, StoreNode
+from kvstore.node import StoreConfig, StoreNode
 from model import Engine, SamplingParams, load_model
 from prefill_node import PrefillConfig, PrefillWorker
 from protos import halfmoon_pb2 as pb

@@ -17,19 +17,18 @@ from prometheus_client import CollectorRegistry
 from serving_cluster import Cluster
 
 from kernels import FullKVLayout
-from kvstore import (
+from kvstore import block_keys
+from kvstore.client import (
     CACHEGEN_LEVELS,
     RAW_LEVEL,
     ChunkPlan,
     KVConnector,
     StoreClient,
-    StoreConfig,
-    StoreNode,
-    block_keys,
     chunk_keys,
     parse_header,
 )
-from kvstore.cachegen_stream import encode_chunk
+from kvstore.client.cachegen_stream import encode_chunk
+from kvstore.node import StoreConfig, StoreNode
 from model import load_model
 from protos import halfmoon_pb2 as pb
 from protos import halfmoon_pb2_grpc as pb_grpc
@@ -165,8 +164,8 @@ def test_a_thin_link_drops_the_level_and_an_impossible_budget_recomputes(cluster
 
 
 def test_the_per_chunk_rule():
-    from kvstore import choose_level
-    from kvstore.cachegen_stream import OptionCost, chunk_costs
+    from kvstore.client import choose_level
+    from kvstore.client.cachegen_stream import OptionCost, chunk_costs
 
     costs = {1: 0.02, 2: 0.04, 3: 0.08, 4: 0.2}
     # 1 s for 10 chunks: 0.1 s each, level 3 is the highest that fits

@@ -11,7 +11,8 @@ import pytest
 import torch
 from serving_cluster import Cluster
 
-from kvstore import StoreClient, block_keys
+from kvstore import block_keys
+from kvstore.client import StoreClient
 from model import Engine, SamplingParams, load_model
 
 BS = 16

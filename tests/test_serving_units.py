@@ -12,7 +12,7 @@ import pytest
 from conductor import Conductor, ConductorConfig, IncrementalText
 from conductor.stream import RequestStream
 from decode_node import DecodeConfig
-from kvstore import DeviceTier
+from kvstore.client import DeviceTier
 from model import load_model
 from prefill_node import PrefillConfig
 from protos import halfmoon_pb2 as pb

@@ -162,7 +162,7 @@ class CachegenRecordCodec(Codec):
 
 
 def _cachegen_levels() -> list[int]:
-    from kvstore.cachegen import LEVELS  # the codec's own module: numpy + constriction
+    from kvstore.client.cachegen import LEVELS
 
     return sorted(LEVELS)
 

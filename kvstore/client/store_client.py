@@ -21,14 +21,6 @@ import numpy as np
 import torch
 
 import kernels
-from kvstore.block_format import (
-    check_block,
-    decode_layers,
-    dtype_name,
-    make_header,
-    parse_header,
-    u8view,
-)
 from kvstore.block_header import (
     BlockCorrupt,
     BlockHeader,
@@ -60,7 +52,15 @@ from kvstore.bulk import (
     recv_exact,
     send_frame,
 )
-from kvstore.codecs import get_codec
+from kvstore.client.block_format import (
+    check_block,
+    decode_layers,
+    dtype_name,
+    make_header,
+    parse_header,
+    u8view,
+)
+from kvstore.client.codecs import get_codec
 from kvstore.control import (
     StoreUnavailable,
     clear_store,
@@ -68,10 +68,8 @@ from kvstore.control import (
     raise_status,
     store_stats,
 )
-from kvstore.server import boot_id, grpc_options
 from kvstore.slab import ShmSlab
-from kvstore.store import StoreStats
-from kvstore.types import LookupResult
+from kvstore.types import LookupResult, StoreStats, boot_id, grpc_options
 from kvstore.wire import Part, parse_parts, put_data_chunk, raw_get, raw_put
 from protos import kvstore_pb2 as pb
 from protos import kvstore_pb2_grpc as pb_grpc

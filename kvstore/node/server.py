@@ -13,15 +13,15 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from kvstore.block_header import BlockCorrupt
 from kvstore.bulk import Pacer
-from kvstore.bulk_server import BulkServer
-from kvstore.config import StoreConfig
 from kvstore.index import Index
 from kvstore.index_publisher import IndexPublisher
-from kvstore.metrics import StoreMetrics
+from kvstore.node.bulk_server import BulkServer
+from kvstore.node.config import StoreConfig
+from kvstore.node.metrics import StoreMetrics
+from kvstore.node.ssd import SsdTier
+from kvstore.node.store import BlockStore
 from kvstore.slab import ShmSlab, remove_stale
-from kvstore.ssd import SsdTier
-from kvstore.store import BlockStore, StoreFull, write_problem
-from kvstore.types import NodeInfo
+from kvstore.types import NodeInfo, StoreFull, boot_id, grpc_options, write_problem
 from kvstore.wire import BadChunk, Part, RawPutData, add_servicer, get_chunk
 from protos import kvstore_pb2 as pb
 from servekit.call_limit import CONTROL_THREADS, CallLimit
@@ -30,22 +30,6 @@ from servekit.security import add_port, server_interceptors
 
 log = logging.getLogger(__name__)
 SERVICE = "halfmoon.KVStore"
-
-
-def boot_id() -> str:
-    """Identifies this boot of this machine (same host iff hostname and boot id match)."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            return f.read().strip()
-    except OSError:
-        return ""
-
-
-def grpc_options(max_message_bytes: int) -> list[tuple[str, int]]:
-    return [
-        ("grpc.max_send_message_length", max_message_bytes),
-        ("grpc.max_receive_message_length", max_message_bytes),
-    ]
 
 
 class _Servicer:
@@ -530,13 +514,13 @@ class StoreNode:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m kvstore [--config YAML] [--set key=value ...]`: serve one store node."""
+    """`python -m kvstore.node [--config YAML] [--set key=value ...]`: serve one store node."""
     import argparse
     import signal
 
     import yaml
 
-    p = argparse.ArgumentParser(prog="python -m kvstore")
+    p = argparse.ArgumentParser(prog="python -m kvstore.node")
     p.add_argument("--config", help="YAML mapping of StoreConfig fields")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     args = p.parse_args(argv)

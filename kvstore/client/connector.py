@@ -25,9 +25,9 @@ import torch
 from prometheus_client import CollectorRegistry, Counter
 
 from kernels import ReleasingThreadPool
-from kvstore.block_format import decode_block, encode_block, make_header, parse_header
 from kvstore.block_header import BlockCorrupt
-from kvstore.cachegen_stream import (
+from kvstore.client.block_format import decode_block, encode_block, make_header, parse_header
+from kvstore.client.cachegen_stream import (
     RAW_LEVEL,
     OptionCost,
     Throughput,
@@ -40,13 +40,12 @@ from kvstore.cachegen_stream import (
     pipeline_done,
     tokens_to_blocks,
 )
-from kvstore.client import BlockWriter, StoreClient, StoreUnavailable
-from kvstore.device import DeviceTier
+from kvstore.client.device import DeviceTier
+from kvstore.client.store_client import BlockWriter, StoreClient, StoreUnavailable
 from kvstore.index import Index
 from kvstore.index_publisher import IndexPublisher
 from kvstore.links import LinkModel, LinkSpeed
-from kvstore.store import StoreFull
-from kvstore.types import NodeInfo
+from kvstore.types import NodeInfo, StoreFull
 
 log = logging.getLogger(__name__)
 

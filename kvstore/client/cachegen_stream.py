@@ -32,7 +32,7 @@ from typing import NamedTuple
 import torch
 
 from kvstore.block_header import BlockCorrupt, BlockHeader
-from kvstore.cachegen import LEVELS, cachegen_decode, cachegen_encode
+from kvstore.client.cachegen import LEVELS, cachegen_decode, cachegen_encode
 
 CHUNK_TAG = b"halfmoon/cachegen-chunk/"
 # The option "the chunk's stored blocks, as stored": lossless, so above every CacheGen level (and

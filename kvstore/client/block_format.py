@@ -21,7 +21,7 @@ from kvstore.block_header import (
     pad,
     read_header,
 )
-from kvstore.codecs import copy_bytes, get_codec
+from kvstore.client.codecs import copy_bytes, get_codec
 
 DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in DTYPE_NAMES}
 _DTYPE_NAMES = {v: k for k, v in DTYPES.items()}

@@ -6,7 +6,7 @@ from prometheus_client import CollectorRegistry, Counter, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from kvstore.index_publisher import IndexPublisher
-from kvstore.store import BlockStore
+from kvstore.node.store import BlockStore
 
 
 class _StoreCollector:

@@ -36,7 +36,7 @@ from kvstore.bulk import (
     recv_frame,
     send_frame,
 )
-from kvstore.store import StoreFull, write_problem
+from kvstore.types import StoreFull, write_problem
 from servekit.security import ssl_server_context, token_matches
 
 log = logging.getLogger(__name__)
