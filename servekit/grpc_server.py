@@ -6,7 +6,7 @@ from __future__ import annotations
 import abc
 import threading
 from concurrent import futures
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -14,6 +14,9 @@ from prometheus_client import CollectorRegistry, Counter, start_http_server
 
 from servekit.call_limit import CONTROL_THREADS, CallLimit
 from servekit.security import SecurityConfig, add_port, server_interceptors
+
+if TYPE_CHECKING:
+    from wsgiref.simple_server import WSGIServer
 
 
 class GrpcServer(abc.ABC):
@@ -39,7 +42,7 @@ class GrpcServer(abc.ABC):
         self.call_limit = CallLimit(self.data_methods, data_calls, type(self).__name__, busy.inc)
         self._server: grpc.Server | None = None
         self._health: health.HealthServicer | None = None
-        self._metrics_http = None
+        self._metrics_http: WSGIServer | None = None
         self._stopped = threading.Event()
         self.address = ""
         self.metrics_address = ""

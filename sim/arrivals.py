@@ -20,7 +20,8 @@ class TraceScaling(NamedTuple):
 
 
 class SimRequest(NamedTuple):
-    index: int
+    # the request's place in the trace (shadows tuple.index, which nothing here calls)
+    index: int  # type: ignore[assignment]
     arrival_ms: float
     input_tokens: int
     output_tokens: int  # tokens to generate, the first (from prefill) included

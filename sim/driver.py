@@ -91,7 +91,7 @@ class _Sim:
             self.decode[inst.id] = inst
             self.nodes[inst.id] = (dev,)
             self.device_nodes.add(dev)
-        for i in range(spec.prefill):
+        for i in range(spec.prefill or 0):  # resolved to a count by ClusterSpec.__post_init__
             node = f"node-p{i}"
             store = None
             if p.dram_blocks > 0:
@@ -103,12 +103,12 @@ class _Sim:
                 dev = f"p{i}-dev"
                 device = self.caches[dev] = BlockCache(dev, self.index, p.device_cache_blocks)
                 self.device_nodes.add(dev)
-            inst = PrefillInstance(self.loop, f"p{i}", p, store, device, self.caches, self._first)
-            self.prefill[inst.id] = inst
-            self.nodes[inst.id] = tuple(c.node for c in (store, device) if c is not None)
-        for i in range(spec.decode):
-            inst = DecodeInstance(self.loop, f"d{i}", p, self._done)
-            self.decode[inst.id] = inst
+            pre = PrefillInstance(self.loop, f"p{i}", p, store, device, self.caches, self._first)
+            self.prefill[pre.id] = pre
+            self.nodes[pre.id] = tuple(c.node for c in (store, device) if c is not None)
+        for i in range(spec.decode or 0):
+            dec = DecodeInstance(self.loop, f"d{i}", p, self._done)
+            self.decode[dec.id] = dec
 
     # ---- routing: the live policy on the simulated cluster's state ----
 

@@ -178,7 +178,7 @@ def read_run(run_dir: str | Path) -> tuple[list[ReplayRecord], dict]:
     if not files:
         raise ValueError(f"{d}: no records-*.jsonl (the output folder of `halfmoon replay`)")
     records = [r for f in files for r in read_records(f)]
-    cluster = {}
+    cluster: dict = {}
     if (d / "report.json").is_file():
         cluster = json.loads((d / "report.json").read_text(encoding="utf-8")).get("cluster") or {}
     if not cluster and (d / "cluster.json").is_file():  # written apart by earlier tools
@@ -204,7 +204,8 @@ def _mean_coef(loads: list[dict], key: str) -> tuple[float, float, float] | None
     coefs = [tuple(ld[key]) for ld in loads if len(ld.get(key, ())) == 3]
     if not coefs:
         return None
-    return tuple(sum(c[i] for c in coefs) / len(coefs) for i in range(3))  # type: ignore[return-value]
+    c0, c1, c2 = (sum(c[i] for c in coefs) / len(coefs) for i in range(3))
+    return c0, c1, c2
 
 
 def fit_profile(run_dir: str | Path, base: Profile, name: str = "") -> tuple[Profile, Fit]:
@@ -215,6 +216,7 @@ def fit_profile(run_dir: str | Path, base: Profile, name: str = "") -> tuple[Pro
     p_prior = _mean_coef(pre, "prefill_coef") or base.prefill_coef
     d_prior = _mean_coef(dec, "decode_coef") or base.decode_coef
     worker_coef = _mean_coef(pre, "prefill_coef")
+    p_coef: tuple[float, ...]
     if worker_coef is not None:
         # The workers' own per-forward fit is the model the simulator charges per forward;
         # rebuilding rounds from client-side times is the fallback (it cannot see which requests

@@ -155,7 +155,7 @@ class PrefillInstance:
             batch.append(job)
             tokens += job.req.input_tokens
         t = self.loop.now
-        spans = []
+        spans: list[list] = []  # [job, tokens prefilled so far] each, advanced in place
         for job in batch:  # each loads its prefix (from what the tiers hold now)
             remote = self.caches.get(job.decision.fetch_from) if job.decision.fetch_from else None
             reused, load = load_prefix(job, p, self.device, self.store, remote)
@@ -205,7 +205,7 @@ class DecodeInstance:
     def __init__(self, loop: EventLoop, iid: str, profile: Profile, on_done: Callable[[Job], None]):
         self.loop, self.id, self.profile, self.on_done = loop, iid, profile, on_done
         self.free = profile.kv_blocks
-        self.waiting: deque[Job] = deque()
+        self.waiting: deque[tuple[Job, float]] = deque()  # (job, its KV move's ms)
         self.joining: list[Job] = []  # admitted, KV on its way
         # routed here, still in prefill: the live conductor counts these as waiting too
         self.routed: list[Job] = []
