@@ -8,8 +8,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from openai_api import HttpConfig
 from servekit import (
     ROLES,
@@ -18,6 +16,8 @@ from servekit import (
     config_from_dict,
     field_names,
     located,
+    merge_config,
+    parse_overrides,
     read_yaml,
     role_classes,
     security_config,
@@ -102,31 +102,6 @@ class ClusterConfig:
         return dataclasses.asdict(self)
 
 
-def parse_overrides(items: list[str]) -> dict:
-    """`--set a.b=value` items as a nested mapping; values are read as YAML scalars (1, 0.5, true,
-    text)."""
-    out: dict = {}
-    for item in items:
-        key, sep, raw = item.partition("=")
-        if not sep or not key.strip():
-            raise ValueError(f"--set expects KEY=VALUE, got {item!r}")
-        parts = key.strip().split(".")
-        node = out
-        for p in parts[:-1]:
-            node = node.setdefault(p, {})
-            if not isinstance(node, dict):
-                raise ValueError(f"--set {key}: {p} is both a value and a section")
-        node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else ""
-    return out
-
-
-def _merge(base: dict, over: dict) -> dict:
-    out = dict(base)
-    for k, v in over.items():
-        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
-    return out
-
-
 def cluster_config_from_dict(data: dict) -> ClusterConfig:
     """Validate and build; the servers' sections are checked against their own dataclasses."""
     data = dict(data or {})
@@ -194,9 +169,9 @@ def load_cluster_config(
     if not isinstance(data, dict):
         raise ValueError(f"{path}:1: expected a mapping at the top level")
     overridden = parse_overrides(list(overrides))
-    data = _merge(data, overridden)
+    data = merge_config(data, overridden)
     if ray_address is not None:
-        data = _merge(data, {"ray": {"address": ray_address}})
+        data = merge_config(data, {"ray": {"address": ray_address}})
     try:
         return cluster_config_from_dict(data)
     except ConfigError as exc:

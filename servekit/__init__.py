@@ -14,6 +14,8 @@ from servekit.config import (
     config_from_yaml,
     field_names,
     located,
+    merge_config,
+    parse_overrides,
     read_yaml,
 )
 from servekit.cpus import CpuTurns, check_cpu_turns, cpu_turns, parse_cpu_list, pin_process
@@ -142,6 +144,8 @@ __all__ = [
     "config_from_dict",
     "config_from_yaml",
     "located",
+    "merge_config",
+    "parse_overrides",
     "read_yaml",
     "decode_features",
     "field_names",

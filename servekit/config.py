@@ -144,3 +144,30 @@ def config_from_yaml(cls: type[C], path: str | Path, section: str | None = None)
 def field_names(obj_or_cls) -> set[str]:
     """The field names of a config dataclass (or instance)."""
     return {f.name for f in dataclasses.fields(obj_or_cls)}
+
+
+def parse_overrides(items: list[str]) -> dict:
+    """`--set a.b=value` items as a nested mapping; values are read as YAML scalars (1, 0.5, true,
+    text)."""
+    out: dict = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"--set expects KEY=VALUE, got {item!r}")
+        parts = key.strip().split(".")
+        node = out
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                raise ValueError(f"--set {key}: {p} is both a value and a section")
+        node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else ""
+    return out
+
+
+def merge_config(base: dict, over: dict) -> dict:
+    """`over` laid on `base`, sections merged key by key (a value replaces a value)."""
+    out = dict(base)
+    for k, v in over.items():
+        both_sections = isinstance(v, dict) and isinstance(out.get(k), dict)
+        out[k] = merge_config(out[k], v) if both_sections else v
+    return out

@@ -7,8 +7,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import yaml
-
+from servekit import read_yaml
 from sim.arrivals import TraceScaling
 from sim.driver import ClusterSpec
 from sim.sweep import DEFAULT_TARGET
@@ -36,7 +35,7 @@ def load_sim_config(name_or_path: str | Path | None) -> SimConfig:
     if not path.is_file():
         known = ", ".join(sorted(p.stem for p in CONFIG_DIR.glob("*.yaml")))
         raise ValueError(f"sim config {name_or_path!r}: no such file (shipped: {known})")
-    raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    raw = read_yaml(path)[0] or {}
     return sim_config_from_dict(raw, str(path))
 
 

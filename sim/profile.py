@@ -6,7 +6,7 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
-import yaml
+from servekit import read_yaml
 
 PROFILE_DIR = Path(__file__).resolve().parent / "profiles"
 
@@ -74,7 +74,7 @@ def load_profile(name_or_path: str | Path) -> Profile:
     if not path.is_file():
         known = ", ".join(sorted(p.stem for p in PROFILE_DIR.glob("*.yaml")))
         raise ValueError(f"profile {name_or_path!r}: no such file (shipped profiles: {known})")
-    raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    raw = read_yaml(path)[0] or {}
     return profile_from_dict(raw, str(path))
 
 
