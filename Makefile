@@ -5,9 +5,9 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
 
-.PHONY: setup model lint test demo protos bench clean
+.PHONY: setup model tools lint test demo protos bench clean
 
-setup: $(STAMP) model
+setup: $(STAMP) model tools
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -27,6 +27,15 @@ model: $(STAMP)
 
 protos: $(STAMP)
 	$(PY) -m protos.build
+
+# The real components the tests run that pip does not ship: a Prometheus server
+# (tests/test_prometheus.py). Installed from the distribution where we may (root with apt-get);
+# elsewhere the test says why it skipped.
+tools:
+	@command -v prometheus >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null \
+		&& (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+		--no-install-recommends prometheus) >/dev/null; } || echo "note: no prometheus binary; \
+	tests/test_prometheus.py will skip"
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
