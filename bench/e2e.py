@@ -21,13 +21,10 @@ The last line printed is one JSON object, with the CPU's flags, the load and the
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import statistics
-import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -35,8 +32,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.server_memory import MemorySampler, cluster_pids, configured_bytes  # noqa: E402
+from bench.vllm_peer import DEFAULT_VLLM, run_vllm  # noqa: E402
+
 PROMPT_TOKENS, CACHED_TOKENS, NEW_TOKENS, CONCURRENCY = 1024, 960, 64, 16
-DEFAULT_VLLM = "/tmp/vllm-venv/bin/python"
 
 
 def say(*a) -> None:
@@ -105,63 +104,6 @@ def process_cluster(
     cluster = LocalCluster(cfg, processes=True)
     cluster.start()
     return cluster
-
-
-class MemorySampler:
-    """Peak RSS and PSS of each server process. RSS's peak is the kernel's own high-water mark
-    (VmHWM: exact, and free to read); PSS has none, so it is sampled at the ends of workloads,
-    not from a thread during them: reading a process's smaps walks its page tables under its
-    mmap lock, which stalled the servers' own allocations and added up to 0.5 s to a cold TTFT.
-    """
-
-    def __init__(self, pids: dict[str, int]):
-        import psutil
-
-        self.procs = {name: psutil.Process(pid) for name, pid in pids.items()}
-        self.rss = dict.fromkeys(self.procs, 0)
-        self.pss = dict.fromkeys(self.procs, 0)
-
-    def sample(self) -> None:
-        for name, proc in self.procs.items():
-            try:
-                m = proc.memory_full_info()
-                hwm = _status_kib(proc.pid, "VmHWM") * 1024
-            except Exception:  # noqa: BLE001 - a server that ended is no longer sampled
-                continue
-            self.rss[name] = max(self.rss[name], m.rss, hwm)
-            self.pss[name] = max(self.pss[name], getattr(m, "pss", m.uss))
-
-
-def cluster_pids(cluster) -> dict[str, int]:
-    """The cluster's processes by name: its servers, and the forkserver they were forked from
-    (deploy.local), whose share of the pages they inherited from it is the cluster's too."""
-    import psutil
-
-    pids = {s.name: s.pid for s in cluster.servers}
-    for child in psutil.Process().children():
-        if "multiprocessing.forkserver" in " ".join(child.cmdline()):
-            pids["forkserver"] = child.pid
-    return pids
-
-
-def _status_kib(pid: int, field: str) -> int:
-    """A kB field of /proc/PID/status (0 where the system has none)."""
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1])
-    except OSError:
-        pass
-    return 0
-
-
-def configured_bytes(stub) -> dict[str, int]:
-    """What each server is configured to hold, from the conductor's Status."""
-    from client.status_cmd import memory_rows
-    from protos import halfmoon_pb2 as pb
-
-    return {name: m.configured_bytes for name, m in memory_rows(stub.Status(pb.StatusRequest()))}
 
 
 def run_halfmoon(
@@ -321,79 +263,6 @@ def add_memory_totals(out: dict) -> None:
     out["pss_beyond_configured_mb"] = round(pss - configured, 1)
 
 
-# ------------------------------------------------ vLLM (its own venv, its own process)
-
-VLLM_SCRIPT = """
-import json, sys, time
-def main():
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
-    model_dir, prompts_path, dtype = sys.argv[1], sys.argv[2], sys.argv[3]
-    p = json.load(open(prompts_path))
-    llm = LLM(model=model_dir, dtype=dtype, enable_prefix_caching=True, max_model_len=2048, seed=0)
-    first = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-    gen = SamplingParams(max_tokens=p["new_tokens"], temperature=0.0, ignore_eos=True)
-    tp = lambda ids: TokensPrompt(prompt_token_ids=ids)
-    def timed(prompts, sp):
-        t0 = time.perf_counter(); outs = llm.generate([tp(x) for x in prompts], sp, use_tqdm=False)
-        return time.perf_counter() - t0, sum(len(o.outputs[0].token_ids) for o in outs)
-    for ids in p["decode"][:2]:
-        timed([ids], first)
-    timed([p["warmup"]], first)
-    cold = [timed([ids], first)[0] * 1000 for ids in p["cold"]]
-    timed([p["seed"]], first)
-    warm = [timed([ids], first)[0] * 1000 for ids in p["warm"]]
-    med = lambda xs: sorted(xs)[len(xs) // 2]
-    r1 = [(lambda w, n: n / w)(*timed([p["decode"][0]], gen)) for _ in range(p["repeats"])]
-    r16 = [(lambda w, n: n / w)(*timed(p["decode"][1:], gen)) for _ in range(p["repeats"])]
-    print("VLLM_RESULT " + json.dumps({"ttft_cold_ms": med(cold), "ttft_warm_ms": med(warm),
-                                      "decode_1_tok_s": med(r1), "decode_16_tok_s": med(r16)}),
-          flush=True)
-if __name__ == "__main__":
-    main()
-"""
-
-
-def run_vllm(python: str, lm, prompts: dict, dtype: str, repeats: int) -> tuple[dict | None, str]:
-    """vLLM's figures on the same prompts, or (None, why not)."""
-    if not python or not Path(python).exists():
-        return (
-            None,
-            f"no vLLM venv at {python or '(none given)'}: install vLLM's CPU build in a venv "
-            "and pass --vllm-python",
-        )
-    from model import save_hf_dir
-
-    with tempfile.TemporaryDirectory(prefix="halfmoon-vllm-") as tmp:
-        model_dir = save_hf_dir(lm, Path(tmp) / "model")  # a safetensors copy of the same weights
-        prompts_path = Path(tmp) / "prompts.json"
-        prompts_path.write_text(json.dumps(dict(prompts, new_tokens=NEW_TOKENS, repeats=repeats)))
-        script = Path(tmp) / "run_vllm.py"
-        script.write_text(VLLM_SCRIPT)
-        env = dict(
-            os.environ,
-            VLLM_CPU_OMP_THREADS_BIND=f"0-{os.cpu_count() - 1}",
-            VLLM_CPU_KVCACHE_SPACE="4",
-            TOKENIZERS_PARALLELISM="false",
-        )
-        env.pop("TRITON_INTERPRET", None)
-        say(f"vllm: starting (compiles for 1-2 minutes) with {python}")
-        t0 = time.monotonic()
-        proc = subprocess.run(
-            [python, str(script), str(model_dir), str(prompts_path), dtype],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=1500,
-        )
-        say(f"vllm: finished in {time.monotonic() - t0:.0f} s (exit {proc.returncode})")
-        for line in proc.stdout.splitlines():
-            if line.startswith("VLLM_RESULT "):
-                return json.loads(line[len("VLLM_RESULT ") :]), ""
-        tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
-        return None, "vLLM failed: " + " | ".join(tail)
-
-
 # ---------------------------------------------------------------- report
 
 
@@ -515,7 +384,7 @@ def main(argv=None) -> int:
     # are centred on the same moment
     runs = [halfmoon_run()]
     vllm, why = (
-        run_vllm(args.vllm_python, lm, prompts, args.dtype, args.repeats)
+        run_vllm(args.vllm_python, lm, prompts, args.dtype, args.repeats, NEW_TOKENS)
         if args.vllm_python
         else (None, "skipped (--vllm-python '')")
     )

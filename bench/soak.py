@@ -23,7 +23,6 @@ import argparse
 import dataclasses
 import math
 import os
-import signal
 import sys
 import threading
 import time
@@ -33,12 +32,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.server_memory import configured_bytes  # noqa: E402
+from bench.soak_faults import Faults  # noqa: E402
+
 # What a server process holds beyond its configured bytes: the interpreter, torch and its
 # libraries, gRPC, the tokenizer, threads and in-flight messages (330-500 MiB measured idle here).
 RUNTIME_BYTES = 768 << 20
 CONDUCTOR_SLOTS = 32  # Generate streams at once: the burst is ten times this
-DOWN_S = 3.0  # how long a killed worker (or the index) stays away before it is restarted
-RESTART_TIMEOUT_S = 300.0  # a killed worker loads its model again: long on a loaded machine
 REQUEST_TIMEOUT_S = 300.0  # a client deadline: reaching it means a stream hung (lost)
 VERIFY_BATCH = 16  # prompts Engine generates at once when answers are checked
 
@@ -58,8 +58,7 @@ class Soak:
         self.events: list[tuple[float, str]] = []  # (s since start, what happened)
         self.probes: list[tuple[float, float, bool]] = []  # (s, latency ms, answered)
         self.rss: dict[str, list[tuple[float, int]]] = {}  # server -> (s, bytes)
-        self.pids: dict[str, int] = {}
-        self.restarted: list = []  # deploy.ServerProcess: workers started again
+        self.pids: dict[str, int] = {}  # server -> pid: Faults puts a restarted worker's here
         self.burst_window = (0.0, 0.0)
         self.quit = threading.Event()
 
@@ -68,7 +67,8 @@ class Soak:
     def start(self) -> None:
         from deploy import LocalCluster, cluster_config_from_dict
         from model import kv_fingerprint
-        from servekit import kv_cache_layout, torch_dtype
+        from servekit import kv_cache_layout
+        from servekit.worker import torch_dtype
 
         a = self.args
         workers = {"num_blocks": a.num_blocks, "torch_threads": 1}
@@ -91,25 +91,17 @@ class Soak:
         self.cluster.start()
         self.servers = {s.name: s for s in self.cluster.servers}
         self.pids = {name: s.pid for name, s in self.servers.items()}
+        self.faults = Faults(self.cluster, self.pids, self.note, self.now, self.quit)
         self.budget = self._budgets()
 
     def _budgets(self) -> dict[str, int]:
         """Each server's budget: its configured bytes (as it reports them) + RUNTIME_BYTES."""
-        from client.status_cmd import memory_rows
-
         with self._channel(self.cluster.address) as ch:
-            status = self._conductor_stub(ch).Status(self._pb().StatusRequest(), timeout=30)
-        configured = dict(memory_rows(status))
-        return {
-            name: configured[name].configured_bytes + RUNTIME_BYTES
-            if name in configured
-            else RUNTIME_BYTES
-            for name in self.servers
-        }
+            configured = configured_bytes(self._conductor_stub(ch), timeout=30)
+        return {name: configured.get(name, 0) + RUNTIME_BYTES for name in self.servers}
 
     def stop(self) -> None:
-        for r in self.restarted:
-            r.stop()
+        self.faults.stop()
         self.cluster.stop()
 
     @staticmethod
@@ -137,55 +129,6 @@ class Soak:
         with self.lock:
             self.events.append((self.now(), what))
         say(f"[{self.now():7.1f} s] {what}")
-
-    # ---- faults ----
-
-    def kill_and_restart(self, name: str) -> None:
-        from deploy import ServerProcess, Wiring
-
-        info = self.servers[name]
-        os.kill(self.pids[name], signal.SIGKILL)
-        self.note(f"killed {name} (pid {self.pids[name]})")
-        if self.quit.wait(DOWN_S):
-            return
-        cluster = self.cluster
-        store = next(s for s in cluster.servers if s.role == "store")
-        cfg = Wiring(cluster.cfg, cluster.redis_url).worker(info.role, name, store, "127.0.0.1")
-        cfg = dataclasses.replace(cfg, port=int(info.address.rsplit(":", 1)[1]))
-        server = ServerProcess(info.role, cfg, RESTART_TIMEOUT_S)
-        self.restarted.append(server)
-        self.pids[name] = server.proc.pid
-        self.note(f"restarted {name} at {server.address} (pid {server.proc.pid})")
-
-    def restart_redis(self) -> None:
-        redis = self.cluster.redis
-        if redis is None:
-            self.note("index restart skipped: REDIS_URL names a Redis this run does not own")
-            return
-        redis.kill()
-        self.note("index (Redis) stopped")
-        if not self.quit.wait(DOWN_S):
-            redis.restart()
-            self.note("index (Redis) restarted, empty: the stores republish what they hold")
-
-    def chaos(self, total_s: float) -> None:
-        """Kills round the workers every kill_every_s; the index restart and the burst between."""
-        every = max(10.0, min(self.args.kill_every_s, total_s / 4))
-        victims = ["decode-0", "prefill-0", "decode-1", "prefill-1"]
-        plan = [(every * (i + 1), "kill", victims[i % 4]) for i in range(int(total_s // every))]
-        plan += [(0.4 * total_s, "redis", ""), (0.7 * total_s, "burst", "")]
-        for at, what, name in sorted(p for p in plan if p[0] < total_s):
-            if self.quit.wait(max(0.0, at - self.now())):
-                return
-            try:
-                if what == "kill":
-                    self.kill_and_restart(name)
-                elif what == "redis":
-                    self.restart_redis()
-                else:
-                    self.burst()
-            except Exception as exc:  # noqa: BLE001 - a fault the bench failed to make: say so
-                self.note(f"{what} {name} failed: {exc!r}")
 
     # ---- traffic ----
 
@@ -340,7 +283,9 @@ class Soak:
             threading.Thread(target=f, daemon=True)
             for f in (self.probe, self.sample_memory, self.progress)
         ]
-        chaos = threading.Thread(target=self.chaos, args=(total_s,), daemon=True)
+        chaos = threading.Thread(
+            target=self.faults.chaos, args=(total_s, a.kill_every_s, self.burst), daemon=True
+        )
         for t in (*threads, chaos):
             t.start()
         span = max(p.arrival_s for p in self.prompts) + 1.0  # the trace loops past its end
@@ -364,31 +309,33 @@ class Soak:
         for t in threads:
             t.join(timeout=10)
 
-    def verify(self) -> tuple[int, int]:
-        """(outputs checked, wrong ones): completed answers against Engine, greedy."""
-        from model import Engine, SamplingParams
 
-        engine = Engine(self.lm, block_size=16)
-        by_index = {p.index: p for p in self.prompts}
-        done = [o for o in self.outcomes if o["status"] == "ok"]
-        # every step-th answer: at most verify_max of them, spread over the run
-        step = -(-len(done) // self.args.verify_max) if self.args.verify_max else 1
-        chosen = done[::step]
-        keys = sorted({(o["prompt"], o["max_tokens"]) for o in chosen})
-        want: dict[tuple[int, int], list[int]] = {}
-        t0 = time.perf_counter()
-        for i in range(0, len(keys), VERIFY_BATCH):  # a batch at a time, progress between
-            part = keys[i : i + VERIFY_BATCH]
-            params = [SamplingParams(max_tokens=n, ignore_eos=True) for _, n in part]
-            outs = engine.generate_batch([by_index[p].token_ids for p, _ in part], params)
-            want.update(zip(part, outs))
-            say(f"  {len(want)}/{len(keys)} prompts generated ({time.perf_counter() - t0:.0f} s)")
-        wrong = 0
-        for o in chosen:
-            if o["tokens"] != want[(o["prompt"], o["max_tokens"])]:
-                wrong += 1
-                say(f"wrong output: prompt {o['prompt']} ({len(o['tokens'])} tokens)")
-        return len(chosen), wrong
+def verify_answers(lm, prompts, outcomes: list[dict], verify_max: int) -> tuple[int, int]:
+    """(outputs checked, wrong ones): completed answers against Engine, greedy, at most
+    `verify_max` of them (0: all)."""
+    from model import Engine, SamplingParams
+
+    engine = Engine(lm, block_size=16)
+    by_index = {p.index: p for p in prompts}
+    done = [o for o in outcomes if o["status"] == "ok"]
+    # every step-th answer: at most verify_max of them, spread over the run
+    step = -(-len(done) // verify_max) if verify_max else 1
+    chosen = done[::step]
+    keys = sorted({(o["prompt"], o["max_tokens"]) for o in chosen})
+    want: dict[tuple[int, int], list[int]] = {}
+    t0 = time.perf_counter()
+    for i in range(0, len(keys), VERIFY_BATCH):  # a batch at a time, progress between
+        part = keys[i : i + VERIFY_BATCH]
+        params = [SamplingParams(max_tokens=n, ignore_eos=True) for _, n in part]
+        outs = engine.generate_batch([by_index[p].token_ids for p, _ in part], params)
+        want.update(zip(part, outs))
+        say(f"  {len(want)}/{len(keys)} prompts generated ({time.perf_counter() - t0:.0f} s)")
+    wrong = 0
+    for o in chosen:
+        if o["tokens"] != want[(o["prompt"], o["max_tokens"])]:
+            wrong += 1
+            say(f"wrong output: prompt {o['prompt']} ({len(o['tokens'])} tokens)")
+    return len(chosen), wrong
 
 
 def plot_rss(soak: Soak, path: Path) -> None:
@@ -465,7 +412,7 @@ def main(argv=None) -> int:
         soak.stop()
     say(f"[{soak.now():7.1f} s] {soak.summary_line()}")
     say("checking the completed answers against Engine (greedy)")
-    checked, wrong = soak.verify()
+    checked, wrong = verify_answers(lm, prompts, soak.outcomes, args.verify_max)
 
     outcomes = soak.outcomes
     lo, hi = soak.burst_window
