@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from servekit.worker_config import WorkerConfig
+from servekit.worker import WorkerConfig
 
 
 @dataclass

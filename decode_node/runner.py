@@ -18,7 +18,8 @@ from kvstore import block_keys
 from kvstore.client import KVConnector
 from model import KVPool, finish_reason, sample
 from model.cuda_graphs import GraphedStep, StaticInput, batch_sizes_upto
-from servekit import blocks_needed, cpu_turns, load_worker_model
+from servekit import blocks_needed, cpu_turns
+from servekit.worker import load_worker_model
 
 log = logging.getLogger(__name__)
 

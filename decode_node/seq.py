@@ -7,7 +7,7 @@ import time
 from concurrent.futures import Future
 
 from protos import halfmoon_pb2 as pb
-from servekit import sampling_params
+from servekit.worker import sampling_params
 
 
 class Seq:

@@ -17,7 +17,9 @@ from decode_node.seq import Seq
 from kvstore import Index, block_keys
 from protos import halfmoon_pb2 as pb
 from protos import halfmoon_pb2_grpc as pb_grpc
-from servekit import WorkerServer, is_kivi, prompt_ids_problem, sampling_params
+from servekit import is_kivi
+from servekit.validation import prompt_ids_problem
+from servekit.worker import WorkerServer, sampling_params
 
 log = logging.getLogger(__name__)
 

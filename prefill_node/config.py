@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvstore.client import CACHEGEN_LEVELS
-from servekit.worker_config import WorkerConfig
+from servekit.worker import WorkerConfig
 
 
 @dataclass

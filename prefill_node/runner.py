@@ -19,15 +19,8 @@ from prefill_node.config import PrefillConfig
 from prefill_node.job import Failure, PrefillJob
 from prefill_node.metrics import PrefillMetrics
 from protos import halfmoon_pb2 as pb
-from servekit import (
-    LinearTimeModel,
-    cpu_turns,
-    load_worker_model,
-    predict,
-    prefill_features,
-    reusable_blocks,
-    sampling_params,
-)
+from servekit import LinearTimeModel, cpu_turns, predict, prefill_features, reusable_blocks
+from servekit.worker import load_worker_model, sampling_params
 
 log = logging.getLogger(__name__)
 

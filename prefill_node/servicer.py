@@ -10,7 +10,8 @@ from prefill_node.runner import PrefillRunner
 from prefill_node.scheduler import PrefillScheduler, reply_or_raise
 from protos import halfmoon_pb2 as pb
 from protos import halfmoon_pb2_grpc as pb_grpc
-from servekit import WorkerServer, prompt_ids_problem
+from servekit.validation import prompt_ids_problem
+from servekit.worker import WorkerServer
 
 
 class PrefillWorker(WorkerServer, pb_grpc.PrefillWorkerServicer):

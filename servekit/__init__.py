@@ -1,10 +1,14 @@
-"""What every halfmoon server shares: the gRPC scaffold, config loading, sampling/dtype/device
-conversions, request validation, the fitted time models and the role registry.
+"""What every halfmoon server shares: the gRPC scaffold, TLS and tokens, config loading, the
+fitted time models, CPU pinning and turns, memory reports and the role registry.
 
-The neutral ground of the server packages: `conductor`, `prefill_node`, `decode_node` and `kvstore`
-import it and never one another."""
-
-import importlib
+The neutral ground of the server packages: `conductor`, `prefill_node`, `decode_node` and the
+store node import it and never one another. It imports neither torch nor the model, so the store
+node and the conductor stay small (59 and 51 MiB resident after import; torch alone is ~180).
+Two parts that do are imported by name where they are used:
+- `servekit.worker`: what both workers share (their config, model loading, the worker server,
+  the request-to-sampling conversions); imports torch;
+- `servekit.validation`: request checks against the model's prompt rules (the conductor and the
+  workers); imports the torch-free half of `model`, which a store node never loads."""
 
 from servekit.blocks import blocks_needed, reusable_blocks
 from servekit.call_limit import CONTROL_THREADS, CallLimit
@@ -66,34 +70,6 @@ from servekit.timing import (
     prefill_features,
 )
 
-# Names whose modules import torch (and the model), loaded on first use: the store node and the
-# conductor import this package but hold no tensors, and torch alone costs a process ~170 MB.
-_LAZY = {
-    **dict.fromkeys(
-        (
-            "check_device",
-            "check_dtype_device",
-            "resolve_device",
-            "sampling_params",
-            "torch_dtype",
-        ),
-        "servekit.sampling",
-    ),
-    # the model's prompt rules (torch-free, but a store node imports no model)
-    **dict.fromkeys(("prompt_ids_problem", "sampling_problem", "shown"), "servekit.validation"),
-    "WorkerServer": "servekit.worker_server",
-    "WorkerModel": "servekit.worker_model",
-    "load_worker_model": "servekit.worker_model",
-}
-
-
-def __getattr__(name: str):
-    if name not in _LAZY:
-        raise AttributeError(f"module 'servekit' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_LAZY[name]), name)
-    globals()[name] = value  # looked up once
-    return value
-
 __all__ = [
     "CONTROL_THREADS",
     "CallLimit",
@@ -134,11 +110,7 @@ __all__ = [
     "LinearTimeModel",
     "PrefillTimeModel",
     "Role",
-    "WorkerModel",
-    "WorkerServer",
     "blocks_needed",
-    "check_device",
-    "check_dtype_device",
     "check_kv_cache",
     "ConfigError",
     "config_from_dict",
@@ -152,15 +124,8 @@ __all__ = [
     "is_kivi",
     "kv_cache_layout",
     "kv_cache_layout_id",
-    "load_worker_model",
     "predict",
     "prefill_features",
-    "prompt_ids_problem",
-    "resolve_device",
     "reusable_blocks",
     "role_classes",
-    "sampling_params",
-    "sampling_problem",
-    "shown",
-    "torch_dtype",
 ]

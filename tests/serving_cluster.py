@@ -11,7 +11,8 @@ from deploy import LocalCluster, cluster_config_from_dict
 from model import kv_fingerprint
 from protos import halfmoon_pb2 as pb
 from protos import halfmoon_pb2_grpc as pb_grpc
-from servekit import kv_cache_layout, torch_dtype
+from servekit import kv_cache_layout
+from servekit.worker import torch_dtype
 
 
 def wait_for(check, timeout_s: float, what: str) -> float:

@@ -19,7 +19,7 @@ from kvstore.node import StoreConfig, StoreNode
 from model import KVPool, kv_fingerprint, load_model
 from prefill_node import PrefillConfig
 from protos import halfmoon_pb2 as pb
-from servekit import resolve_device
+from servekit.worker import resolve_device
 
 BS = 16
 

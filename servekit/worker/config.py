@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 
 from servekit.cpus import check_cpu_turns, parse_cpu_list
 from servekit.kv_cache import check_kv_cache
-from servekit.sampling import check_dtype_device
 from servekit.security import SecurityConfig, security_config
+from servekit.worker.sampling import check_dtype_device
 
 
 @dataclass

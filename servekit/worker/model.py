@@ -10,7 +10,7 @@ import torch
 from kernels import KVLayout
 from model import LoadedModel, kv_fingerprint, load_model
 from servekit.kv_cache import kv_cache_layout
-from servekit.sampling import resolve_device, torch_dtype
+from servekit.worker.sampling import resolve_device, torch_dtype
 
 
 class WorkerModel(NamedTuple):
