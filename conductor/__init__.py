@@ -2,28 +2,17 @@
 
 from conductor.config import ConductorConfig
 from conductor.detok import IncrementalText
-from conductor.policy import (
-    POLICIES,
+from conductor.policy import POLICIES, Policy, make_policy
+from conductor.policy_types import (
     ClusterState,
     Decision,
     DecodeCandidate,
     Link,
-    Policy,
     PrefillCandidate,
     Rejected,
     RequestInfo,
-    make_policy,
 )
-
-
-def __getattr__(name: str):
-    # The server pulls in the store client; policy users (simulators, workers) need not import it.
-    if name == "Conductor":
-        from conductor.server import Conductor
-
-        return Conductor
-    raise AttributeError(name)
-
+from conductor.server import Conductor
 
 __all__ = [
     "POLICIES",

@@ -11,7 +11,7 @@ import logging
 
 from prometheus_client import CollectorRegistry, Counter
 
-from conductor.policy import Decision
+from conductor.policy_types import Decision
 
 log = logging.getLogger(__name__)
 

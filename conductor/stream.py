@@ -4,13 +4,10 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from conductor.detok import IncrementalText
+from conductor.routing import Routed
 from protos import halfmoon_pb2 as pb
-
-if TYPE_CHECKING:
-    from conductor.server import Routed
 
 
 @dataclass
@@ -86,6 +83,8 @@ class RequestStream:
     def usage(self) -> pb.Usage:
         """The final message's usage: cache hits of the first prefill, timings of every token."""
         r, routed = self.first, self.routed
+        if r is None or routed is None:
+            raise RuntimeError(f"request {self.rid}: usage asked before its first token")
         gaps = sorted(b - a for a, b in zip(self.times, self.times[1:]))
         return pb.Usage(
             prompt_tokens=len(self.ids),

@@ -270,7 +270,7 @@ def test_timing_model_does_not_extrapolate_from_a_few_noisy_points():
 
 
 def test_admission_wait_is_in_ttft_and_tbt_is_the_step_of_the_batch_it_joins():
-    from conductor.policy import decode_estimate
+    from conductor.estimates import decode_estimate
 
     # The conductor holds the first token until the decode worker admits the sequence, so the
     # wait for pool room is TTFT. No free block: the request (32 + 16 tokens = 3 blocks) waits
@@ -309,7 +309,7 @@ def test_admission_wait_is_in_ttft_and_tbt_is_the_step_of_the_batch_it_joins():
 
 
 def test_tbt_estimate_follows_the_context_the_batch_grows_to():
-    from conductor.policy import decode_estimate
+    from conductor.estimates import decode_estimate
 
     # 1 ms a step per 100 KV tokens: a long answer alongside a long-running sequence sees the
     # context grow; Mooncake's TBT (slowest 10%) is near its end, above the first step's cost.

@@ -101,7 +101,7 @@ def test_a_worker_of_another_model_stays_out_of_routing(caplog):
     server.start()
     c = Conductor(ConductorConfig(model="tiny-random", prefill_workers=[f"127.0.0.1:{port}"]))
     try:
-        with caplog.at_level(logging.WARNING, logger="conductor.server"):
+        with caplog.at_level(logging.WARNING, logger="conductor"):
             for _ in range(3):
                 c.refresh_loads()
         warnings = [r.getMessage() for r in caplog.records if "fingerprint" in r.getMessage()]
@@ -129,10 +129,10 @@ def test_unreachable_store_and_index_are_logged_and_counted(caplog):
         )
     )
     try:
-        with caplog.at_level(logging.WARNING, logger="conductor.server"):
+        with caplog.at_level(logging.WARNING, logger="conductor"):
             st = c.Status(pb.StatusRequest(), None)
             assert st.stores[0].address == dead and not st.stores[0].tiers
-            assert c._matches([b"k" * 16]) == {} and c._matches([b"k" * 16]) == {}
+            assert c.prefixes.matches([b"k" * 16]) == {} and c.prefixes.matches([b"k" * 16]) == {}
         errors = "halfmoon_conductor_errors_total"
         assert c.registry.get_sample_value(errors, {"what": "store_status"}) == 1
         # The first failure is a lookup error; the second finds the index skipped for
@@ -167,7 +167,7 @@ def test_request_stream_resumes_without_repeating_a_token(tok):
 
 
 def test_a_refit_worker_model_drops_the_ratios_learned_against_the_old_one():
-    from conductor.server import _Correction
+    from conductor.corrections import Correction as _Correction
 
     c = _Correction()
     c.follow_model(10.0)

@@ -1,0 +1,165 @@
+"""One Generate request from arrival to its final message: prepared, routed, relayed over its
+pair's two legs, resumed on another pair when a worker is lost, and counted when it ends."""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Iterator
+
+import grpc
+
+from conductor.config import ConductorConfig
+from conductor.detok import IncrementalText
+from conductor.fleet import Fleet
+from conductor.metrics import ConductorMetrics, Totals
+from conductor.policy_types import Rejected
+from conductor.prepare import Invalid, Preparer
+from conductor.relay import Cancelled, Relay, Retry, abort, downstream_failed, reject
+from conductor.routing import Routed, Router
+from conductor.stream import RequestStream
+from kvstore import block_keys
+from protos import halfmoon_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+
+class RequestFlow:
+    """Runs Generate calls: each on one pair, and on the next when a worker is lost under it."""
+
+    def __init__(
+        self,
+        config: ConductorConfig,
+        fingerprint: str,
+        *,
+        preparer: Preparer,
+        router: Router,
+        relay: Relay,
+        fleet: Fleet,
+        metrics: ConductorMetrics,
+        totals: Totals,
+    ):
+        self.config = config
+        self._fingerprint = fingerprint  # the model part of every block key
+        self._preparer = preparer
+        self._router = router
+        self._relay = relay
+        self._fleet = fleet
+        self._metrics = metrics
+        self._totals = totals
+
+    def run(
+        self, request: pb.GenerateRequest, context: grpc.ServicerContext
+    ) -> Iterator[pb.GenerateResponse]:
+        """Route, prefill, decode; when the decode worker is lost, resume on another pair from
+        the tokens already sent."""
+        s = self._open(request, context)
+        try:
+            while not s.reason:
+                prompt = s.prompt()
+                s.routed = routed = self._route(context, request, s, prompt)
+                try:
+                    reply = self._relay.prefill(context, s, routed, prompt)
+                    yield from self._relay.decode(context, s, routed, prompt, reply)
+                except Retry as r:
+                    self._worker_lost(context, s, r)
+        except Cancelled:
+            self._metrics.requests.labels("cancelled").inc()
+            return
+        finally:
+            self._fleet.forget(s.rid)
+        yield self._finish(s)
+
+    def _open(self, request: pb.GenerateRequest, context: grpc.ServicerContext) -> RequestStream:
+        """The request's stream state, or INVALID_ARGUMENT naming the bad field."""
+        arrived = time.perf_counter()
+        try:
+            ids, policy_name = self._preparer.prompt(request)
+        except Invalid as exc:
+            self._metrics.rejected.labels("invalid").inc()
+            abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        sp = request.sampling
+        return RequestStream(
+            rid=request.request_id or uuid.uuid4().hex[:16],
+            ids=ids,
+            policy=policy_name,
+            sampling=sp,
+            salt=self._preparer.salt(request, context),
+            text=IncrementalText(self._preparer.tokenizer.decode, sp.stop),
+            arrived=arrived,
+        )
+
+    def _route(
+        self,
+        context: grpc.ServicerContext,
+        request: pb.GenerateRequest,
+        s: RequestStream,
+        prompt: list[int],
+    ) -> Routed:
+        """A pair for `prompt`; RESOURCE_EXHAUSTED when none meets the SLOs (UNAVAILABLE when a
+        resumed request finds none left)."""
+        keys = block_keys(prompt, self.config.block_size, self._fingerprint, s.salt)
+        try:
+            routed = self._router.route(
+                prompt,
+                keys,
+                s.policy,
+                s.tokens_left(),
+                ttft_slo_ms=request.ttft_slo_ms,
+                tbt_slo_ms=request.tbt_slo_ms,
+                rid=s.rid,
+                resumed=bool(s.out),
+            )
+        except Rejected as exc:
+            if s.out:
+                abort(
+                    context,
+                    grpc.StatusCode.UNAVAILABLE,
+                    f"decode worker lost and no pair left to resume on: {exc}",
+                )
+            reject(context, self._metrics, self._totals, "slo", str(exc))
+        if s.routed is None:  # admitted: counted once, however often it is routed again
+            with self._totals.lock:
+                self._totals.requests += 1
+        return routed
+
+    def _worker_lost(self, context: grpc.ServicerContext, s: RequestStream, r: Retry) -> None:
+        """Out of routing until it answers a Load; the request goes on elsewhere unless every
+        worker has failed it or the client is gone."""
+        s.failures += 1
+        self._metrics.errors.labels(f"{r.what}_lost").inc()
+        r.worker.healthy = False
+        if s.failures > len(self._fleet.workers) or not context.is_active():
+            downstream_failed(context, self._metrics, r.what, r.worker, r.error)
+        log.warning(
+            "request %s: %s worker %s lost (%s); routing again after %d token(s)",
+            s.rid,
+            r.what,
+            r.worker.worker_id,
+            r.error.details() if r.error is not None else "stream ended early",
+            len(s.out),
+        )
+
+    def _finish(self, s: RequestStream) -> pb.GenerateResponse:
+        """The final message: the rest of the text and the usage; the totals count it."""
+        rest = s.text.finish()
+        usage = s.usage()  # the first prefill's cache hits among it
+        with self._totals.lock:
+            self._totals.prompt_tokens += len(s.ids)
+            self._totals.cached_tokens += usage.cached_tokens
+        self._metrics.prompt.inc(len(s.ids))
+        tiers = (
+            ("device", usage.cached_device_tokens),
+            ("dram", usage.cached_dram_tokens),
+            ("ssd", usage.cached_ssd_tokens),
+            ("remote", usage.cached_remote_tokens),
+        )
+        for tier, n in tiers:
+            if n:
+                self._metrics.cached.labels(tier).inc(n)
+        self._metrics.requests.labels(s.reason).inc()
+        self._metrics.generated.inc(len(s.out))
+        return pb.GenerateResponse(
+            request_id=s.rid, text=rest, finished=True, finish_reason=s.reason, usage=usage
+        )

@@ -1,0 +1,65 @@
+"""The conductor's Prometheus series (named as the dashboards and alerts know them) and the
+running totals its Status reports."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+
+
+class ConductorMetrics:
+    """Every series the conductor exports, registered on the server's own registry."""
+
+    def __init__(self, registry: CollectorRegistry):
+        r = registry
+        self.requests = Counter(
+            "halfmoon_requests", "Generate requests by finish reason", ["reason"], registry=r
+        )
+        self.rejected = Counter("halfmoon_rejections", "Requests refused", ["reason"], registry=r)
+        self.ttft = Histogram(
+            "halfmoon_ttft_seconds",
+            "Time to first token (at the conductor)",
+            registry=r,
+            buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+        )
+        self.tbt = Histogram(
+            "halfmoon_tbt_seconds",
+            "Time between tokens (at the conductor)",
+            registry=r,
+            buckets=(0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56),
+        )
+        self.prompt = Counter("halfmoon_prompt_tokens", "Prompt tokens", registry=r)
+        self.cached = Counter(
+            "halfmoon_cached_tokens",
+            "Prompt tokens served from a cache, by tier",
+            ["tier"],
+            registry=r,
+        )
+        self.generated = Counter("halfmoon_generated_tokens", "Tokens generated", registry=r)
+        self.mismatch = Counter(
+            "halfmoon_worker_mismatch",
+            "Load reports refused: the worker serves another model fingerprint",
+            ["worker"],
+            registry=r,
+        )
+        self.errors = Counter(
+            "halfmoon_conductor_errors",
+            "Failures the conductor worked around (index_lookup, index_skipped, store_status, "
+            "worker_load, worker_memory, prefill_lost, decode_lost)",
+            ["what"],
+            registry=r,
+        )
+
+
+@dataclass
+class Totals:
+    """Counts since start, for Status (the series above count the same by label). Request
+    threads update them: under `lock`."""
+
+    requests: int = 0  # requests routed, each counted once however often it is routed again
+    rejected: int = 0  # refused after validation (SLOs, a full worker queue), never admitted
+    prompt_tokens: int = 0  # prompt tokens of the requests that finished
+    cached_tokens: int = 0  # of those, the tokens whose KV came from a cache tier
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)

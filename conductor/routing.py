@@ -1,0 +1,150 @@
+"""One routing decision: the request's SLOs and the cluster's state go to the policy, and its
+choice comes back as a `Routed` pair with the work booked on both workers."""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry
+
+from conductor.config import ConductorConfig
+from conductor.fleet import DecodeBooking, DecodeWorker, Fleet, PrefillBooking, PrefillWorker
+from conductor.links import AssumedLinks
+from conductor.policy import POLICIES, Policy, RequestInfo, make_policy
+from conductor.prefixes import PrefixIndex
+from conductor.state import cluster_state
+from servekit import blocks_needed
+
+
+@dataclass(frozen=True)
+class Routed:
+    """Where a request runs now and what the policy predicted of it there; the estimates are
+    kept to correct the workers' models once the request's times are measured."""
+
+    decision_policy: str  # the policy's registry name
+    prefill: PrefillWorker  # the chosen prefill worker
+    decode: DecodeWorker  # the chosen decode worker
+    fetch_from: str  # remote store node to pull the prefix from ("" = own tiers only)
+    fetch_blocks: int  # the prompt's leading blocks to take from there
+    use_cache: bool  # False: compute everything (cache_off)
+    predicted_ttft_ms: float  # the policy's TTFT estimate
+    predicted_prefill_ms: float  # the compute this request adds to the prefill worker's queue
+    ttft_slo_ms: float = 0.0  # the request's TTFT objective (0 = none): the prefill's budget
+    predicted_tbt_ms: float = 0.0  # the policy's TBT estimate
+    prefill_ratio: float = 1.0  # the prefill worker's correction the estimates were made with
+    decode_ratio: float = 1.0  # the decode worker's
+    # the part of predicted_ttft_ms after the prefill's answer (decode admission, KV pull)
+    predicted_admission_ms: float = 0.0
+    prefill_epoch: int = 0  # the prefill worker's model epoch the estimates were made against
+    decode_epoch: int = 0  # the decode worker's
+
+
+def make_policies(config: ConductorConfig) -> dict[str, Policy]:
+    """Every policy a request may name, built with the configured options."""
+    policies = {
+        "mooncake": make_policy(
+            "mooncake",
+            kvcache_balancing_threshold=config.kvcache_balancing_threshold,
+            transfer_mb_per_ms=config.transfer_mb_per_ms,
+        ),
+        "load_balance": make_policy("load_balance"),
+        "random": make_policy("random", seed=config.random_seed),
+        "cache_off": make_policy("cache_off"),
+    }
+    if config.policy not in policies:
+        raise ValueError(
+            f"ConductorConfig.policy: unknown policy {config.policy!r} "
+            f"(known: {', '.join(sorted(POLICIES))})"
+        )
+    return policies
+
+
+class Router:
+    """Chooses a pair for a request with the policy it names, and books the work on the pair."""
+
+    def __init__(
+        self,
+        config: ConductorConfig,
+        policies: dict[str, Policy],
+        fleet: Fleet,
+        prefixes: PrefixIndex,
+        registry: CollectorRegistry,
+    ):
+        self.config = config
+        self.policies = policies  # by registry name (make_policies)
+        self._fleet = fleet
+        self._prefixes = prefixes
+        # Choosing and booking are one step (see route); the random policy's generator is not
+        # thread-safe either.
+        self._lock = threading.Lock()
+        self._assumed_links = AssumedLinks(registry, config.transfer_mb_per_ms)
+
+    def route(
+        self,
+        ids: list[int],
+        keys: list[bytes],
+        policy_name: str,
+        max_tokens: int,
+        *,
+        ttft_slo_ms: float = 0.0,
+        tbt_slo_ms: float = 0.0,
+        rid: str = "",
+        resumed: bool = False,
+    ) -> Routed:
+        """A pair for prompt `ids` (its block `keys`) generating up to `max_tokens`, judged by
+        the request's SLOs (0 = the configured default); raises policy.Rejected when none meets
+        them."""
+        # A request resumed after its decode worker was lost has had its first token: its TTFT
+        # is history, and refusing it now would break a stream the client is reading. It goes
+        # to the best pair left, judged by no SLO (none left is still an error).
+        info = RequestInfo(
+            num_tokens=len(ids),
+            max_tokens=max_tokens,
+            ttft_slo_ms=0.0 if resumed else ttft_slo_ms or self.config.ttft_slo_ms,
+            tbt_slo_ms=0.0 if resumed else tbt_slo_ms or self.config.tbt_slo_ms,
+        )
+        self._fleet.loads_wanted.set()  # routed or refused, the next request sees fresh loads
+        # Choosing and booking the work on the pair is one step: a burst of requests each sees
+        # the ones routed before it.
+        with self._lock:
+            state = cluster_state(self._fleet, self._prefixes.matches(keys), self.config)
+            d = self.policies[policy_name].choose(info, state)
+            self._assumed_links.note(d)
+            block_size = self.config.block_size
+            prefill, decode = self._fleet.book(
+                rid,
+                d.prefill,
+                d.decode,
+                PrefillBooking(
+                    sent_at=time.perf_counter(),
+                    compute_ms=d.predicted_prefill_ms,
+                    tokens=info.num_tokens - d.reuse_blocks * block_size,
+                ),
+                # Not sent until the prefill answers: counted as unseen until then.
+                DecodeBooking(
+                    sent_at=math.inf,
+                    prompt_tokens=info.num_tokens,
+                    max_tokens=info.max_tokens,
+                    blocks=blocks_needed(info.num_tokens, info.max_tokens, block_size),
+                ),
+            )
+        return Routed(
+            decision_policy=policy_name,
+            prefill=prefill,
+            decode=decode,
+            fetch_from=d.fetch_from,
+            fetch_blocks=d.fetch_blocks,
+            use_cache=d.use_cache,
+            predicted_ttft_ms=d.predicted_ttft_ms,
+            predicted_prefill_ms=d.predicted_prefill_ms,
+            ttft_slo_ms=info.ttft_slo_ms,
+            predicted_tbt_ms=d.predicted_tbt_ms,
+            prefill_ratio=prefill.correction.ratio,
+            decode_ratio=decode.correction.ratio,
+            predicted_admission_ms=d.predicted_admission_ms,
+            prefill_epoch=prefill.correction.epoch,
+            decode_epoch=decode.correction.epoch,
+        )
