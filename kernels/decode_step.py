@@ -26,6 +26,8 @@ import torch
 
 from kernels import native
 from kernels.kivi import KiviPacked
+from kernels.native_attention import kivi_args
+from kernels.native_build import _library
 
 _c_ptr, _i64, _i32, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_float
 _STEP_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
@@ -158,7 +160,7 @@ class DecodeLayers:
         (for each token's position in its sequence). With `kivi`, the pool is each sequence's
         window, attended after its packed blocks. IndexError (nothing written) where a position
         or a table entry falls outside its pool."""
-        lib, _ = native._library()
+        lib, _ = _library()
         k0, v0 = layer_kv
         batch = x.shape[0]
         num_blocks, block_size = k0.shape[0], k0.shape[1]
@@ -187,7 +189,7 @@ class DecodeLayers:
         )  # fmt: skip
         kivi_arg = None
         if kivi is not None:
-            a = native._kivi_args(kivi.layer0)
+            a = kivi_args(kivi.layer0)
             k_tables = kivi.tables.to(torch.int32).contiguous()
             k_lens = kivi.lens.to(torch.int32).contiguous()
             if k_tables.shape[0] != batch or k_lens.shape != (batch,):

@@ -7,6 +7,8 @@
 
 #include <math.h>
 #include <stdint.h>
+
+#include "hm_kernels.h"
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif

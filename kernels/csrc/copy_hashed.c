@@ -11,9 +11,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "hm_kernels.h"
 #include "hm_xxh3.h"
-
-typedef uint64_t (*hm_hash_fn)(const void *data, size_t len);
 
 /* Where a layer is not hashed as it is copied (no AVX2, or a layer of 240 bytes or less):
  * up to this, a block is copied whole and then hashed layer by layer from cache; a bigger one

@@ -31,40 +31,8 @@ enum { HM_STEP_F32 = 0, HM_STEP_BF16 = 1 };
  * panels. */
 enum { HM_LAYER_PTRS = 6 };
 
-/* The model's shapes. */
-typedef struct {
-  int32_t num_layers, hidden, q_heads, kv_heads, head_dim, inter;
-  float eps, scale;
-} hm_llama_shape;
+/* The step's argument structs (hm_llama_shape, _pool, _kivi, _scratch) are in hm_kernels.h. */
 
-/* The pool: layer l's K of block b at k0 + b * blk_stride + l * layer_stride (elements of the
- * model's dtype), its V `kv_offset` elements further on. */
-typedef struct {
-  void *k0;
-  int64_t num_blocks, blk_stride, layer_stride, kv_offset, tok_stride, head_stride;
-  int32_t block_size;
-} hm_llama_pool;
-
-/* A KIVI pool's packed blocks (decode_attention.c's hm_kivi_pool), for a step whose `pool` is
- * the full-precision window: layer l's six fields start layer_bytes * l after layer 0's. Each
- * sequence attends over its packed tokens [0, lens[b]) (blocks tables[b]), then its window. */
-typedef struct {
-  const void *const *ptr0;
-  const int64_t *blk_bytes;
-  int64_t layer_bytes, num_blocks;
-  int32_t bits, gk, vg, gv, block_size;
-  const int32_t *tables;
-  int64_t table_cols;
-  const int32_t *lens;
-} hm_llama_kivi;
-
-/* Scratch the caller allocated: h [B, hidden], qkv [B, q + 2 kv], qf and attn_f [B, QH, D] fp32,
- * lse [B, QH] fp32, attn [B, QH * D] (bf16 only), gu [B, 2 I], act [B, I]. */
-typedef struct {
-  void *h, *qkv;
-  float *qf, *attn_f, *lse;
-  void *attn, *gu, *act;
-} hm_llama_scratch;
 
 /* 0, or the first sequence (1-based) whose slot or table names a block outside the pool, or
  * whose position its table does not cover. */

@@ -45,6 +45,7 @@
 #define HM_PREFILL_F32 1
 #endif
 
+#include "hm_kernels.h"
 #include "hm_amx.h"
 #include "hm_exp.h"
 #include "hm_tree16.h"

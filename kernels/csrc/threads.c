@@ -5,4 +5,6 @@
  * thread, then ran steps on a thread of their own, forked and joined 2-3x slower on 2 cores. */
 #include <omp.h>
 
+#include "hm_kernels.h"
+
 int hm_release_threads(void) { return omp_pause_resource_all(omp_pause_soft); }
