@@ -286,7 +286,7 @@ def check_headers(array: np.ndarray, offsets: list[int], sizes: list[int], finge
     same = (array[np.minimum(off + np.arange(fixed_len), last)] == first[:fixed_len]).all(axis=1)
     same &= np.asarray(sizes) == h.total_len
     stored = array[np.minimum(off + np.arange(end, end + 8), last)].copy().view("<u8")[:, 0]
-    mv = memoryview(array)
+    mv = array.data  # a memoryview of the same bytes
     hashed = [checksum(mv[o : o + end]) if ok else 0 for o, ok in zip(offsets, same.tolist())]
     for i in np.flatnonzero(~same | (np.asarray(hashed, dtype=np.uint64) != stored)).tolist():
         _checked(array[offsets[i] : offsets[i] + sizes[i]], fingerprint, i)

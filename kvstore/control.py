@@ -5,6 +5,8 @@ client (`kvstore.client.StoreClient`) is built on the same pieces."""
 
 from __future__ import annotations
 
+from typing import NoReturn
+
 import grpc
 
 from kvstore.types import StoreFull, StoreStats, TierStats, grpc_options
@@ -17,12 +19,12 @@ class StoreUnavailable(ConnectionError):
     """The store node did not answer (UNAVAILABLE, deadline exceeded...)."""
 
 
-def raise_rpc_error(e: grpc.RpcError):
+def raise_rpc_error(e: grpc.RpcError) -> NoReturn:
     """A store RPC's failure as the exception it stands for (raise_status)."""
     raise_status(e.code().name, e.details())
 
 
-def raise_status(code: str, details: str):
+def raise_status(code: str, details: str) -> NoReturn:
     """A store call's failure, by its gRPC status name (a bulk-port ERR carries one too), as the
     exception it stands for: StoreFull, ValueError (a bad argument), KeyError (not found), else
     StoreUnavailable."""

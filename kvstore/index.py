@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 
 import redis
 from redis.backoff import NoBackoff
@@ -17,6 +18,16 @@ from redis.retry import Retry
 
 from kvstore.redis_embed import EmbeddedRedis
 from kvstore.types import LookupResult, NodeInfo
+
+
+def _text(v: bytes | str) -> str:
+    # the client answers bytes (no decode_responses); typed bytes | str by redis-py
+    return v.decode() if isinstance(v, bytes) else v
+
+
+def _raw(v: bytes | str) -> bytes:
+    return v if isinstance(v, bytes) else v.encode()
+
 
 _BLOCK = b"hm:b:"  # + block key -> hash {node_id: tier}
 _NODE = "hm:n:"  # + node id -> NodeInfo JSON, expires unless heartbeats renew it
@@ -99,13 +110,13 @@ class Index:
         flat = self._script(keys=[_BLOCK + k for k in keys], args=[_NODE])
         out = {}
         for i in range(0, len(flat), 3):
-            node = flat[i].decode()
-            out[node] = LookupResult(int(flat[i + 1]), flat[i + 2].decode().split(","))
+            node = _text(flat[i])
+            out[node] = LookupResult(int(flat[i + 1]), _text(flat[i + 2]).split(","))
         return out
 
     def nodes(self) -> dict[str, NodeInfo]:
         """Live nodes (heartbeat not lapsed)."""
-        ids = sorted(m.decode() for m in self.r.smembers(_NODES))
+        ids = sorted(_text(m) for m in self.r.smembers(_NODES))
         if not ids:
             return {}
         raw = self.r.mget([_NODE + i for i in ids])
@@ -118,7 +129,7 @@ class Index:
 
     def holders(self, key: bytes) -> dict[str, str]:
         """node id -> tier for one block key (live and dead nodes alike)."""
-        return {k.decode(): v.decode() for k, v in self.r.hgetall(_BLOCK + key).items()}
+        return {_text(k): _text(v) for k, v in self.r.hgetall(_BLOCK + key).items()}
 
     # ------------------------------------------------------------------ updates (by store nodes)
 
@@ -133,7 +144,7 @@ class Index:
         """Extend a node's registry entry; False if it had lapsed (the caller re-registers)."""
         return bool(self.r.pexpire(_NODE + node_id, max(1, int(ttl_s * 1000))))
 
-    def publish(self, node_id: str, events: list[tuple[bytes, str | None]]) -> None:
+    def publish(self, node_id: str, events: Sequence[tuple[bytes, str | None]]) -> None:
         """Apply a node's block changes: (key, tier) held there now, (key, None) gone."""
         if not events:
             return
@@ -165,7 +176,7 @@ class Index:
 
     def purge_node(self, node_id: str) -> int:
         """Forget every block entry of a node; how many."""
-        keys = list(self.r.smembers(_NODE_KEYS + node_id))
+        keys = [_raw(k) for k in self.r.smembers(_NODE_KEYS + node_id)]
         pipe = self.r.pipeline(transaction=False)
         for key in keys:
             pipe.hdel(_BLOCK + key, node_id)
@@ -184,7 +195,7 @@ class Index:
         """Purge the entries of nodes whose heartbeat lapsed; their ids."""
         dead = []
         for m in self.r.smembers(_NODES):
-            node = m.decode()
+            node = _text(m)
             if not self.r.exists(_NODE + node):
                 self.purge_node(node)
                 self.r.srem(_NODES, node)

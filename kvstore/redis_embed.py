@@ -13,6 +13,7 @@ import subprocess
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import redis
@@ -27,6 +28,7 @@ def _redis_server_binary() -> str:
     return path
 
 
+_PRCTL: Callable[..., int] | None
 try:  # resolved here, in the parent: dlopen in a forked child of a threaded process can deadlock
     _PRCTL = ctypes.CDLL("libc.so.6", use_errno=True).prctl
 except (OSError, AttributeError):
@@ -81,7 +83,8 @@ class EmbeddedRedis:
 
     def _spawn(self) -> bool:
         """Start redis-server on self.port; whether it answers (else it is killed)."""
-        argv, preexec = [], _die_with_parent
+        argv: list[str] = []
+        preexec: Callable[[], None] | None = _die_with_parent
         setpriv = shutil.which("setpriv")
         if setpriv:
             # setpriv sets the parent-death signal and execs the server: no Python code runs in
@@ -133,7 +136,7 @@ class EmbeddedRedis:
         client = redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=1)
         try:
             while time.monotonic() < deadline:
-                if self.proc.poll() is not None:
+                if self.proc is None or self.proc.poll() is not None:
                     return False
                 try:
                     if client.ping():

@@ -32,14 +32,18 @@ class ShmSlab:
                 raise ValueError(
                     f"shared memory {path} is {os.fstat(fd).st_size} bytes, expected {size}"
                 )
-            self.mm = mmap.mmap(fd, size) if size else None
+            mm = mmap.mmap(fd, size) if size else None
         finally:
             os.close(fd)
-        if size and populate:
-            self._populate()
-        # the same bytes as a numpy array, for plain copies (`tensor`: as a torch tensor)
-        self.array = np.frombuffer(self.mm, dtype=np.uint8) if size else np.empty(0, np.uint8)
-        self.view = memoryview(self.mm) if size else memoryview(b"")
+        self.mm: mmap.mmap | None = mm
+        if mm is not None and populate:
+            self._populate(mm)
+        # the same bytes as a numpy array, for plain copies (`tensor`: as a torch tensor); both
+        # are empty once closed
+        self.array: np.ndarray = (
+            np.frombuffer(mm, dtype=np.uint8) if mm is not None else np.empty(0, np.uint8)
+        )
+        self.view: memoryview = memoryview(mm) if mm is not None else memoryview(b"")
 
     @functools.cached_property
     def tensor(self):
@@ -49,13 +53,13 @@ class ShmSlab:
 
         return torch.from_numpy(self.array)
 
-    def _populate(self) -> None:
+    def _populate(self, mm: mmap.mmap) -> None:
         # Fault every page in now: first touches of tmpfs pages during a copy cost ~5x the copy.
         try:
-            self.mm.madvise(_MADV_POPULATE_WRITE)
+            mm.madvise(_MADV_POPULATE_WRITE)
         except (OSError, ValueError):  # kernels before 5.14
             step = mmap.PAGESIZE
-            view = memoryview(self.mm)
+            view = memoryview(mm)
             for off in range(0, self.size, step):
                 view[off] = view[off]
             view.release()
@@ -69,10 +73,10 @@ class ShmSlab:
 
     def close(self) -> None:
         self.__dict__.pop("tensor", None)  # the torch view, if one was made
-        self.array = None
-        if self.view is not None:
-            self.view.release()
-            self.view = None
+        # drop the references into the mapping (closing it fails while one is exported)
+        self.array = np.empty(0, np.uint8)
+        self.view.release()
+        self.view = memoryview(b"")
         if self.mm is not None:
             try:
                 self.mm.close()

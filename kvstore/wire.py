@@ -90,6 +90,7 @@ def _fields(mv: memoryview, start: int = 0, end: int | None = None):
     while pos < end:
         tag, pos = _read_varint(mv, pos)
         wire = tag & 7
+        val: int | memoryview
         if wire == 0:
             val, pos = _read_varint(mv, pos)
         elif wire == 2:
@@ -155,7 +156,7 @@ def parse_put_chunk(raw: bytes):
         return BadChunk(f"malformed put message: {e}")
 
 
-def _serialize(msg) -> bytes:
+def _serialize(msg) -> bytes | bytearray:
     return msg if isinstance(msg, (bytes, bytearray)) else msg.SerializeToString()
 
 
