@@ -2,40 +2,28 @@
 DeepSeek-V2-family (MLA) forwards, sampling.
 
 What describes a model without its weights (config, tokenizer, checkpoint metadata, prompt and
-stop rules) loads at once; the names whose modules import torch load on first use: the conductor
-tokenizes and computes block keys, and torch alone costs a process ~170 MB."""
+stop rules) loads at once; the names under TYPE_CHECKING, whose modules import torch, load on
+first use (kernels/lazy.py): the conductor tokenizes and computes block keys, and torch alone
+costs a process ~170 MB."""
 
-import importlib
+from typing import TYPE_CHECKING
 
+from kernels.lazy import deferred
 from model.checkpoint import MODEL_NAMES, ModelInfo, kv_fingerprint, load_model_info
 from model.config import ModelConfig
 from model.rules import finish_reason, prompt_problem
 from model.tokenizer import Tokenizer
 
-_LAZY = {
-    "absorbed_decode_attention": "model.deepseek",
-    "DeepseekModel": "model.deepseek",
-    "Engine": "model.engine",
-    "Timing": "model.engine",
-    "KiviPool": "model.kivi_pool",
-    "KVPool": "model.kv_pool",
-    "PoolExhausted": "model.kv_pool",
-    "LlamaModel": "model.llama",
-    "DTYPES": "model.loader",
-    "LoadedModel": "model.loader",
-    "load_model": "model.loader",
-    "save_hf_dir": "model.loader",
-    "SamplingParams": "model.sampling",
-    "sample": "model.sampling",
-}
+if TYPE_CHECKING:  # loaded on first use (kernels.lazy): each of these modules imports torch
+    from model.deepseek import DeepseekModel, absorbed_decode_attention
+    from model.engine import Engine, Timing
+    from model.kivi_pool import KiviPool
+    from model.kv_pool import KVPool, PoolExhausted
+    from model.llama import LlamaModel
+    from model.loader import DTYPES, LoadedModel, load_model, save_hf_dir
+    from model.sampling import SamplingParams, sample
 
-
-def __getattr__(name: str):
-    if name not in _LAZY:
-        raise AttributeError(f"module 'model' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_LAZY[name]), name)
-    globals()[name] = value  # looked up once
-    return value
+__getattr__ = deferred(__name__, __file__, globals())
 
 
 __all__ = [

@@ -11,15 +11,15 @@ import subprocess
 from pathlib import Path
 
 import pytest
-
-from kernels import decode_step, native_abi
-from kernels.native_build import _library, native_status
-from tests.c_abi import (
+from c_abi import (
     defined_functions,
     parse_header,
     signature_mismatches,
     struct_mismatches,
 )
+
+from kernels import decode_step, native_abi
+from kernels.native_build import _library, native_status
 
 CSRC = Path(__file__).resolve().parent.parent / "kernels" / "csrc"
 HEADER_TEXT = (CSRC / "hm_kernels.h").read_text()

@@ -2,10 +2,16 @@
 each kind of break (planted in a scratch tree)."""
 
 import ast
+import importlib
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 from layering import check_tree
+
+from kernels.lazy import deferred_imports
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -87,3 +93,53 @@ def test_a_package_exports_what_it_imports(package):
         if isinstance(n, ast.Assign) and any(getattr(t, "id", "") == "__all__" for t in n.targets)
     )
     assert sorted(set(exported) - bound) == []
+
+
+# kernels and model keep their torch-importing names deferred (the conductor imports both for
+# their torch-free parts; torch would cost it ~170 MB): each such name is a plain import under
+# `if TYPE_CHECKING:`, the one list kernels/lazy.py reads, so every export is visible in the file.
+DEFERRED_EXPORTS = ("kernels", "model")
+
+
+@pytest.mark.parametrize("package", DEFERRED_EXPORTS)
+def test_a_package_with_deferred_names_declares_each_as_an_import(package):
+    init = ROOT / package / "__init__.py"
+    tree = ast.parse(init.read_text())
+    bound = set(deferred_imports(str(init)))
+    assert bound  # the TYPE_CHECKING block was found and read
+    for node in tree.body:
+        if isinstance(node, ast.ImportFrom):
+            bound |= {a.asname or a.name for a in node.names}
+        assert not isinstance(node, ast.Assign) or not any(
+            isinstance(v, ast.Dict) for v in ast.walk(node.value)
+        ), "a table of names as strings"
+    exported = next(
+        ast.literal_eval(n.value)
+        for n in tree.body
+        if isinstance(n, ast.Assign) and any(getattr(t, "id", "") == "__all__" for t in n.targets)
+    )
+    assert sorted(set(exported) - bound) == []
+    module = importlib.import_module(package)
+    for name in exported:  # each resolves to what its module defines
+        assert getattr(module, name) is not None, name
+
+
+def test_deferred_names_load_on_first_use_and_an_unknown_one_is_an_attribute_error(tmp_path):
+    pkg = tmp_path / "lazypkg"
+    pkg.mkdir()
+    (pkg / "heavy.py").write_text("LOADED = True\nvalue = 42\n")
+    (pkg / "__init__.py").write_text(
+        "from typing import TYPE_CHECKING\n\nfrom kernels.lazy import deferred\n\n"
+        "if TYPE_CHECKING:\n    from lazypkg.heavy import value\n\n"
+        "__getattr__ = deferred(__name__, __file__, globals())\n"
+    )
+    code = (
+        "import sys, lazypkg\n"
+        "assert 'lazypkg.heavy' not in sys.modules\n"
+        "assert lazypkg.value == 42 and 'lazypkg.heavy' in sys.modules\n"
+        "try:\n    lazypkg.missing\nexcept AttributeError as e:\n    print(e)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)])}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert "has no attribute 'missing'" in out.stdout
