@@ -37,8 +37,10 @@ tools:
 		--no-install-recommends prometheus) >/dev/null; } || echo "note: no prometheus binary; \
 	tests/test_prometheus.py will skip"
 
+# ruff over the tree; mypy over the core (conductor, kvstore, servekit, sim: pyproject's [tool.mypy])
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
 
 # `make test` is the one command CI runs: lint first, then the tests.
 test: setup lint

@@ -52,13 +52,13 @@ def copy_hashed(
     step = nbytes if nbytes <= _FUSED_COPY_BYTES else layer_bytes  # big: copy, hash by layer
     mv, out = dst.data, []
     for d, s in zip(dst_offsets, src_offsets):
-        sums = []
+        block_sums: list[int] = []
         for o in range(0, nbytes, step):
             np.copyto(dst[d + o : d + o + step], src[s + o : s + o + step])
-            sums += [
+            block_sums += [
                 checksum(mv[a : a + layer_bytes]) for a in range(d + o, d + o + step, layer_bytes)
             ]
-        out.append(sums)
+        out.append(block_sums)
     return out
 
 

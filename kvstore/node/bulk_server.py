@@ -8,6 +8,7 @@ import logging
 import socket
 import threading
 import time
+from typing import TYPE_CHECKING
 
 from kvstore.block_header import BlockCorrupt
 from kvstore.bulk import (
@@ -39,6 +40,9 @@ from kvstore.bulk import (
 from kvstore.types import StoreFull, write_problem
 from servekit.security import ssl_server_context, token_matches
 
+if TYPE_CHECKING:  # the node owns its bulk server: only the type goes the other way
+    from kvstore.node.server import StoreNode
+
 log = logging.getLogger(__name__)
 HANDSHAKE_S = 10.0  # a connection has this long to finish TLS and HELLO
 IDLE_S = 300.0  # an idle connection is closed after this (clients reopen; see bulk.IDLE_S)
@@ -48,7 +52,7 @@ class BulkServer:
     """Serves a StoreNode's bulk port: start() binds and returns the port; stop() closes every
     connection (a transfer cut short releases its lease)."""
 
-    def __init__(self, node):
+    def __init__(self, node: StoreNode):
         self.node, self.cfg, self.store = node, node.cfg, node.store
         self._tls = ssl_server_context(self.cfg.security) if self.cfg.security.tls else None
         self._listener: socket.socket | None = None
@@ -63,7 +67,9 @@ class BulkServer:
         s.bind((self.cfg.host, max(self.cfg.bulk_port, 0)))
         s.listen(64)
         self._listener = s
-        t = threading.Thread(target=self._accept, name=f"bulk-{self.cfg.node_id}", daemon=True)
+        t = threading.Thread(
+            target=self._accept, args=(s,), name=f"bulk-{self.cfg.node_id}", daemon=True
+        )
         t.start()
         self._threads.append(t)
         return s.getsockname()[1]
@@ -86,10 +92,10 @@ class BulkServer:
         for t in list(self._threads):
             t.join(timeout=5)
 
-    def _accept(self) -> None:
+    def _accept(self, listener: socket.socket) -> None:
         while True:
             try:
-                sock, peer = self._listener.accept()
+                sock, peer = listener.accept()
             except OSError:
                 return  # closed by stop()
             with self._lock:
@@ -212,7 +218,8 @@ class BulkServer:
             raise BulkError("RESOURCE_EXHAUSTED", str(e)) from None
         self.node.publish_soon()  # a reservation may have evicted blocks
         where, done, received = dict(slots), False, 0
-        view = self.node.slab.view if self.node.slab else None
+        # no dram tier: no slots, so nothing is written through the empty view
+        view = self.node.slab.view if self.node.slab else memoryview(b"")
         try:
             send_frame(conn, SLOTS, encode_slots([i for i, _ in slots]))
             while True:

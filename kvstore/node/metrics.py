@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import threading
+from wsgiref.simple_server import WSGIServer
+
 from prometheus_client import CollectorRegistry, Counter, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
@@ -112,7 +115,7 @@ class StoreMetrics:
             registry=self.registry,
         )
         self.node_id = store.node_id
-        self._http = None
+        self._http: tuple[WSGIServer, threading.Thread] | None = None  # the exporter, once served
 
     @property
     def publisher(self) -> IndexPublisher | None:

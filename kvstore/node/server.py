@@ -1,4 +1,6 @@
-"""StoreNode: one host's store (dram slab + ssd) served over gRPC, published to the global index."""
+"""StoreNode: one host's store (dram slab + ssd) served over gRPC, published to the global index;
+its start-up, housekeeping and stop. The gRPC calls are served by rpc_stream.py (Get, Put),
+rpc_shm.py (Lookup and the shared-memory path) and rpc_admin.py (Stats, Clear, Info)."""
 
 from __future__ import annotations
 
@@ -7,25 +9,26 @@ import socket
 import threading
 import time
 from concurrent import futures
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from kvstore.block_header import BlockCorrupt
-from kvstore.bulk import Pacer
 from kvstore.index import Index
 from kvstore.index_publisher import IndexPublisher
 from kvstore.node.bulk_server import BulkServer
 from kvstore.node.config import StoreConfig
 from kvstore.node.metrics import StoreMetrics
+from kvstore.node.rpc_admin import AdminRpcs
+from kvstore.node.rpc_shm import ShmRpcs
+from kvstore.node.rpc_stream import StreamRpcs
+from kvstore.node.rpc_writes import Writes
 from kvstore.node.ssd import SsdTier
 from kvstore.node.store import BlockStore
 from kvstore.slab import ShmSlab, remove_stale
-from kvstore.types import NodeInfo, StoreFull, boot_id, grpc_options, write_problem
-from kvstore.wire import BadChunk, Part, RawPutData, add_servicer, get_chunk
-from protos import kvstore_pb2 as pb
+from kvstore.types import NodeInfo, grpc_options
+from kvstore.wire import add_servicer
 from servekit.call_limit import CONTROL_THREADS, CallLimit
-from servekit.memory import memory_usage
 from servekit.security import add_port, server_interceptors
 
 log = logging.getLogger(__name__)
@@ -33,299 +36,20 @@ SERVICE = "halfmoon.KVStore"
 
 
 class _Servicer:
+    """The KVStore service of `node`: each call served by the part whose job it is, under the
+    method names add_servicer looks up."""
+
     def __init__(self, node: StoreNode):
-        self.node = node
-        self.store = node.store
-        self.cfg = node.cfg
-        self._shm_path = node.slab.path if node.slab else ""
-
-    # ------------------------------------------------------------------ checks
-
-    def _check_write(self, ctx, keys, sizes, fingerprint: str) -> None:
-        problem = write_problem(keys, sizes, fingerprint, self.cfg.model_fingerprint)
-        if problem:
-            ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
-
-    def _reserve(self, ctx, keys, sizes, parent: bytes):
-        parents = [parent or None] + list(keys[:-1])
-        try:
-            return self.store.reserve(list(keys), list(sizes), parents, self.cfg.lease_s)
-        except StoreFull as e:
-            ctx.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
-
-    def _commit(self, ctx, lease_id: int, keys, payloads: bool = True) -> pb.KVPutReply:
-        try:
-            stored = self.store.commit(lease_id, payloads=payloads)
-        except BlockCorrupt as e:
-            ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, f"block refused: {e}")
-        except KeyError as e:
-            ctx.abort(grpc.StatusCode.NOT_FOUND, str(e).strip("'\""))
-        self.node.publish_soon()
-        return pb.KVPutReply(stored=stored, held=self.store.count_held(list(keys)))
-
-    # ------------------------------------------------------------------ RPCs
-
-    def Lookup(self, req, ctx):
-        found = self.store.lookup_sizes(list(req.keys))
-        return pb.KVLookupReply(
-            num_blocks=len(found), tiers=[t for t, _ in found], sizes=[n for _, n in found]
+        writes = Writes(node)  # the put's checks, reservation and commit, shared by two parts
+        stream, shm, admin = StreamRpcs(node, writes), ShmRpcs(node, writes), AdminRpcs(node)
+        self.Get, self.Put = stream.Get, stream.Put
+        self.Lookup, self.Lease, self.Release, self.Commit = (
+            shm.Lookup,
+            shm.Lease,
+            shm.Release,
+            shm.Commit,
         )
-
-    def Get(self, req, ctx):
-        inner = self._get(req)
-        try:
-            yield from self._paced(inner)
-        finally:
-            inner.close()  # a cancelled stream still releases its lease
-
-    def _paced(self, messages):
-        """Yield `messages` no faster than the node's link_gbps (read per message, so a change
-        takes effect mid-stream)."""
-        pacer = Pacer(lambda: self.node.link_gbps)
-        for msg in messages:
-            pacer.wait(len(msg) if isinstance(msg, bytes) else msg.ByteSize())
-            yield msg
-
-    def _get(self, req):
-        t0 = time.perf_counter()
-        lease_id, refs = self.store.acquire(list(req.keys), self.cfg.lease_s)
-        self.node.publish_soon()
-        sent = 0
-        try:
-            headed = self.store.read_headed(refs)
-            views, headers = [v for v, _ in headed], [h for _, h in headed]
-            yield pb.KVGetChunk(
-                headers=[bytes(v[: h.header_len]) for v, h in zip(views, headers)],
-                tiers=[r.tier for r in refs[: len(headers)]],
-            )
-            chunk = self.cfg.chunk_bytes
-            parts, size = [], 0
-            for layer in range(max((h.num_layers for h in headers), default=0)):
-                for b, (view, h) in enumerate(zip(views, headers)):
-                    if layer >= h.num_layers:
-                        continue
-                    start = h.layer_offset(layer)
-                    end = start + h.layer_bytes
-                    while start < end:
-                        n = min(end - start, chunk - size)
-                        # views into the leased slab range: the message is built by one copy
-                        parts.append(Part(b, layer, start, view[start : start + n]))
-                        size += n
-                        start += n
-                        if size >= chunk:
-                            yield get_chunk(parts)
-                            sent += size
-                            parts, size = [], 0
-            if parts:
-                yield get_chunk(parts)
-                sent += size
-        finally:
-            if lease_id:
-                self.store.release(lease_id)
-                self.node.publish_soon()
-            self.node.metrics.record("get", "grpc", sent, time.perf_counter() - t0)
-
-    def Put(self, request_iterator, ctx):
-        t0 = time.perf_counter()
-        first = next(request_iterator, None)
-        if isinstance(first, BadChunk):
-            ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, first.reason)
-        if first is None or isinstance(first, RawPutData) or first.WhichOneof("kind") != "open":
-            ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, "a put stream must start with `open`")
-        op = first.open
-        keys, sizes = list(op.keys), list(op.sizes)
-        self._check_write(ctx, keys, sizes, op.model_fingerprint)
-        lease_id, slots = self._reserve(ctx, keys, sizes, op.parent)
-        where = dict(slots)
-        view = self.node.slab.view if self.node.slab else None
-        done, received = False, 0
-        try:
-            for msg in request_iterator:
-                # The stream is alive: keep its reservation
-                # (a lapsed one may be reused by another put).
-                if slots and not self.store.renew(lease_id, self.cfg.lease_s):
-                    ctx.abort(
-                        grpc.StatusCode.ABORTED, "the put's reservation lapsed; nothing stored"
-                    )
-                if isinstance(msg, BadChunk):
-                    ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, msg.reason)
-                kind = "data" if isinstance(msg, RawPutData) else msg.WhichOneof("kind")
-                if kind == "data":
-                    for p in msg.parts:
-                        if (
-                            not 0 <= p.block < len(keys)
-                            or p.offset < 0
-                            or p.offset + len(p.data) > sizes[p.block]
-                        ):
-                            ctx.abort(
-                                grpc.StatusCode.INVALID_ARGUMENT,
-                                f"data for block {p.block} at {p.offset}+{len(p.data)} "
-                                "is outside the block",
-                            )
-                        off = where.get(p.block)
-                        if off is not None:  # blocks already held are not rewritten
-                            view[off + p.offset : off + p.offset + len(p.data)] = p.data
-                            received += len(p.data)
-                elif kind == "commit":
-                    headers = list(msg.commit.headers)
-                    if len(headers) != len(keys):
-                        ctx.abort(
-                            grpc.StatusCode.INVALID_ARGUMENT,
-                            f"{len(headers)} headers for {len(keys)} blocks",
-                        )
-                    for i, off in slots:
-                        if len(headers[i]) > sizes[i]:
-                            ctx.abort(
-                                grpc.StatusCode.INVALID_ARGUMENT,
-                                f"header of block {i} is longer than the block",
-                            )
-                        view[off : off + len(headers[i])] = headers[i]
-                    reply = (
-                        self._commit(ctx, lease_id, keys)
-                        if slots
-                        else pb.KVPutReply(stored=0, held=self.store.count_held(keys))
-                    )
-                    done = True
-                    self.node.metrics.record("put", "grpc", received, time.perf_counter() - t0)
-                    return reply
-                else:
-                    ctx.abort(
-                        grpc.StatusCode.INVALID_ARGUMENT, f"unexpected `{kind}` in a put stream"
-                    )
-            ctx.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                "put stream ended without `commit`; nothing stored",
-            )
-        finally:
-            if not done and slots:
-                self.store.release(lease_id)
-
-    def Lease(self, req, ctx):
-        if req.mode == pb.KVLeaseRequest.READ:
-            lease_id, refs = self.store.acquire(list(req.keys), self.cfg.lease_s)
-            self.node.publish_soon()
-            self.node.metrics.record("get", "shm", sum(r.length for r in refs))
-            if req.packed and all(r.data is None for r in refs):
-                return pb.KVLeaseReply(
-                    lease_id=lease_id,
-                    ttl_s=self.cfg.lease_s,
-                    shm_path=self._shm_path,
-                    indices=range(len(refs)),
-                    offsets=[r.offset for r in refs],
-                    lengths=[r.length for r in refs],
-                    tiers=[r.tier for r in refs],
-                )
-            return pb.KVLeaseReply(
-                lease_id=lease_id,
-                ttl_s=self.cfg.lease_s,
-                shm_path=self._shm_path,
-                slots=[
-                    pb.KVBlockSlot(
-                        index=i, offset=r.offset, length=r.length, tier=r.tier, data=r.data or b""
-                    )
-                    for i, r in enumerate(refs)
-                ],
-            )
-        if req.mode == pb.KVLeaseRequest.WRITE:
-            keys, sizes = list(req.keys), list(req.sizes)
-            self._check_write(ctx, keys, sizes, req.model_fingerprint)
-            lease_id, slots = self._reserve(ctx, keys, sizes, req.parent)
-            self.node.publish_soon()  # a reservation may have evicted blocks
-            if req.packed:
-                return pb.KVLeaseReply(
-                    lease_id=lease_id if slots else 0,
-                    ttl_s=self.cfg.lease_s,
-                    shm_path=self._shm_path,
-                    indices=[i for i, _ in slots],
-                    offsets=[off for _, off in slots],
-                    lengths=[sizes[i] for i, _ in slots],
-                )
-            return pb.KVLeaseReply(
-                lease_id=lease_id if slots else 0,
-                ttl_s=self.cfg.lease_s,
-                shm_path=self._shm_path,
-                slots=[
-                    pb.KVBlockSlot(index=i, offset=off, length=sizes[i], tier="dram")
-                    for i, off in slots
-                ],
-            )
-        if req.mode == pb.KVLeaseRequest.RENEW:
-            if not self.store.renew(req.lease_id, self.cfg.lease_s):
-                ctx.abort(
-                    grpc.StatusCode.NOT_FOUND,
-                    f"lease {req.lease_id} is not held (expired or released)",
-                )
-            return pb.KVLeaseReply(lease_id=req.lease_id, ttl_s=self.cfg.lease_s)
-        ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, f"unknown lease mode {req.mode}")
-
-    def Release(self, req, ctx):
-        released = self.store.release(req.lease_id, list(req.corrupt))
-        self.node.publish_soon()
-        return pb.KVReleaseReply(released=released)
-
-    def Commit(self, req, ctx):
-        try:
-            pending = self.store.pending(req.lease_id)
-        except KeyError:
-            ctx.abort(
-                grpc.StatusCode.NOT_FOUND,
-                f"no open write lease {req.lease_id} (expired or never granted)",
-            )
-        reply = self._commit(
-            ctx, req.lease_id, [k for k, _, _ in pending], payloads=not req.writer_hashed
-        )
-        self.node.metrics.record("put", "shm", sum(s for _, _, s in pending))
-        return reply
-
-    def Stats(self, req, ctx):
-        s = self.store.stats()
-        mem = memory_usage()
-        return pb.KVStatsReply(
-            rss_bytes=mem.rss,
-            uss_bytes=mem.uss,
-            pss_bytes=mem.pss,
-            # what it is configured to hold in memory: its tiers but the SSD
-            configured_bytes=sum(t.capacity_bytes for t in s.tiers if t.tier != "ssd"),
-            node_id=s.node_id,
-            hits=s.hits,
-            misses=s.misses,
-            promotions=s.promotions,
-            demotions=s.demotions,
-            leases=s.leases,
-            pending_blocks=s.pending_blocks,
-            tiers=[
-                pb.KVTierStats(
-                    tier=t.tier,
-                    used_bytes=t.used_bytes,
-                    capacity_bytes=t.capacity_bytes,
-                    blocks=t.blocks,
-                    hits=t.hits,
-                    evictions=t.evictions,
-                )
-                for t in s.tiers
-            ],
-        )
-
-    def Clear(self, req, ctx):
-        dropped, deferred = self.store.clear()
-        # an administrative call, not the data path: the index hears of it before the reply
-        self.node.flush()
-        return pb.KVClearReply(dropped=dropped, deferred=deferred)
-
-    def Info(self, req, ctx):
-        n = self.node
-        return pb.KVInfoReply(
-            node_id=self.cfg.node_id,
-            hostname=socket.gethostname(),
-            boot_id=boot_id(),
-            shm_path=n.slab.path if n.slab else "",
-            shm_size=n.slab.size if n.slab else 0,
-            model_fingerprint=self.cfg.model_fingerprint,
-            max_message_bytes=self.cfg.max_message_bytes,
-            chunk_bytes=self.cfg.chunk_bytes,
-            lease_s=self.cfg.lease_s,
-            bulk_port=n.bulk_port,
-        )
+        self.Stats, self.Clear, self.Info = admin.Stats, admin.Clear, admin.Info
 
 
 class StoreNode:
@@ -524,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--config", help="YAML mapping of StoreConfig fields")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     args = p.parse_args(argv)
-    d = {}
+    d: dict[str, Any] = {}  # StoreConfig fields by name
     if args.config:
         with open(args.config) as f:
             d = yaml.safe_load(f) or {}

@@ -4,6 +4,7 @@ and sizes (`sizes`), so that a restarted node finds them again without reading t
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 
 import lmdb
 
@@ -52,19 +53,23 @@ class SsdTier:
         """(key, size, parent) of every stored block, from the small `sizes` and `parents`
         tables. Blocks written before `sizes` existed are measured in `blocks` (their pages read
         once) and their sizes recorded, so that the next scan reads none."""
-        out, measured = [], []
+        out: list[tuple[bytes, int, bytes | None]] = []
+        measured: list[tuple[bytes, int]] = []
         with self.env.begin(buffers=True) as txn:
             parents = txn.cursor(db=self.parents)
             sizes = {bytes(k): int.from_bytes(v, "little") for k, v in txn.cursor(db=self.sizes)}
-            keys = sizes
+            keys: Iterable[bytes] = sizes
             if len(sizes) != txn.stat(self.blocks)["entries"]:
                 keys = [bytes(k) for k in txn.cursor(db=self.blocks).iternext(values=False)]
             for key in keys:
                 size = sizes.get(key)
                 if size is None:
-                    size = len(txn.get(key, db=self.blocks))
+                    block = txn.get(key, db=self.blocks)
+                    # the key came from this transaction's own walk over `blocks`
+                    assert block is not None
+                    size = len(block)
                     measured.append((key, size))
-                parent = parents.get(key) if parents.set_key(key) else b""
+                parent = parents.get(key, b"")  # "" (no parent) for a first block
                 out.append((key, size, bytes(parent) or None))
         if measured:
             with self.env.begin(write=True) as txn:
