@@ -150,6 +150,10 @@ def test_prometheus_scrapes_the_cluster_and_answers_the_dashboards_queries(tmp_p
             _wait(http_ttft, lambda: _scalar(prom, http_ttft) == REQUESTS // 2, log=log)
             http_200 = 'sum(halfmoon_http_requests_total{route="/v1/completions",status="200"})'
             _wait(http_200, lambda: _scalar(prom, http_200) == REQUESTS, log=log)
+            # and the store's (its transfer counters exist from its first put on: a scrape just
+            # before that one and the requests' end finds none yet)
+            moved = "sum(halfmoon_store_transfer_bytes_total)"
+            _wait(moved, lambda: _scalar(prom, moved) > 0, log=log)
 
             # every query of the dashboard is valid PromQL over what the servers export
             dash = json.loads(DASHBOARD.read_text())
