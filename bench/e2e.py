@@ -352,12 +352,13 @@ def main(argv=None) -> int:
 
     import torch
 
-    from bench.machine import cpu_flags, fastest_dtype, finish
+    from bench.machine import finish
     from model import load_model
+    from servekit.machine import cpu_flags, native_dtype
 
     flags = cpu_flags()
     if args.dtype == "auto":
-        args.dtype = fastest_dtype(flags)
+        args.dtype = native_dtype(flags)
     load_start = os.getloadavg()[0]
     say(
         f"loading {args.model} ({args.dtype}); {os.cpu_count()} CPUs, "

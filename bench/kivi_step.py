@@ -27,7 +27,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.machine import fastest_dtype, finish, median_s  # noqa: E402
+from bench.machine import finish, median_s  # noqa: E402
+from servekit.machine import native_dtype  # noqa: E402
 
 
 def say(*a) -> None:
@@ -72,7 +73,7 @@ def main(argv=None) -> int:
     torch.manual_seed(0)
     load0 = os.getloadavg()[0]
     if args.dtype == "auto":
-        args.dtype = fastest_dtype()
+        args.dtype = native_dtype()
     if args.window_dtype == "auto":
         args.window_dtype = "bfloat16" if args.dtype == "bfloat16" else "float16"
     lm = load_model(args.model, getattr(torch, args.dtype))

@@ -7,28 +7,8 @@ import os
 import statistics
 import time
 from collections.abc import Callable
-from pathlib import Path
 
-
-def cpu_flags() -> dict[str, bool]:
-    """The instruction sets that decide fp32/bf16 speed here, from /proc/cpuinfo."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return {}
-    flags = next((set(x.split(":", 1)[1].split()) for x in lines if x.startswith("flags")), set())
-    return {
-        "avx2": "avx2" in flags,
-        "avx512f": "avx512f" in flags,
-        "avx512_bf16": "avx512_bf16" in flags,
-        "amx": any(f.startswith("amx") for f in flags),
-    }
-
-
-def fastest_dtype(flags: dict[str, bool] | None = None) -> str:
-    """What `--dtype auto` means in the benchmarks: bfloat16 where the CPU has AVX-512 BF16,
-    else float32 (bf16 is emulated there, 5-7x slower)."""
-    return "bfloat16" if (cpu_flags() if flags is None else flags).get("avx512_bf16") else "float32"
+from servekit.machine import cpu_flags
 
 
 def median_s(fn, repeats: int, warmup: bool = True) -> float:

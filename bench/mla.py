@@ -35,7 +35,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.machine import cpu_flags, fastest_dtype, finish, median_s  # noqa: E402
+from bench.machine import finish, median_s  # noqa: E402
+from servekit.machine import cpu_flags, native_dtype  # noqa: E402
 
 # The published configs' attention fields (config.json of deepseek-ai/DeepSeek-V2, -V2-Lite)
 CONFIGS = {
@@ -125,7 +126,7 @@ def main(argv=None) -> int:
     bs, batch = 16, args.batch
     result["cpu_flags"] = cpu_flags()
     dtypes = args.dtypes.split(",") if args.dtypes else ["float32"]
-    if not args.dtypes and fastest_dtype(result["cpu_flags"]) == "bfloat16":
+    if not args.dtypes and native_dtype(result["cpu_flags"]) == "bfloat16":
         dtypes.append("bfloat16")  # a bf16 model's own decode step, where bf16 is native
     for name in dtypes:
         dtype = getattr(torch, name)

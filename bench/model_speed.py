@@ -35,9 +35,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.machine import cpu_flags, fastest_dtype, median_s  # noqa: E402
+from bench.machine import median_s  # noqa: E402
 from model import Engine, SamplingParams, load_model  # noqa: E402
 from model.fetch import fetch_smollm2  # noqa: E402
+from servekit.machine import cpu_flags, native_dtype  # noqa: E402
 from servekit.memory import tensor_bytes  # noqa: E402
 
 
@@ -188,7 +189,7 @@ def main() -> None:
 
     flags = cpu_flags()
     if args.dtype == "auto":
-        args.dtype = fastest_dtype(flags)
+        args.dtype = native_dtype(flags)
     dtype = getattr(torch, args.dtype)
     load_start = os.getloadavg()[0]
     path = fetch_smollm2(quiet=True)

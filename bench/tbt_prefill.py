@@ -184,12 +184,12 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     import os
 
-    from bench.machine import fastest_dtype
     from model import load_model
+    from servekit.machine import native_dtype
 
     load0 = os.getloadavg()[0]
     if args.dtype == "auto":
-        args.dtype = fastest_dtype()
+        args.dtype = native_dtype()
     lm = load_model(args.model, dtype=args.dtype)
     runs = {}
     for label, slice_ms in (("shared", args.slice_ms), ("kept", 0.0)):

@@ -10,15 +10,18 @@ from typing import Any
 
 from openai_api import HttpConfig
 from servekit import (
+    DTYPE_AUTO,
     ROLES,
     ConfigError,
     SecurityConfig,
     config_from_dict,
+    cpu_flags,
     field_names,
     located,
     merge_config,
     parse_overrides,
     read_yaml,
+    resolve_dtype,
     role_classes,
     security_config,
 )
@@ -67,7 +70,10 @@ class PlacementConfig:
 @dataclass
 class ClusterConfig:
     model: str = "smollm2-135m"  # load_model name or path, for every server that loads the model
-    dtype: str = "float32"
+    # float32 | bfloat16 | float16 | auto: the fastest this CPU computes natively (bfloat16 with
+    # AVX-512 BF16 or AMX, else float32), decided here, once for the whole cluster (the KV blocks'
+    # fingerprint includes the dtype: every server must agree), and said at start
+    dtype: str = DTYPE_AUTO
     block_size: int = 16
     kv_cache_dtype: str = "auto"  # auto|fp16|bf16|int8|kivi4|kivi2 (see the workers' configs)
     kivi_group_size: int = 32
@@ -145,6 +151,8 @@ def cluster_config_from_dict(data: dict) -> ClusterConfig:
         for k in SHARED_KEYS:
             if k in names and k not in section:
                 section[k] = getattr(cfg, k)
+        if "dtype" in section:
+            section["dtype"] = resolve_dtype(section["dtype"])  # auto: this CPU's native dtype
         if "security" in names and "security" not in section:
             section["security"] = cfg.security
         setattr(cfg, role, config_from_dict(config_cls, section, role))
@@ -188,3 +196,15 @@ def _in(tree: dict, keys: tuple[str, ...]) -> bool:
             return False
         node = node[k]
     return bool(keys)
+
+
+def dtype_said(cfg: ClusterConfig) -> str:
+    """The cluster's compute dtype as its start says it: "dtype bfloat16 (auto: ...)"."""
+    dtype = cfg.conductor.dtype if cfg.conductor is not None else cfg.dtype
+    if cfg.dtype != DTYPE_AUTO:
+        return f"dtype {dtype}"
+    flags = cpu_flags()
+    named = (("AVX-512 BF16", "avx512_bf16"), ("AMX", "amx"))
+    has = [name for name, key in named if flags.get(key)]
+    why = f"this CPU has {' and '.join(has)}" if has else "this CPU has no native bf16"
+    return f"dtype {dtype} (auto: {why})"

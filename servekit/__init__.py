@@ -33,6 +33,7 @@ from servekit.kv_cache import (
     kv_cache_layout,
     kv_cache_layout_id,
 )
+from servekit.machine import DTYPE_AUTO, cpu_flags, native_dtype, resolve_dtype
 from servekit.memory import (
     IDLE_TRIM_S,
     MemoryUsage,
@@ -71,6 +72,10 @@ from servekit.timing import (
 )
 
 __all__ = [
+    "DTYPE_AUTO",
+    "cpu_flags",
+    "native_dtype",
+    "resolve_dtype",
     "CONTROL_THREADS",
     "CallLimit",
     "DecodeGuard",

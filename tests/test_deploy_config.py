@@ -13,6 +13,8 @@ from deploy import (
     parse_overrides,
     place_workers,
 )
+from deploy.config import dtype_said
+from servekit import cpu_flags, native_dtype
 
 CONFIGS = Path(__file__).resolve().parents[1] / "deploy" / "configs"
 
@@ -165,3 +167,27 @@ def test_worker_cpus_are_checked_and_pin_the_process():
     code = "from servekit import pin_process; pin_process('DecodeConfig.cpus', '4096', 0)"
     bad = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert bad.returncode != 0 and "CPUs [4096] are not available here" in bad.stderr
+
+
+def test_dtype_auto_is_the_cpus_native_dtype():
+    assert native_dtype({"avx2": True, "avx512f": True, "avx512_bf16": True}) == "bfloat16"
+    assert native_dtype({"avx2": True, "amx": True}) == "bfloat16"
+    assert native_dtype({"avx2": True, "avx512f": True, "avx512_bf16": False}) == "float32"
+    assert native_dtype({}) == "float32"
+    text = "processor: 0\nflags\t\t: fpu sse2 avx2 avx512f avx512_bf16 amx_tile amx_bf16\n"
+    assert cpu_flags(text) == {"avx2": True, "avx512f": True, "avx512_bf16": True, "amx": True}
+
+
+def test_the_default_config_resolves_dtype_auto_once_for_every_server():
+    assert "dtype: auto" in (CONFIGS / "local.yaml").read_text()
+    cfg = load_cluster_config(None)
+    here = native_dtype()
+    assert cfg.dtype == "auto"  # what was asked; every server gets what it means here
+    assert {cfg.prefill.dtype, cfg.decode.dtype, cfg.conductor.dtype} == {here}
+    assert dtype_said(cfg).startswith(f"dtype {here} (auto: this CPU has")
+    # an explicit dtype is kept, and a section may still ask for auto on its own
+    cfg = load_cluster_config(None, ["dtype=float32", "decode.dtype=auto"])
+    assert (cfg.prefill.dtype, cfg.decode.dtype) == ("float32", here)
+    assert dtype_said(cfg) == "dtype float32"
+    with pytest.raises(ValueError, match="dtype"):
+        load_cluster_config(None, ["dtype=float8"])

@@ -104,7 +104,7 @@ def test_generate_through_the_cluster_matches_the_reference(cluster):
     from model import Engine, SamplingParams, load_model
 
     c, _ = cluster
-    lm = load_model("tiny-random")
+    lm = load_model("tiny-random", dtype=c.cfg.conductor.dtype)  # local.yaml's dtype: auto
     prompt = lm.tokenizer.encode("halfmoon serves a tiny model")
     want = Engine(lm).generate(prompt, SamplingParams(max_tokens=12, ignore_eos=True))
     with Client(c.address) as client:

@@ -85,6 +85,7 @@ def test_prometheus_scrapes_the_cluster_and_answers_the_dashboards_queries(tmp_p
     cfg = cluster_config_from_dict(
         {
             "model": "tiny-random",
+            "dtype": "float32",  # the model loaded here
             "metrics_base_port": free_port_run(4),  # store, prefill, decode, conductor
             "store": {"dram_bytes": 64 << 20, "heartbeat_s": 0.5},
             "prefill": {"num_blocks": 128},
