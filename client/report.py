@@ -89,6 +89,8 @@ class Report(NamedTuple):
     ttft_slo_ms: float
     tbt_slo_ms: float
     slo_attainment: float  # share of all requests meeting both SLOs (rejected/failed ones do not)
+    # goodput: requests meeting both SLOs per second of the replay (first send -> last answer)
+    goodput_rps: float
     prompt_tokens: int  # over done requests
     hit_rate: float  # cached prompt tokens / prompt tokens
     hit_rate_by_tier: dict[str, float]  # the same, per tier
@@ -132,6 +134,7 @@ def compute_report(
     by_tier = {t: sum(r.cached_tokens.get(t, 0) for r in done) for t in TIERS}
     saved = sum(by_tier.values())
     out_tokens = sum(r.output_tokens for r in done)
+    met = sum(meets_slo(r, ttft_slo_ms, tbt_slo_ms) for r in records)
     if records:
         start = min(r.sent_s for r in records)
         end = max(r.sent_s + (0.0 if math.isnan(r.e2e_ms) else r.e2e_ms / 1000.0) for r in records)
@@ -148,9 +151,8 @@ def compute_report(
         tbt_ms=percentiles(request_tbt(r.gaps_ms) for r in done),
         ttft_slo_ms=ttft_slo_ms,
         tbt_slo_ms=tbt_slo_ms,
-        slo_attainment=(sum(meets_slo(r, ttft_slo_ms, tbt_slo_ms) for r in records) / len(records))
-        if records
-        else 0.0,
+        slo_attainment=met / len(records) if records else 0.0,
+        goodput_rps=met / duration if duration > 0 else 0.0,
         prompt_tokens=prompt,
         hit_rate=saved / prompt if prompt else 0.0,
         hit_rate_by_tier={t: (n / prompt if prompt else 0.0) for t, n in by_tier.items()},
@@ -186,6 +188,7 @@ def format_reports(reports: list[Report]) -> str:
                 for r in reports
             ],
         ),
+        ("goodput req/s (both SLOs met)", [f"{r.goodput_rps:.2f}" for r in reports]),
         ("prefix hit rate", [f"{100 * r.hit_rate:.1f}%" for r in reports]),
     ]
     for t in TIERS:

@@ -30,12 +30,16 @@ def format_status(reply) -> str:
     hit = (
         reply.cached_tokens_total / reply.prompt_tokens_total if reply.prompt_tokens_total else 0.0
     )
+    judged = reply.requests_slo_met + reply.requests_slo_missed + reply.requests_rejected
+    attained = f"{100 * reply.requests_slo_met / judged:.1f}%" if judged else "-"
     lines = [
         f"model {reply.model or '?'}  block_size {reply.block_size}  "
         f"policy {reply.default_policy or '?'}",
         f"requests {reply.requests_total} (rejected {reply.requests_rejected})  prompt tokens "
         f"{reply.prompt_tokens_total}, cached {reply.cached_tokens_total}  "
         f"hit rate {100 * hit:.1f}%",
+        f"objectives met {reply.requests_slo_met}, missed {reply.requests_slo_missed}: "
+        f"attainment {attained} (rejected requests count as missed)",
         "",
     ]
     rows = []

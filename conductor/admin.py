@@ -82,6 +82,8 @@ class Admin:
             reply.requests_rejected = rejected
             reply.prompt_tokens_total = self._totals.prompt_tokens
             reply.cached_tokens_total = self._totals.cached_tokens
+            reply.requests_slo_met = self._totals.slo_met
+            reply.requests_slo_missed = self._totals.slo_missed
         self._worker_memory(workers)
         for address in self.config.store_addresses:
             reply.stores.append(self._store_status(address))

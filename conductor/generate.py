@@ -88,6 +88,8 @@ class RequestFlow:
             salt=self._preparer.salt(request, context),
             text=IncrementalText(self._preparer.tokenizer.decode, sp.stop),
             arrived=arrived,
+            ttft_slo_ms=request.ttft_slo_ms or self.config.ttft_slo_ms,
+            tbt_slo_ms=request.tbt_slo_ms or self.config.tbt_slo_ms,
         )
 
     def _route(
@@ -145,9 +147,13 @@ class RequestFlow:
         """The final message: the rest of the text and the usage; the totals count it."""
         rest = s.text.finish()
         usage = s.usage()  # the first prefill's cache hits among it
+        met = s.met_slos()
         with self._totals.lock:
             self._totals.prompt_tokens += len(s.ids)
             self._totals.cached_tokens += usage.cached_tokens
+            self._totals.slo_met += met
+            self._totals.slo_missed += not met
+        self._metrics.slo.labels("met" if met else "missed").inc()
         self._metrics.prompt.inc(len(s.ids))
         tiers = (
             ("device", usage.cached_device_tokens),

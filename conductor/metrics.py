@@ -38,6 +38,15 @@ class ConductorMetrics:
             registry=r,
         )
         self.generated = Counter("halfmoon_generated_tokens", "Tokens generated", registry=r)
+        # goodput = rate(halfmoon_slo_requests_total{outcome="met"}); attainment = met / all
+        self.slo = Counter(
+            "halfmoon_slo_requests",
+            "Requests by their objectives: met (TTFT and TBT within the request's objectives), "
+            "missed (answered late), rejected (refused early: SLOs or a full worker queue; a full "
+            "door counts in halfmoon_busy_refusals)",
+            ["outcome"],
+            registry=r,
+        )
         self.mismatch = Counter(
             "halfmoon_worker_mismatch",
             "Load reports refused: the worker serves another model fingerprint",
@@ -62,4 +71,6 @@ class Totals:
     rejected: int = 0  # refused after validation (SLOs, a full worker queue), never admitted
     prompt_tokens: int = 0  # prompt tokens of the requests that finished
     cached_tokens: int = 0  # of those, the tokens whose KV came from a cache tier
+    slo_met: int = 0  # finished requests whose TTFT and TBT met their objectives
+    slo_missed: int = 0  # finished requests that missed either
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)

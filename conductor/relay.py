@@ -54,6 +54,7 @@ def reject(
         if routed:
             totals.requests -= 1
     metrics.rejected.labels(reason).inc()
+    metrics.slo.labels("rejected").inc()
     abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, message)
 
 

@@ -6,6 +6,7 @@ import time
 from dataclasses import dataclass, field
 
 from conductor.detok import IncrementalText
+from conductor.estimates import tbt_of_times
 from conductor.routing import Routed
 from protos import halfmoon_pb2 as pb
 
@@ -32,6 +33,15 @@ class RequestStream:
     decode_transfer_ms: float = 0.0  # KV pull time the decode workers reported
     max_batch: int = 0  # the largest decode batch its tokens came from
     failures: int = 0  # workers lost under it so far
+    # its objectives: the request's own, else the conductor's defaults (0 = none)
+    ttft_slo_ms: float = 0.0
+    tbt_slo_ms: float = 0.0
+
+    def met_slos(self) -> bool:
+        """Whether the answer met both objectives: TTFT at the conductor, and TBT as Mooncake
+        defines it (the mean of the slowest 10% of its token gaps)."""
+        ttft_ok = not self.ttft_slo_ms or self.ttft_ms <= self.ttft_slo_ms
+        return ttft_ok and (not self.tbt_slo_ms or tbt_of_times(self.times) <= self.tbt_slo_ms)
 
     def elapsed_ms(self) -> float:
         return (time.perf_counter() - self.arrived) * 1000.0

@@ -4,6 +4,7 @@ bodies and stream chunks of the answer."""
 
 from __future__ import annotations
 
+import math
 from typing import Any, NamedTuple
 
 COMPLETIONS = "completions"
@@ -70,6 +71,9 @@ class GenerationSpec(NamedTuple):
     ignore_eos: bool
     stream: bool
     include_usage: bool  # stream_options.include_usage: a last chunk carries the usage
+    # halfmoon's extension `slo`: this request's objectives in ms (0 = the cluster's defaults)
+    ttft_slo_ms: float = 0.0
+    tbt_slo_ms: float = 0.0
 
 
 # Fields of OpenAI's (and vLLM's, which the benchmark tools send) requests for features halfmoon
@@ -115,7 +119,8 @@ _UNSUPPORTED = {
     ).split(),
 }
 _COMMON = "model max_tokens temperature top_p seed stop stream stream_options user".split()
-_EXTENSIONS = ["top_k", "ignore_eos", "metadata"]  # vLLM's top_k and ignore_eos; metadata unused
+# vLLM's top_k and ignore_eos; metadata unused; halfmoon's slo: {"ttft_ms": .., "tbt_ms": ..}
+_EXTENSIONS = ["top_k", "ignore_eos", "metadata", "slo"]
 _KNOWN = {
     COMPLETIONS: {"prompt", *_COMMON, *_EXTENSIONS, *_UNSUPPORTED[COMPLETIONS]},
     CHAT: {"messages", "max_completion_tokens", *_COMMON, *_EXTENSIONS, *_UNSUPPORTED[CHAT]},
@@ -162,6 +167,7 @@ def parse_request(endpoint: str, body: Any, default_max_tokens: int) -> Generati
         if _boolean(options, "continuous_usage_stats", False, "stream_options."):
             raise bad("stream_options.continuous_usage_stats", "not supported by halfmoon")
     top_k = _integer(body, "top_k", 0, lo=-1)
+    ttft_slo_ms, tbt_slo_ms = _objectives(body.get("slo"))
     return GenerationSpec(
         endpoint=endpoint,
         model=model,
@@ -178,6 +184,8 @@ def parse_request(endpoint: str, body: Any, default_max_tokens: int) -> Generati
         ignore_eos=_boolean(body, "ignore_eos", False),
         stream=stream,
         include_usage=include_usage,
+        ttft_slo_ms=ttft_slo_ms,
+        tbt_slo_ms=tbt_slo_ms,
     )
 
 
@@ -244,6 +252,29 @@ def _number(body: dict, name: str, default: float, lo: float, hi: float) -> floa
     if not lo <= value <= hi:
         raise bad(name, f"must be in [{lo:g}, {hi:g}], got {value}")
     return float(value)
+
+
+def _objectives(slo: Any) -> tuple[float, float]:
+    """The extension `slo: {"ttft_ms": .., "tbt_ms": ..}`: this request's TTFT and TBT objectives
+    (either may be left out: the cluster's default then holds); 400 naming a bad one."""
+    if slo is None:
+        return 0.0, 0.0
+    if not isinstance(slo, dict):
+        raise bad("slo", f"expected an object with ttft_ms and/or tbt_ms, got {slo!r}")
+    for key in slo:
+        if key not in ("ttft_ms", "tbt_ms"):
+            raise bad(f"slo.{key}", "unknown objective (known: ttft_ms, tbt_ms)")
+    out = []
+    for key in ("ttft_ms", "tbt_ms"):
+        value = slo.get(key)
+        if value is None:
+            out.append(0.0)
+            continue
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if not number or not math.isfinite(value) or value <= 0:
+            raise bad(f"slo.{key}", f"must be a positive number of milliseconds, got {value!r}")
+        out.append(float(value))
+    return out[0], out[1]
 
 
 def _top_p(body: dict) -> float:

@@ -417,6 +417,8 @@ def _grpc_request(spec: GenerationSpec, request_id: str, salt: str):
         ignore_eos=spec.ignore_eos,
         request_id=request_id,
         cache_salt=salt,
+        ttft_slo_ms=spec.ttft_slo_ms,
+        tbt_slo_ms=spec.tbt_slo_ms,
     )
 
 

@@ -211,7 +211,7 @@ class TierUsage(_message.Message):
     def __init__(self, tier: _Optional[str] = ..., used_bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., blocks: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., evictions: _Optional[int] = ...) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("model", "block_size", "default_policy", "workers", "stores", "requests_total", "requests_rejected", "prompt_tokens_total", "cached_tokens_total", "vocab_size", "conductor_rss_bytes", "model_fingerprint", "kv_dtype", "conductor_memory")
+    __slots__ = ("model", "block_size", "default_policy", "workers", "stores", "requests_total", "requests_rejected", "prompt_tokens_total", "cached_tokens_total", "vocab_size", "conductor_rss_bytes", "model_fingerprint", "kv_dtype", "conductor_memory", "requests_slo_met", "requests_slo_missed")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     DEFAULT_POLICY_FIELD_NUMBER: _ClassVar[int]
@@ -226,6 +226,8 @@ class StatusReply(_message.Message):
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     KV_DTYPE_FIELD_NUMBER: _ClassVar[int]
     CONDUCTOR_MEMORY_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_SLO_MET_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_SLO_MISSED_FIELD_NUMBER: _ClassVar[int]
     model: str
     block_size: int
     default_policy: str
@@ -240,7 +242,9 @@ class StatusReply(_message.Message):
     model_fingerprint: str
     kv_dtype: str
     conductor_memory: MemoryReport
-    def __init__(self, model: _Optional[str] = ..., block_size: _Optional[int] = ..., default_policy: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., stores: _Optional[_Iterable[_Union[StoreStatus, _Mapping]]] = ..., requests_total: _Optional[int] = ..., requests_rejected: _Optional[int] = ..., prompt_tokens_total: _Optional[int] = ..., cached_tokens_total: _Optional[int] = ..., vocab_size: _Optional[int] = ..., conductor_rss_bytes: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., kv_dtype: _Optional[str] = ..., conductor_memory: _Optional[_Union[MemoryReport, _Mapping]] = ...) -> None: ...
+    requests_slo_met: int
+    requests_slo_missed: int
+    def __init__(self, model: _Optional[str] = ..., block_size: _Optional[int] = ..., default_policy: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., stores: _Optional[_Iterable[_Union[StoreStatus, _Mapping]]] = ..., requests_total: _Optional[int] = ..., requests_rejected: _Optional[int] = ..., prompt_tokens_total: _Optional[int] = ..., cached_tokens_total: _Optional[int] = ..., vocab_size: _Optional[int] = ..., conductor_rss_bytes: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., kv_dtype: _Optional[str] = ..., conductor_memory: _Optional[_Union[MemoryReport, _Mapping]] = ..., requests_slo_met: _Optional[int] = ..., requests_slo_missed: _Optional[int] = ...) -> None: ...
 
 class WorkerLoad(_message.Message):
     __slots__ = ("worker_id", "queued_requests", "queued_tokens", "predicted_queue_ms", "running", "free_blocks", "total_blocks", "prefill_coef", "decode_coef", "total_context_tokens", "kind", "nodes", "block_bytes", "block_size", "model_fingerprint", "waiting", "max_batch_seen", "requests_done", "device", "device_node", "kv_cache_dtype", "capacity_tokens", "fetch_block_bytes", "running_tokens", "seq_positions", "seq_remaining", "seq_blocks", "waiting_positions", "waiting_remaining", "waiting_blocks", "max_batch", "memory", "links")

@@ -313,6 +313,10 @@ def test_disconnect_mid_stream_frees_the_decode_workers_blocks(api, cluster):
         ("completions", {"prompt": [7] * 2048}, "prompt"),  # past the context window
         ("completions", {"stream_options": {"include_usage": True}}, "stream_options"),
         ("completions", {"frobnicate": 1}, "frobnicate"),
+        ("completions", {"slo": {"ttft_ms": -5}}, "slo.ttft_ms"),
+        ("completions", {"slo": {"ttft_ms": True}}, "slo.ttft_ms"),
+        ("completions", {"slo": 2000}, "slo"),
+        ("chat", {"slo": {"tpot_ms": 50}}, "slo.tpot_ms"),
         ("chat", {"n": 3}, "n"),
         ("chat", {"logprobs": True}, "logprobs"),
         ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
@@ -374,6 +378,14 @@ def test_other_errors_in_openais_shape(api, cluster):
         extra_body={"repetition_penalty": 1.0, "top_k": -1, "logprobs": None},
     )
     assert ok.usage.completion_tokens >= 1
+    # the request's own objectives (halfmoon's `slo` extension) reach the conductor's admission:
+    # generous ones are served, one no prefill can meet is refused at once with a 429
+    kw = dict(model=MODEL, prompt=list(range(3, 200)), max_tokens=2)
+    ok = api.completions.create(**kw, extra_body={"slo": {"ttft_ms": 60_000, "tbt_ms": 60_000}})
+    assert ok.usage.completion_tokens == 2
+    with pytest.raises(openai.RateLimitError) as err:
+        api.completions.create(**kw, extra_body={"slo": {"ttft_ms": 1e-6}})
+    assert "TTFT" in err.value.body["message"]
     # a conductor that does not answer: 503 (and /health says so)
     dead = HttpServer(HttpConfig(conductor="127.0.0.1:1", model_name=MODEL, health_timeout_s=0.5))
     address = dead.start()

@@ -86,8 +86,11 @@ def test_report_on_known_records():
     assert r.output_tokens == 10 + 3 + 11
     assert r.duration_s == pytest.approx(3.5)  # first send at 0, last end at 1.0 + 2.5
     assert r.output_tokens_per_s == pytest.approx(24 / 3.5)
+    assert r.goodput_rps == pytest.approx(1 / 3.5)  # one request met both, over 3.5 s
     looser = compute_report(records, ttft_slo_ms=5000.0, tbt_slo_ms=100.0)
     assert looser.slo_attainment == 0.75
+    assert looser.goodput_rps == pytest.approx(3 / 3.5)
+    assert "goodput req/s" in format_reports([r, looser])
 
 
 def test_empty_and_all_rejected():

@@ -15,6 +15,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from client import format_status
 from kvstore.node import StoreConfig, StoreNode
 from model import Engine, SamplingParams, load_model
 from prefill_node import PrefillConfig, PrefillWorker
@@ -281,6 +282,27 @@ def test_early_rejection_when_slo_cannot_hold(cluster):
     assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     st = cluster.stub.Status(pb.StatusRequest(), timeout=10)
     assert st.requests_rejected >= 2
+
+
+def test_status_and_metrics_count_requests_by_their_objectives(cluster):
+    reg = cluster.conductor.registry
+
+    def counts():
+        st = cluster.stub.Status(pb.StatusRequest(), timeout=10)
+        slo = [
+            reg.get_sample_value("halfmoon_slo_requests_total", {"outcome": o}) or 0.0
+            for o in ("met", "missed", "rejected")
+        ]
+        return st.requests_slo_met, st.requests_slo_missed, slo
+
+    met, missed, slo = counts()
+    cluster.generate(token_ids=[4, 5, 6, 7], max_tokens=3, ttft_slo_ms=60_000, tbt_slo_ms=60_000)
+    with pytest.raises(grpc.RpcError):
+        cluster.generate(token_ids=list(range(3, 200)), ttft_slo_ms=1e-6)  # refused early
+    after_met, after_missed, after_slo = counts()
+    assert (after_met, after_missed) == (met + 1, missed)
+    assert after_slo == [slo[0] + 1, slo[1], slo[2] + 1]
+    assert "attainment" in format_status(cluster.stub.Status(pb.StatusRequest(), timeout=10))
 
 
 def test_cache_off_and_stop_strings_and_chat(cluster, engine, lm):

@@ -145,6 +145,22 @@ def test_unreachable_store_and_index_are_logged_and_counted(caplog):
         c._on_stop()
 
 
+def test_a_request_meets_its_objectives_only_within_both(tok):
+    def stream(ttft_ms, times, ttft_slo_ms=500.0, tbt_slo_ms=50.0):
+        text = IncrementalText(tok.decode)
+        s = RequestStream("r", [1], "mooncake", pb.SamplingParams(), "", text)
+        s.ttft_ms, s.times = ttft_ms, times
+        s.ttft_slo_ms, s.tbt_slo_ms = ttft_slo_ms, tbt_slo_ms
+        return s
+
+    assert stream(100.0, [100.0, 120.0, 140.0]).met_slos()
+    assert not stream(600.0, [600.0, 610.0]).met_slos()  # TTFT late
+    # TBT is the mean of the slowest 10% of gaps: one 80 ms gap among ten misses 50 ms
+    assert not stream(100.0, [100.0 + 10 * i for i in range(10)] + [270.0]).met_slos()
+    assert stream(600.0, [600.0, 700.0], ttft_slo_ms=0.0, tbt_slo_ms=0.0).met_slos()  # none set
+    assert stream(100.0, [100.0]).met_slos()  # one token: no gap to miss
+
+
 def test_request_stream_resumes_without_repeating_a_token(tok):
     sp = pb.SamplingParams(max_tokens=5)
     s = RequestStream("r", [10, 11, 12], "mooncake", sp, "", IncrementalText(tok.decode))
