@@ -106,6 +106,12 @@ def build_parser() -> argparse.ArgumentParser:
         default="",
         help="comma-separated policies, replayed one after another",
     )
+    r.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="runs per policy, the policies in alternating order (A B, then B A)",
+    )
     r.add_argument("--ttft-slo-ms", type=float, default=2000.0)
     r.add_argument("--tbt-slo-ms", type=float, default=200.0)
     r.add_argument("--max-input", type=int, default=None, help="cap prompt lengths (after scaling)")
@@ -134,7 +140,10 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--time-scale", type=float, default=None)
     d.add_argument("--length-scale", type=float, default=None)
     d.add_argument("--max-output", type=int, default=None)
-    d.add_argument("--policies", default="mooncake,load_balance,cache_off")
+    d.add_argument("--policies", default="mooncake,cache_off")
+    d.add_argument(
+        "--repeats", type=int, default=2, help="runs per policy, in alternating order"
+    )
     d.add_argument("--output", default="runs/demo")
 
     mc = sub.add_parser(

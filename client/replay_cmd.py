@@ -13,11 +13,19 @@ from typing import NamedTuple
 from client.api import Client
 from client.plot import plot_cdfs
 from client.replay import ReplaySettings, replay
-from client.report import Report, compute_report, format_reports, report_dict, write_records
+from client.report import (
+    ReplayRecord,
+    Report,
+    compute_report,
+    format_reports,
+    report_dict,
+    write_records,
+)
 from client.synth import Scaling, block_tokens, make_prompts
 from client.traces import load_trace
 
 FALLBACK_VOCAB = 256  # token ids below this exist in every vocabulary we serve
+WARMUP_REQUESTS = 4  # requests each run starts with, under a salt of their own (not reported)
 
 
 class ReplayResult(NamedTuple):
@@ -50,8 +58,17 @@ def replay_trace(
     vocab_size: int = 0,
     seed: int = 0,
     progress: bool = True,
+    repeats: int = 1,
+    warmup: int = WARMUP_REQUESTS,
 ) -> ReplayResult:
-    """Replay the same slice once per policy, each on a cleared cache (and its own cache salt)."""
+    """Replay the same slice `repeats` times per policy, the policies in alternating order
+    (A B C, then C B A, ...) so that none always runs on the warmer cluster. Each run starts
+    from the same state: the same `warmup` requests (the slice's first prompts under a salt of
+    their own: the compute paths warm, their blocks never match the run's), then a cleared
+    cache, then the slice under the run's own cache salt. A policy's report is over all its
+    runs, end to end (its goodput: met requests over the runs' summed durations)."""
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
     scaling = scaling or Scaling()
     reqs = load_trace(trace, fmt, limit)
     if not reqs:
@@ -60,21 +77,37 @@ def replay_trace(
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
     tag = secrets.token_hex(4)
-    by_policy, reports = {}, []
-    for policy in policies:
-        with Client(address) as c:
-            c.clear_cache()
-        settings = ReplaySettings(
-            policy=policy,
-            cache_salt=f"replay-{tag}-{policy or 'default'}",
-            ttft_slo_ms=ttft_slo_ms,
-            tbt_slo_ms=tbt_slo_ms,
-            progress=progress,
-            desc=policy or "replay",
-        )
-        records = replay(address, prompts, settings)
+    by_policy: dict[str, list[ReplayRecord]] = {p: [] for p in policies}
+    runs = []
+    for rep in range(repeats):
+        for policy in policies if rep % 2 == 0 else list(reversed(policies)):
+            name = policy or "default"
+            if warmup:
+                replay(address, prompts[:warmup], ReplaySettings(
+                    policy=policy, cache_salt=f"warmup-{tag}-{rep}-{name}", progress=False,
+                    ttft_slo_ms=ttft_slo_ms, tbt_slo_ms=tbt_slo_ms,
+                ))  # fmt: skip
+            with Client(address) as c:
+                c.clear_cache()
+            settings = ReplaySettings(
+                policy=policy,
+                cache_salt=f"replay-{tag}-{rep}-{name}",
+                ttft_slo_ms=ttft_slo_ms,
+                tbt_slo_ms=tbt_slo_ms,
+                progress=progress,
+                desc=name if repeats == 1 else f"{name} ({rep + 1}/{repeats})",
+            )
+            records = replay(address, prompts, settings)
+            run = compute_report(records, ttft_slo_ms, tbt_slo_ms, policy)
+            runs.append({"policy": policy, "repeat": rep, "goodput_rps": run.goodput_rps,
+                         "slo_attainment": run.slo_attainment})  # fmt: skip
+            # the runs end to end: this one's times from where the policy's last one ended
+            done = by_policy[policy]
+            offset = _end_s(done)
+            done.extend(r._replace(sent_s=r.sent_s + offset) for r in records)
+    reports = []
+    for policy, records in by_policy.items():
         write_records(out / f"records-{policy or 'default'}.jsonl", records)
-        by_policy[policy] = records
         reports.append(compute_report(records, ttft_slo_ms, tbt_slo_ms, policy))
     png = plot_cdfs(
         by_policy,
@@ -91,6 +124,8 @@ def replay_trace(
         "requests": len(prompts),
         "scaling": scaling._asdict(),
         "reports": [report_dict(r) for r in reports],
+        "repeats": repeats,
+        "runs": runs,  # each run's goodput and attainment, in the order they ran
         # the workers' last load reports (fitted time models, pool sizes) and the stores' tiers:
         # what `halfmoon fit-profile` turns into a simulator profile alongside the records
         "cluster": cluster_status(address),
@@ -99,6 +134,12 @@ def replay_trace(
         json.dumps(_finite(summary), indent=2) + "\n", encoding="utf-8"
     )
     return ReplayResult(reports, out, png, table)
+
+
+def _end_s(records: list[ReplayRecord]) -> float:
+    """When the last of `records` ended, s from their start (0 for none)."""
+    ends = [r.sent_s + (0.0 if math.isnan(r.e2e_ms) else r.e2e_ms / 1000.0) for r in records]
+    return max(ends, default=0.0)
 
 
 def cluster_status(address: str) -> dict:
@@ -152,6 +193,7 @@ def run(args: argparse.Namespace) -> int:
         output_dir=args.output,
         vocab_size=getattr(args, "vocab_size", 0) or 0,
         seed=getattr(args, "seed", 0) or 0,
+        repeats=getattr(args, "repeats", 1) or 1,
     )
     print(result.table)
     print(f"records and report in {result.output_dir}/, CDFs in {result.png}")
