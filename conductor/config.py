@@ -66,6 +66,11 @@ class ConductorConfig:
         if self.dtype not in DTYPE_NAMES:
             known = ", ".join(DTYPE_NAMES)
             raise ValueError(f"ConductorConfig: dtype must be one of {known}, got {self.dtype!r}")
+        if not (self.ttft_slo_ms > 0 and self.tbt_slo_ms > 0):
+            raise ValueError(
+                "ConductorConfig: ttft_slo_ms and tbt_slo_ms must be positive (ms), got "
+                f"{self.ttft_slo_ms} and {self.tbt_slo_ms}"
+            )
         if self.load_poll_s <= 0 or self.load_idle_poll_s <= 0:
             raise ValueError("ConductorConfig: load_poll_s and load_idle_poll_s must be positive")
         check_kv_cache("ConductorConfig", self)

@@ -68,6 +68,22 @@ class PlacementConfig:
 
 
 @dataclass
+class SloConfig:
+    """The objectives the cluster serves: the conductor admits each request against them (a
+    request may set its own) and counts every answer as met or missed."""
+
+    ttft_ms: float = 30_000.0  # time to first token
+    tbt_ms: float = 2_000.0  # time between tokens (the mean of a request's slowest 10% of gaps)
+
+    def __post_init__(self) -> None:
+        for name in ("ttft_ms", "tbt_ms"):
+            value = getattr(self, name)
+            if not value > 0:
+                raise ConfigError(f"slo.{name} must be a positive number of ms, got {value}",
+                                  ("slo", name))  # fmt: skip
+
+
+@dataclass
 class ClusterConfig:
     model: str = "smollm2-135m"  # load_model name or path, for every server that loads the model
     # float32 | bfloat16 | float16 | auto: the fastest this CPU computes natively (bfloat16 with
@@ -101,6 +117,8 @@ class ClusterConfig:
     decode: Any = None
     conductor: Any = None
     http: HttpConfig = field(default_factory=HttpConfig)  # its template (port: http_port)
+    # the objectives, given to the conductor (its own ttft_slo_ms / tbt_slo_ms override them)
+    slo: SloConfig = field(default_factory=SloConfig)
     # TLS, tokens and tenants, given to every server (a server's own `security` key overrides)
     security: SecurityConfig = field(default_factory=SecurityConfig)
 
@@ -119,7 +137,8 @@ def cluster_config_from_dict(data: dict) -> ClusterConfig:
             f"cluster config: unknown key(s) {', '.join(unknown)} (known: {known})", (unknown[0],)
         )
     sections = {
-        k: data.pop(k, None) or {} for k in (*ROLES, "ray", "placement", "http", "security")
+        k: data.pop(k, None) or {}
+        for k in (*ROLES, "ray", "placement", "http", "security", "slo")
     }
     for k, v in sections.items():
         if not isinstance(v, dict):
@@ -127,6 +146,12 @@ def cluster_config_from_dict(data: dict) -> ClusterConfig:
     cfg = config_from_dict(ClusterConfig, data, "")
     cfg.ray = config_from_dict(RayConfig, sections["ray"], "ray")
     cfg.placement = config_from_dict(PlacementConfig, sections["placement"], "placement")
+    cfg.slo = config_from_dict(SloConfig, sections["slo"], "slo")
+    sections["conductor"] = {
+        "ttft_slo_ms": cfg.slo.ttft_ms,
+        "tbt_slo_ms": cfg.slo.tbt_ms,
+        **sections["conductor"],
+    }
     try:
         cfg.security = security_config(sections["security"])
     except ValueError as exc:

@@ -191,3 +191,22 @@ def test_the_default_config_resolves_dtype_auto_once_for_every_server():
     assert dtype_said(cfg) == "dtype float32"
     with pytest.raises(ValueError, match="dtype"):
         load_cluster_config(None, ["dtype=float8"])
+
+
+def test_the_objectives_are_a_section_the_conductor_admits_against():
+    cfg = load_cluster_config(None)
+    assert (cfg.slo.ttft_ms, cfg.slo.tbt_ms) == (2000.0, 100.0)  # local.yaml's
+    assert (cfg.conductor.ttft_slo_ms, cfg.conductor.tbt_slo_ms) == (2000.0, 100.0)
+    cfg = load_cluster_config(None, ["slo.ttft_ms=1500", "conductor.tbt_slo_ms=80"])
+    assert (cfg.conductor.ttft_slo_ms, cfg.conductor.tbt_slo_ms) == (1500.0, 80.0)
+    # without the section, the conductor's own defaults
+    cfg = cluster_config_from_dict({})
+    assert (cfg.conductor.ttft_slo_ms, cfg.conductor.tbt_slo_ms) == (30_000.0, 2_000.0)
+    for bad, field in (
+        ("slo.ttft_ms=-1", "slo.ttft_ms"),
+        ("slo.tbt_ms=0", "slo.tbt_ms"),
+        ("slo.tpot_ms=50", "tpot_ms"),
+        ("conductor.ttft_slo_ms=0", "ttft_slo_ms"),
+    ):
+        with pytest.raises(ValueError, match=field):
+            load_cluster_config(None, [bad])
