@@ -73,6 +73,7 @@ def test_dashboard_is_grafana_json_over_halfmoon_metrics():
         "halfmoon_prefill_queued_requests",
         "halfmoon_store_bytes",
         "halfmoon_store_transfer_bytes_total",
+        "halfmoon_slo_requests_total",
     ):
         assert want in names
     ids = [p["id"] for p in dash["panels"]]
@@ -173,6 +174,7 @@ def test_prometheus_scrapes_the_cluster_and_answers_the_dashboards_queries(tmp_p
                 "halfmoon_store_bytes",
                 "halfmoon_store_capacity_bytes",
                 "halfmoon_store_transfer_bytes_total",
+                "halfmoon_slo_requests_total",
             ):
                 assert exported in names, exported
         finally:
