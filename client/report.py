@@ -58,6 +58,10 @@ class PredictionError(NamedTuple):
     median_abs: float  # median of |relative error| (nan when none)
     p90_abs: float  # 90th percentile of |relative error|
     median: float  # median of the signed error: > 0 the policy over-predicted
+    # predicted / measured, its median and 90th percentile: how admission's estimates sit
+    # against what accepted requests then measured (1.3 at p90: 30% over for one in ten)
+    ratio_p50: float = math.nan
+    ratio_p90: float = math.nan
 
 
 NO_ERROR = PredictionError(0, math.nan, math.nan, math.nan)
@@ -70,9 +74,14 @@ def prediction_error(pairs: Iterable[tuple[float, float]]) -> PredictionError:
     )
     if rel.size == 0:
         return NO_ERROR
-    a = np.abs(rel)
+    a, ratio = np.abs(rel), rel + 1.0  # (p - m) / m + 1 = p / m
     return PredictionError(
-        int(rel.size), float(np.median(a)), float(np.percentile(a, 90)), float(np.median(rel))
+        int(rel.size),
+        float(np.median(a)),
+        float(np.percentile(a, 90)),
+        float(np.median(rel)),
+        float(np.median(ratio)),
+        float(np.percentile(ratio, 90)),
     )
 
 
@@ -199,9 +208,13 @@ def format_reports(reports: list[Report]) -> str:
             return "-"
         return f"{100 * e.median_abs:.0f}% / {100 * e.p90_abs:.0f}% ({100 * e.median:+.0f}%)"
 
+    def ratio(e: PredictionError) -> str:
+        return f"{e.ratio_p50:.2f} / {e.ratio_p90:.2f}" if e.requests else "-"
+
     rows += [
         ("TTFT pred. error p50/p90 (bias)", [err(r.ttft_prediction) for r in reports]),
         ("TBT pred. error p50/p90 (bias)", [err(r.tbt_prediction) for r in reports]),
+        ("TTFT predicted/measured p50/p90", [ratio(r.ttft_prediction) for r in reports]),
         ("prefill tokens computed", [str(r.prefill_tokens_computed) for r in reports]),
         ("prefill tokens saved", [str(r.prefill_tokens_saved) for r in reports]),
         ("output tokens/s", [f"{r.output_tokens_per_s:.1f}" for r in reports]),

@@ -130,8 +130,11 @@ def test_prediction_error_against_the_measures():
     assert r.ttft_prediction.p90_abs == pytest.approx(0.45)
     assert r.tbt_prediction.median_abs == pytest.approx(0.5)
     assert r.tbt_prediction.median == pytest.approx(0.0)  # one under by half, one over by half
+    # predicted / measured 1.0 and 1.5
+    assert (r.ttft_prediction.ratio_p50, r.ttft_prediction.ratio_p90) == pytest.approx((1.25, 1.45))
     text = format_reports([r])
     assert "TTFT pred. error" in text and "25% / 45% (+25%)" in text
+    assert "1.25 / 1.45" in text
 
 
 def test_records_from_before_the_prediction_fields_still_read(tmp_path):
