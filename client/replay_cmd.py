@@ -17,6 +17,7 @@ from client.report import (
     ReplayRecord,
     Report,
     compute_report,
+    end_s,
     format_reports,
     report_dict,
     write_records,
@@ -103,7 +104,7 @@ def replay_trace(
                          "slo_attainment": run.slo_attainment})  # fmt: skip
             # the runs end to end: this one's times from where the policy's last one ended
             done = by_policy[policy]
-            offset = _end_s(done)
+            offset = end_s(done)
             done.extend(r._replace(sent_s=r.sent_s + offset) for r in records)
     reports = []
     for policy, records in by_policy.items():
@@ -134,12 +135,6 @@ def replay_trace(
         json.dumps(_finite(summary), indent=2) + "\n", encoding="utf-8"
     )
     return ReplayResult(reports, out, png, table)
-
-
-def _end_s(records: list[ReplayRecord]) -> float:
-    """When the last of `records` ended, s from their start (0 for none)."""
-    ends = [r.sent_s + (0.0 if math.isnan(r.e2e_ms) else r.e2e_ms / 1000.0) for r in records]
-    return max(ends, default=0.0)
 
 
 def cluster_status(address: str) -> dict:

@@ -135,6 +135,13 @@ def meets_slo(r: ReplayRecord, ttft_slo_ms: float, tbt_slo_ms: float) -> bool:
     return r.status == "ok" and r.ttft_ms <= ttft_slo_ms and request_tbt(r.gaps_ms) <= tbt_slo_ms
 
 
+def end_s(records: Iterable[ReplayRecord]) -> float:
+    """When the last of `records` ended (its send plus its end-to-end time), s from the replay's
+    start; 0 for none."""
+    ends = [r.sent_s + (0.0 if math.isnan(r.e2e_ms) else r.e2e_ms / 1000.0) for r in records]
+    return max(ends, default=0.0)
+
+
 def compute_report(
     records: list[ReplayRecord], ttft_slo_ms: float, tbt_slo_ms: float, policy: str = ""
 ) -> Report:
@@ -144,12 +151,7 @@ def compute_report(
     saved = sum(by_tier.values())
     out_tokens = sum(r.output_tokens for r in done)
     met = sum(meets_slo(r, ttft_slo_ms, tbt_slo_ms) for r in records)
-    if records:
-        start = min(r.sent_s for r in records)
-        end = max(r.sent_s + (0.0 if math.isnan(r.e2e_ms) else r.e2e_ms / 1000.0) for r in records)
-        duration = end - start
-    else:
-        duration = 0.0
+    duration = end_s(records) - min(r.sent_s for r in records) if records else 0.0
     return Report(
         policy=policy or (records[0].policy if records else ""),
         requests=len(records),

@@ -58,7 +58,7 @@ class RequestFlow:
         try:
             while not s.reason:
                 prompt = s.prompt()
-                s.routed = routed = self._route(context, request, s, prompt)
+                s.routed = routed = self._route(context, s, prompt)
                 try:
                     reply = self._relay.prefill(context, s, routed, prompt)
                     yield from self._relay.decode(context, s, routed, prompt, reply)
@@ -95,7 +95,6 @@ class RequestFlow:
     def _route(
         self,
         context: grpc.ServicerContext,
-        request: pb.GenerateRequest,
         s: RequestStream,
         prompt: list[int],
     ) -> Routed:
@@ -108,8 +107,8 @@ class RequestFlow:
                 keys,
                 s.policy,
                 s.tokens_left(),
-                ttft_slo_ms=request.ttft_slo_ms,
-                tbt_slo_ms=request.tbt_slo_ms,
+                ttft_slo_ms=s.ttft_slo_ms,  # the request's own, else the defaults
+                tbt_slo_ms=s.tbt_slo_ms,
                 rid=s.rid,
                 resumed=bool(s.out),
             )

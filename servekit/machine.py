@@ -3,6 +3,7 @@ AVX-512 BF16 or AMX tiles, fp32 elsewhere (there bf16 is emulated, 5-7x slower t
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 DTYPE_AUTO = "auto"
@@ -11,10 +12,7 @@ DTYPE_AUTO = "auto"
 def cpu_flags(cpuinfo: str | None = None) -> dict[str, bool]:
     """The instruction sets that decide fp32 / bf16 speed, from /proc/cpuinfo (or its text)."""
     if cpuinfo is None:
-        try:
-            cpuinfo = Path("/proc/cpuinfo").read_text()
-        except OSError:
-            return {}
+        return dict(_this_cpu())
     lines = cpuinfo.splitlines()
     flags = next((set(x.split(":", 1)[1].split()) for x in lines if x.startswith("flags")), set())
     return {
@@ -23,6 +21,15 @@ def cpu_flags(cpuinfo: str | None = None) -> dict[str, bool]:
         "avx512_bf16": "avx512_bf16" in flags,
         "amx": any(f.startswith("amx") for f in flags),
     }
+
+
+@functools.cache
+def _this_cpu() -> dict[str, bool]:
+    # read once a process: the config resolves `auto` per section, the start line says why
+    try:
+        return cpu_flags(Path("/proc/cpuinfo").read_text())
+    except OSError:
+        return {}
 
 
 def native_dtype(flags: dict[str, bool] | None = None) -> str:
