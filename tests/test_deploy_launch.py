@@ -72,8 +72,11 @@ def cluster(tmp_path_factory):
         None, _overrides(tmp_path_factory.mktemp("cluster")) + [f"metrics_base_port={metrics}"]
     )
     c = Cluster(cfg, log=lambda m: print(m, file=sys.stderr))
+    # what earlier tests left running (a LocalCluster's forkserver lives for the session) is not
+    # this launch's
+    before = _descendants(os.getpid())
     c.start()
-    started = _descendants(os.getpid())
+    started = _descendants(os.getpid()) - before
     yield c, started
     c.stop()
 
