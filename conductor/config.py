@@ -46,7 +46,7 @@ class ConductorConfig:
     tbt_slo_ms: float = 2_000.0  # default time-between-tokens objective
     max_tokens_limit: int = 4096  # the most new tokens one request may ask for
     # workers' loads are refreshed when a request is routed or finishes, then at most every
-    # load_poll_s while that goes on, and every load_idle_poll_s otherwise (server.py: _poll)
+    # load_poll_s while that goes on, and every load_idle_poll_s otherwise (fleet.py: LoadPoller)
     load_poll_s: float = 0.1
     load_idle_poll_s: float = 1.0
     load_timeout_s: float = 2.0  # deadline of a Load RPC

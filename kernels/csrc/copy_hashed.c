@@ -1,11 +1,12 @@
 /* Blocks' bytes copied and each layer's checksum taken from the copy while it is still in cache:
- * the store's shared-memory get and put (kvstore/client.py) hand over a whole batch of blocks
- * in one call, instead of a Python loop of slices and hash calls per block and layer.
+ * the store's shared-memory get and put (kvstore/client/transport_shm.py) hand over a whole
+ * batch of blocks in one call, instead of a Python loop of slices and hash calls per block and
+ * layer.
  *
  * The checksum is xxHash's XXH3-64, the block format's. Where the compiler targets AVX-512 or
  * AVX2, a layer of more than 240 bytes is hashed as it is copied (hm_xxh3.h); elsewhere, and for
  * shorter layers and the headers, with the function the `xxhash` Python package carries
- * (kernels/native.py finds it there and checks once that the two agree).
+ * (kernels/native_copy.py finds it there and checks once that the two agree).
  */
 
 #include <stdint.h>

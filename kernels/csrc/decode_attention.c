@@ -14,8 +14,8 @@
  * dequantizing every key. Outputs: out [B, QH, D] fp32 and lse [B, QH] fp32, the log-sum-exp of
  * the scaled scores (-inf and out 0 for a sequence of length 0), as the torch twin returns them.
  *
- * Built by kernels/native.py with the system C compiler (-O3 -march=native -fopenmp) and loaded
- * with ctypes; every pointer, stride and bound is checked in Python before the call, and block
+ * Built by kernels/native_build.py with the system C compiler (-O3 -march=native -fopenmp)
+ * and loaded with ctypes; every pointer, stride and bound is checked in Python before the call, and block
  * ids are checked here (a bad table returns an error instead of reading outside the pool).
  */
 
@@ -1351,8 +1351,8 @@ int hm_paged_attention_full(const float *q, const void *k, const void *v, int dt
 /* Absorbed MLA over a latent pool: rows [num_blocks, block_size, 1, head_dim] (strides blk,
  * tok), every one of a sequence's q_heads query rows (head_dim each) attending over its rows as
  * keys and over their first value_dim columns as values. One work item is one sequence (the
- * caller splits long sequences into several, kernels/native.py). Outputs out [B, QH, value_dim],
- * lse [B, QH] fp32; returns as the other entry points. */
+ * caller splits long sequences into several, kernels/native_attention.py). Outputs
+ * out [B, QH, value_dim], lse [B, QH] fp32; returns as the other entry points. */
 int hm_paged_attention_latent(const float *q, const void *rows, int dtype, int64_t num_blocks,
                               int64_t blk_stride, int64_t tok_stride, const int32_t *tables,
                               int64_t table_stride, const int32_t *lens, int batch, int q_heads,

@@ -199,7 +199,7 @@ class KVConnector:
         """Write pool blocks `ids` under `keys` to this host's store; how many it took."""
         return self._saver.put(keys, ids, parent, op)
 
-    # ---- CacheGen chunks (kvstore/cachegen_stream.py) ----
+    # ---- CacheGen chunks (kvstore/client/cachegen_stream.py) ----
 
     def publish_chunks(
         self, keys: Sequence[bytes], ids: Sequence[int], levels: Sequence[int], chunk_blocks: int
@@ -222,7 +222,7 @@ class KVConnector:
     ) -> ChunkFetch:
         """Adaptive streaming from node `fetch_from`: extend `table` (the prefix loaded so far)
         towards `want` blocks chunk by chunk, each at the option CacheGen's rule picks
-        (kvstore/cachegen_stream.py): a CacheGen level, or the chunk's blocks as stored
+        (kvstore/client/cachegen_stream.py): a CacheGen level, or the chunk's blocks as stored
         (RAW_LEVEL, lossless, when plan.raw), from the measured link throughput, the measured
         decode (or copy) time of each option and the remaining budget. The link carries chunks
         one after another up to PREFETCH_CHUNKS ahead of the one this thread decodes or copies;
