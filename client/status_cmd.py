@@ -38,7 +38,8 @@ def format_status(reply) -> str:
         f"requests {reply.requests_total} (rejected {reply.requests_rejected})  prompt tokens "
         f"{reply.prompt_tokens_total}, cached {reply.cached_tokens_total}  "
         f"hit rate {100 * hit:.1f}%",
-        f"objectives met {reply.requests_slo_met}, missed {reply.requests_slo_missed}: "
+        f"objectives met {reply.requests_slo_met}, missed {reply.requests_slo_missed} "
+        f"(best-effort {reply.requests_best_effort}): "
         f"attainment {attained} (rejected requests count as missed)",
         "",
     ]

@@ -2,12 +2,13 @@
 
 from conductor.config import ConductorConfig
 from conductor.detok import IncrementalText
-from conductor.policy import POLICIES, Policy, make_policy
+from conductor.policy import POLICIES, Policy, admit, make_policy
 from conductor.policy_types import (
     ClusterState,
     Decision,
     DecodeCandidate,
     Link,
+    MissesObjectives,
     PrefillCandidate,
     Rejected,
     RequestInfo,
@@ -23,9 +24,11 @@ __all__ = [
     "DecodeCandidate",
     "IncrementalText",
     "Link",
+    "MissesObjectives",
     "Policy",
     "PrefillCandidate",
     "Rejected",
     "RequestInfo",
+    "admit",
     "make_policy",
 ]

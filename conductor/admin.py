@@ -84,6 +84,7 @@ class Admin:
             reply.cached_tokens_total = self._totals.cached_tokens
             reply.requests_slo_met = self._totals.slo_met
             reply.requests_slo_missed = self._totals.slo_missed
+            reply.requests_best_effort = self._totals.best_effort
         self._worker_memory(workers)
         for address in self.config.store_addresses:
             reply.stores.append(self._store_status(address))

@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 from servekit import DTYPE_NAMES, SecurityConfig, check_kv_cache, security_config
 
+ADMISSION_MODES = ("reject", "best_effort")
+
 
 @dataclass
 class ConductorConfig:
@@ -44,6 +46,10 @@ class ConductorConfig:
     random_seed: int = 0  # the random policy's seed
     ttft_slo_ms: float = 30_000.0  # default time-to-first-token objective (requests may set theirs)
     tbt_slo_ms: float = 2_000.0  # default time-between-tokens objective
+    # A request no pair is predicted to serve within its objectives: "reject" refuses it at once
+    # (RESOURCE_EXHAUSTED with a retry-after, HTTP 429 with Retry-After); "best_effort" serves
+    # it on the pair the policy would pick without objectives, never counted as good
+    admission: str = "reject"
     max_tokens_limit: int = 4096  # the most new tokens one request may ask for
     # workers' loads are refreshed when a request is routed or finishes, then at most every
     # load_poll_s while that goes on, and every load_idle_poll_s otherwise (fleet.py: LoadPoller)
@@ -70,6 +76,11 @@ class ConductorConfig:
             raise ValueError(
                 "ConductorConfig: ttft_slo_ms and tbt_slo_ms must be positive (ms), got "
                 f"{self.ttft_slo_ms} and {self.tbt_slo_ms}"
+            )
+        if self.admission not in ADMISSION_MODES:
+            raise ValueError(
+                f"ConductorConfig.admission: one of {', '.join(ADMISSION_MODES)}, "
+                f"got {self.admission!r}"
             )
         if self.load_poll_s <= 0 or self.load_idle_poll_s <= 0:
             raise ValueError("ConductorConfig: load_poll_s and load_idle_poll_s must be positive")

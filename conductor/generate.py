@@ -14,7 +14,7 @@ from conductor.config import ConductorConfig
 from conductor.detok import IncrementalText
 from conductor.fleet import Fleet
 from conductor.metrics import ConductorMetrics, Totals
-from conductor.policy_types import Rejected
+from conductor.policy_types import MissesObjectives, Rejected
 from conductor.prepare import Invalid, Preparer
 from conductor.relay import Cancelled, Relay, Retry, abort, downstream_failed, reject
 from conductor.routing import Routed, Router
@@ -119,8 +119,12 @@ class RequestFlow:
                     grpc.StatusCode.UNAVAILABLE,
                     f"decode worker lost and no pair left to resume on: {exc}",
                 )
-            reject(context, self._metrics, self._totals, "slo", str(exc))
+            retry_after_s = exc.retry_after_s if isinstance(exc, MissesObjectives) else 0
+            reject(
+                context, self._metrics, self._totals, "slo", str(exc), retry_after_s=retry_after_s
+            )
         if s.routed is None:  # admitted: counted once, however often it is routed again
+            s.best_effort = routed.best_effort
             with self._totals.lock:
                 self._totals.requests += 1
         return routed
@@ -152,7 +156,9 @@ class RequestFlow:
             self._totals.cached_tokens += usage.cached_tokens
             self._totals.slo_met += met
             self._totals.slo_missed += not met
-        self._metrics.slo.labels("met" if met else "missed").inc()
+            self._totals.best_effort += s.best_effort
+        outcome = "best_effort" if s.best_effort else "met" if met else "missed"
+        self._metrics.slo.labels(outcome).inc()
         self._metrics.prompt.inc(len(s.ids))
         tiers = (
             ("device", usage.cached_device_tokens),

@@ -42,7 +42,8 @@ class ConductorMetrics:
         self.slo = Counter(
             "halfmoon_slo_requests",
             "Requests by their objectives: met (TTFT and TBT within the request's objectives), "
-            "missed (answered late), rejected (refused early: SLOs or a full worker queue; a full "
+            "missed (answered late), best_effort (served although predicted to miss, never "
+            "counted as good), rejected (refused early: SLOs or a full worker queue; a full "
             "door counts in halfmoon_busy_refusals)",
             ["outcome"],
             registry=r,
@@ -72,5 +73,6 @@ class Totals:
     prompt_tokens: int = 0  # prompt tokens of the requests that finished
     cached_tokens: int = 0  # of those, the tokens whose KV came from a cache tier
     slo_met: int = 0  # finished requests whose TTFT and TBT met their objectives
-    slo_missed: int = 0  # finished requests that missed either
+    slo_missed: int = 0  # finished requests that missed either (best-effort ones included)
+    best_effort: int = 0  # finished requests served best-effort (admission: best_effort)
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)

@@ -16,6 +16,7 @@ from conductor.policy_types import (
     ClusterState,
     Decision,
     DecodeCandidate,
+    MissesObjectives,
     PrefillCandidate,
     Rejected,
     RequestInfo,
@@ -53,10 +54,11 @@ def _least_loaded_decode(
     need = blocks_needed(
         request.num_tokens, request.max_tokens, state.block_size, state.window_tokens
     )
-    best, best_key, slow_ttft = None, None, 0.0
+    best, best_key, slow_ttft, slow_tbt = None, None, 0.0, 0.0
     for d in _decode_fits(request, state):
         est = decode_estimate(d, request, state.block_size, state.window_tokens)
         if slo and request.tbt_slo_ms > 0 and est.tbt_ms > request.tbt_slo_ms:
+            slow_tbt = est.tbt_ms if not slow_tbt else min(slow_tbt, est.tbt_ms)
             continue
         ttft = est.ttft_ms(prefill_ttft_ms)
         if slo and request.ttft_slo_ms > 0 and ttft > request.ttft_slo_ms:
@@ -68,13 +70,16 @@ def _least_loaded_decode(
             best, best_key, best_est = d, key, est
     if best is None:
         if slow_ttft:
-            raise Rejected(
+            raise MissesObjectives(
                 f"predicted TTFT {slow_ttft:.0f} ms (the decode admission wait included) exceeds "
-                f"the {request.ttft_slo_ms:g} ms SLO on every decode worker within the TBT SLO"
+                f"the {request.ttft_slo_ms:g} ms SLO on every decode worker within the TBT SLO",
+                slow_ttft - request.ttft_slo_ms,
             )
-        raise Rejected(
-            f"predicted time between tokens exceeds the {request.tbt_slo_ms:g} ms SLO "
-            "on every decode worker"
+        # the batches there stay this slow about as long as their streams last
+        raise MissesObjectives(
+            f"predicted time between tokens {slow_tbt:.0f} ms exceeds the "
+            f"{request.tbt_slo_ms:g} ms SLO on every decode worker",
+            slow_tbt - request.tbt_slo_ms,
         )
     return best, best_est
 
@@ -171,9 +176,10 @@ class MooncakePolicy(Policy):
         assert chosen is not None  # _prefill_workers raised Rejected when none is healthy
         ttft = chosen.ttft_ms
         if self.reject and request.ttft_slo_ms > 0 and ttft > request.ttft_slo_ms:
-            raise Rejected(
+            raise MissesObjectives(
                 f"predicted TTFT {ttft:.0f} ms exceeds the {request.ttft_slo_ms:g} ms SLO "
-                "on every prefill worker"
+                "on every prefill worker",
+                ttft - request.ttft_slo_ms,
             )
         d, est = _least_loaded_decode(request, state, self.reject, ttft)
         total = est.ttft_ms(ttft)
@@ -257,6 +263,21 @@ class RandomPolicy(Policy):
             predicted_prefill_ms=compute_ms,
             predicted_admission_ms=total - w.queue_ms - compute_ms,
         )
+
+
+def admit(
+    policy: Policy, request: RequestInfo, state: ClusterState, admission: str = "reject"
+) -> tuple[Decision, bool]:
+    """(the policy's decision, whether it is best-effort). A request no pair is predicted to
+    serve within its objectives raises MissesObjectives under "reject"; under "best_effort" it
+    goes where the policy would send it without objectives, and is best-effort (never counted
+    as good). No pair at all is Rejected either way."""
+    try:
+        return policy.choose(request, state), False
+    except MissesObjectives:
+        if admission != "best_effort":
+            raise
+    return policy.choose(request._replace(ttft_slo_ms=0.0, tbt_slo_ms=0.0), state), True
 
 
 POLICIES: dict[str, Callable[..., Policy]] = {

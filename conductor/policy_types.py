@@ -4,6 +4,7 @@ simulator build the same ones."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -103,5 +104,20 @@ class Decision(NamedTuple):
 
 
 class Rejected(Exception):
-    """No worker pair can serve the request within its SLOs (the conductor answers
-    RESOURCE_EXHAUSTED)."""
+    """No worker pair can serve the request (the conductor answers RESOURCE_EXHAUSTED)."""
+
+
+class MissesObjectives(Rejected):
+    """Pairs can serve the request, but none is predicted to meet its objectives: refused at
+    once with a time to retry after, or (the conductor's `admission: best_effort`) served
+    without being counted as good."""
+
+    def __init__(self, message: str, over_ms: float):
+        super().__init__(message)
+        self.over_ms = over_ms  # how far the best prediction is past its objective
+
+    @property
+    def retry_after_s(self) -> int:
+        """Whole seconds to wait before trying again (HTTP's Retry-After): the excess, at least
+        one second (the queue ahead drains at about the rate it was predicted)."""
+        return max(1, math.ceil(self.over_ms / 1000.0))

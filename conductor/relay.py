@@ -16,6 +16,7 @@ from conductor.metrics import ConductorMetrics, Totals
 from conductor.routing import Routed
 from conductor.stream import RequestStream
 from protos import halfmoon_pb2 as pb
+from servekit import RETRY_AFTER_KEY
 
 
 class Cancelled(Exception):
@@ -46,15 +47,19 @@ def reject(
     reason: str,
     message: str,
     routed: bool = False,
+    retry_after_s: int = 0,
 ) -> NoReturn:
-    """Refuse the request before its first token: RESOURCE_EXHAUSTED with `message`, counted
-    as a rejection by `reason` (and, once `routed`, no longer as an admitted request)."""
+    """Refuse the request before its first token: RESOURCE_EXHAUSTED with `message` (and a
+    `retry-after` trailer in seconds, when given: the HTTP API's Retry-After), counted as a
+    rejection by `reason` (and, once `routed`, no longer as an admitted request)."""
     with totals.lock:
         totals.rejected += 1
         if routed:
             totals.requests -= 1
     metrics.rejected.labels(reason).inc()
     metrics.slo.labels("rejected").inc()
+    if retry_after_s > 0:
+        context.set_trailing_metadata(((RETRY_AFTER_KEY, str(retry_after_s)),))
     abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, message)
 
 
@@ -167,6 +172,7 @@ class Relay:
             handle=reply.handle,
             sampling=s.decode_sampling(),
             cache_salt=s.salt,
+            tbt_slo_ms=s.tbt_slo_ms,
         )
         self._fleet.decode_sent(worker, s.rid)
         timeout = remaining(context, self.config.decode_timeout_s)

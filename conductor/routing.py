@@ -3,6 +3,7 @@ choice comes back as a `Routed` pair with the work booked on both workers."""
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 import time
@@ -13,10 +14,12 @@ from prometheus_client import CollectorRegistry
 from conductor.config import ConductorConfig
 from conductor.fleet import DecodeBooking, DecodeWorker, Fleet, PrefillBooking, PrefillWorker
 from conductor.links import AssumedLinks
-from conductor.policy import POLICIES, Policy, RequestInfo, make_policy
+from conductor.policy import POLICIES, Policy, RequestInfo, admit, make_policy
 from conductor.prefixes import PrefixIndex
 from conductor.state import cluster_state
 from servekit import blocks_needed
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -40,6 +43,9 @@ class Routed:
     predicted_admission_ms: float = 0.0
     prefill_epoch: int = 0  # the prefill worker's model epoch the estimates were made against
     decode_epoch: int = 0  # the decode worker's
+    # admitted although no pair was predicted to meet its objectives (admission: best_effort):
+    # served, never counted as good
+    best_effort: bool = False
 
 
 def make_policies(config: ConductorConfig) -> dict[str, Policy]:
@@ -95,8 +101,9 @@ class Router:
         resumed: bool = False,
     ) -> Routed:
         """A pair for prompt `ids` (its block `keys`) generating up to `max_tokens`, judged by
-        the request's SLOs (0 = the configured default); raises policy.Rejected when none meets
-        them."""
+        the request's SLOs (0 = the configured default); raises policy.Rejected when none can
+        serve it, and MissesObjectives when none meets them unless admission is best_effort
+        (then the pair chosen without objectives, `best_effort` set)."""
         # A request resumed after its decode worker was lost has had its first token: its TTFT
         # is history, and refusing it now would break a stream the client is reading. It goes
         # to the best pair left, judged by no SLO (none left is still an error).
@@ -111,7 +118,9 @@ class Router:
         # the ones routed before it.
         with self._lock:
             state = cluster_state(self._fleet, self._prefixes.matches(keys), self.config)
-            d = self.policies[policy_name].choose(info, state)
+            d, best_effort = admit(self.policies[policy_name], info, state, self.config.admission)
+            if best_effort:
+                log.info("request %s served best-effort: no pair meets its objectives", rid)
             self._assumed_links.note(d)
             block_size = self.config.block_size
             prefill, decode = self._fleet.book(
@@ -147,4 +156,5 @@ class Router:
             predicted_admission_ms=d.predicted_admission_ms,
             prefill_epoch=prefill.correction.epoch,
             decode_epoch=decode.correction.epoch,
+            best_effort=best_effort,
         )

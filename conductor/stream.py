@@ -36,10 +36,15 @@ class RequestStream:
     # its objectives: the request's own, else the conductor's defaults (0 = none)
     ttft_slo_ms: float = 0.0
     tbt_slo_ms: float = 0.0
+    # admitted although predicted to miss them (admission: best_effort): never counted as good
+    best_effort: bool = False
 
     def met_slos(self) -> bool:
         """Whether the answer met both objectives: TTFT at the conductor, and TBT as Mooncake
-        defines it (the mean of the slowest 10% of its token gaps)."""
+        defines it (the mean of the slowest 10% of its token gaps). A best-effort answer never
+        counts, however it came out: admitting it was a bet against the objectives."""
+        if self.best_effort:
+            return False
         ttft_ok = not self.ttft_slo_ms or self.ttft_ms <= self.ttft_slo_ms
         return ttft_ok and (not self.tbt_slo_ms or tbt_of_times(self.times) <= self.tbt_slo_ms)
 

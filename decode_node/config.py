@@ -34,11 +34,21 @@ class DecodeConfig(WorkerConfig):
     # Decode streams open at once (running, pulling or waiting for admission)
     grpc_workers: int = 128
     trusted_stores: list[str] = field(default_factory=list)  # more store addresses to pull from
+    # The part of its streams' shortest TBT objective a step may take, with the wait for the
+    # CPUs a prefill on the same CPUs holds: the rest of that fraction, less the step, is
+    # offered to the prefill as slack (servekit.CpuTurns.offer); the remainder is margin for a
+    # step that runs long
+    tbt_pace_fraction: float = 0.8
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.max_batch <= 0:
             raise ValueError("DecodeConfig: max_batch must be positive")
+        if not 0 < self.tbt_pace_fraction <= 1:
+            raise ValueError(
+                "DecodeConfig.tbt_pace_fraction: a fraction in (0, 1], got "
+                f"{self.tbt_pace_fraction}"
+            )
         if self.stream_interval <= 0:
             raise ValueError(
                 f"DecodeConfig: stream_interval must be positive, got {self.stream_interval}"

@@ -14,7 +14,7 @@ from decode_node.runner import DecodeRunner
 from decode_node.seq import Seq
 from kernels import ReleasingThreadPool
 from protos import halfmoon_pb2 as pb
-from servekit import IDLE_TRIM_S, DecodeTimeModel, release_freed_heap
+from servekit import IDLE_TRIM_S, DecodeTimeModel, decode_slack_ms, release_freed_heap
 
 log = logging.getLogger(__name__)
 
@@ -155,6 +155,8 @@ class DecodeScheduler:
         while True:
             with self._wake:
                 self._tidy()
+                if not self._running:
+                    self.runner.turns.offer(None)  # no stream waits on a step: bind nobody
                 while not self._running and not self._quit:
                     busy = self._pulling or self._waiting
                     self._wake.wait(timeout=0.05 if busy else IDLE_TRIM_S)
@@ -239,6 +241,20 @@ class DecodeScheduler:
                 # a stream's thread wakes once per `stream_interval` tokens: each wake-up took
                 # a core from the step's threads, whose barriers then waited
                 s.send_held()
+        self._pace()
+
+    def _pace(self) -> None:
+        """Offer a prefill on this host's CPUs the time the running streams can spare: the
+        shortest TBT objective among them, its `tbt_pace_fraction`, less the next step as the
+        time model predicts it (servekit.decode_slack_ms)."""
+        with self._wake:
+            running = list(self._running)
+        b = len(running)
+        step_ms = self.timing.predict(b, sum(s.position for s in running) + b) if b else 0.0
+        slack = decode_slack_ms(
+            [s.tbt_slo_ms for s in running], step_ms, self.config.tbt_pace_fraction
+        )
+        self.runner.turns.offer(slack)
 
     # ---- endings ----
 

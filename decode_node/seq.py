@@ -18,6 +18,7 @@ class Seq:
         self.prompt = list(request.prompt_ids)
         self.params = sampling_params(request.sampling)
         self.generator = self.params.generator()
+        self.tbt_slo_ms = request.tbt_slo_ms  # its time-between-tokens objective; 0 = none
         self.budget = budget  # new tokens allowed (max_tokens, capped by the context window)
         self.need_blocks = need_blocks  # pool blocks reserved at admission: the whole answer
         self.out = [request.first_token]  # generated tokens; the last one's KV is not computed

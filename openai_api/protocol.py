@@ -27,6 +27,7 @@ class ApiError(Exception):
         param: str | None = None,
         code: str | None = None,
         kind: str = "invalid_request_error",
+        headers: dict[str, str] | None = None,
     ):
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.kind = (
@@ -36,6 +37,7 @@ class ApiError(Exception):
             code,
             kind,
         )
+        self.headers = headers  # HTTP headers the answer carries (a 429's Retry-After)
 
     def body(self) -> dict:
         return {

@@ -33,6 +33,7 @@ from openai_api.protocol import (
     GenerationSpec,
     parse_request,
 )
+from servekit import RETRY_AFTER_KEY
 
 log = logging.getLogger(__name__)
 
@@ -382,7 +383,18 @@ class _Api:
         kind = "rate_limit_error" if status == 429 else "server_error"
         if status < 500 and status != 429:
             kind = "invalid_request_error"
-        return ApiError(status, details, kind=kind)
+        retry_after = _retry_after(exc) if status == 429 else None
+        headers = {"Retry-After": retry_after} if retry_after else None
+        return ApiError(status, details, kind=kind, headers=headers)
+
+
+def _retry_after(exc: grpc.RpcError) -> str | None:
+    """The conductor's hint of when to try again (whole seconds), from the refusal's trailers."""
+    trailers = getattr(exc, "trailing_metadata", None)
+    for key, value in (trailers() if callable(trailers) else None) or ():
+        if key == RETRY_AFTER_KEY and str(value).isdigit():
+            return str(value)
+    return None
 
 
 def _openai_param(field: str, spec: GenerationSpec | None) -> str:
@@ -465,7 +477,7 @@ def build_app(config: HttpConfig, metrics: HttpMetrics | None = None):
     app.add_api_route("/metrics", api.prometheus, methods=["GET"])
 
     async def api_error(request: Request, err: ApiError) -> Response:
-        return JSONResponse(err.body(), status_code=err.status)
+        return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
 
     async def http_error(request: Request, exc: HTTPException) -> Response:
         err = ApiError(exc.status_code, str(exc.detail), kind="invalid_request_error")

@@ -11,7 +11,7 @@ Two parts that do are imported by name where they are used:
   workers); imports the torch-free half of `model`, which a store node never loads."""
 
 from servekit.blocks import blocks_needed, reusable_blocks
-from servekit.call_limit import CONTROL_THREADS, CallLimit
+from servekit.call_limit import CONTROL_THREADS, RETRY_AFTER_KEY, CallLimit
 from servekit.config import (
     ConfigError,
     config_from_dict,
@@ -22,7 +22,14 @@ from servekit.config import (
     parse_overrides,
     read_yaml,
 )
-from servekit.cpus import CpuTurns, check_cpu_turns, cpu_turns, parse_cpu_list, pin_process
+from servekit.cpus import (
+    CpuTurns,
+    check_cpu_turns,
+    cpu_turns,
+    decode_slack_ms,
+    parse_cpu_list,
+    pin_process,
+)
 from servekit.grpc_server import GrpcServer
 from servekit.kv_cache import (
     DTYPE_NAMES,
@@ -77,6 +84,7 @@ __all__ = [
     "native_dtype",
     "resolve_dtype",
     "CONTROL_THREADS",
+    "RETRY_AFTER_KEY",
     "CallLimit",
     "DecodeGuard",
     "AuthInterceptor",
@@ -99,6 +107,7 @@ __all__ = [
     "CpuTurns",
     "check_cpu_turns",
     "cpu_turns",
+    "decode_slack_ms",
     "parse_cpu_list",
     "pin_process",
     "memory_usage",

@@ -20,6 +20,9 @@ import grpc
 
 # Threads kept beside the data calls' for health checks, load reports, status and refusals.
 CONTROL_THREADS = 8
+# The trailing-metadata key of a refusal's hint: whole seconds to wait before trying again (the
+# HTTP API answers it as Retry-After)
+RETRY_AFTER_KEY = "retry-after"
 
 
 class CallLimit(grpc.ServerInterceptor):

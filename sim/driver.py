@@ -18,8 +18,10 @@ from conductor import (
     PrefillCandidate,
     Rejected,
     RequestInfo,
+    admit,
     make_policy,
 )
+from conductor.config import ADMISSION_MODES
 from sim.arrivals import SimRequest
 from sim.cache import BlockCache
 from sim.events import EventLoop
@@ -42,11 +44,15 @@ class ClusterSpec:
     policy_options: dict = field(default_factory=dict)
     ttft_slo_ms: float = 2000.0
     tbt_slo_ms: float = 200.0
+    admission: str = "reject"  # or best_effort: as the conductor's (conductor.admit)
 
     def __post_init__(self) -> None:
         default = 0 if self.colocated else 1
         self.prefill = default if self.prefill is None else self.prefill
         self.decode = default if self.decode is None else self.decode
+        if self.admission not in ADMISSION_MODES:
+            known = ", ".join(ADMISSION_MODES)
+            raise ValueError(f"admission: one of {known}, not {self.admission!r}")
         if self.colocated < 0 or self.prefill < 0 or self.decode < 0:
             raise ValueError("instance counts must be >= 0")
         if self.colocated and (self.prefill or self.decode):
@@ -67,6 +73,7 @@ class SimResult(NamedTuple):
     wall_s: float  # time the simulation took
     sim_s: float  # simulated time, first arrival to last answer
     redirected: int  # colocated: decisions whose decode worker differed (served where prefilled)
+    best_effort: int = 0  # admitted although predicted to miss (spec.admission: best_effort)
 
 
 class _Sim:
@@ -82,6 +89,7 @@ class _Sim:
         self.jobs: list[Job] = []
         self.rejected: list[tuple[SimRequest, str]] = []
         self.redirected = 0
+        self.best_effort = 0  # admitted although predicted to miss (admission: best_effort)
         p = profile
         for i in range(spec.colocated):
             dev = f"m{i}-dev"
@@ -144,10 +152,11 @@ class _Sim:
         spec = self.spec
         info = RequestInfo(req.input_tokens, req.output_tokens, spec.ttft_slo_ms, spec.tbt_slo_ms)
         try:
-            d = self.policy.choose(info, self._state(req))
+            d, best_effort = admit(self.policy, info, self._state(req), spec.admission)
         except Rejected as exc:
             self.rejected.append((req, str(exc)))
             return
+        self.best_effort += best_effort
         job = Job(req, d, self.loop.now, self.p.block_size)
         job.predicted_ms = d.predicted_prefill_ms
         self.jobs.append(job)
@@ -255,4 +264,7 @@ def simulate(
         )
     records = sim.records()
     report = compute_report(records, spec.ttft_slo_ms, spec.tbt_slo_ms, spec.label)
-    return SimResult(records, report, sim.loop.events, wall, sim.loop.now / 1000.0, sim.redirected)
+    return SimResult(
+        records, report, sim.loop.events, wall, sim.loop.now / 1000.0, sim.redirected,
+        sim.best_effort,
+    )  # fmt: skip

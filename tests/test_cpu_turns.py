@@ -5,6 +5,7 @@ costs a bounded wait, counted, never a stopped worker."""
 from __future__ import annotations
 
 import os
+import statistics
 import subprocess
 import sys
 import threading
@@ -13,7 +14,7 @@ import time
 import pytest
 
 from decode_node import DecodeConfig
-from servekit import CpuTurns
+from servekit import CpuTurns, decode_slack_ms
 
 
 def test_forwards_on_one_cpu_set_never_overlap_and_each_gets_its_turns(tmp_path):
@@ -103,18 +104,20 @@ def test_a_hung_holder_costs_a_bounded_wait_and_a_dead_one_nothing(tmp_path):
     assert other.timeouts == 1 and turns.timeouts == 2
 
 
-def _layers_beside_steps(tmp_path, slice_s: float):
+def _layers_beside_steps(tmp_path, slice_s: float, offer_ms: float | None = None, layers_n=20):
     """A 20-layer forward (10 ms a layer) that calls `share` between layers, and a worker that
-    asks for 5 ms steps from 50 ms into it until it ends: (layer spans, step spans, the time
-    the first step asked, the forward's start and end, its passes)."""
+    asks for 5 ms steps from 50 ms into it until it ends, offering `offer_ms` of slack: (layer
+    spans, step spans, the time the first step asked, the forward's start and end, its
+    passes)."""
     d = str(tmp_path)
     prefill = CpuTurns("prefill", [0, 1], 2, "on", 5.0, lock_dir=d, slice_s=slice_s)
     decode = CpuTurns("decode", [0, 1], 2, "on", 5.0, lock_dir=d, slice_s=slice_s)
+    decode.offer(offer_ms)
     layers, steps, asked, done = [], [], [], threading.Event()
 
     def forward():
         with prefill.turn():
-            for _ in range(20):
+            for _ in range(layers_n):
                 t0 = time.perf_counter()
                 time.sleep(0.01)
                 layers.append((t0, time.perf_counter()))
@@ -161,6 +164,78 @@ def test_a_forward_with_no_slice_keeps_its_turn(tmp_path):
     assert all(s[0] >= end for s in steps), "a step ran before the forward ended"
 
 
+def _gaps_while_forward_runs(steps, end):
+    """The gaps between one step's end and the next step's start, while the forward ran."""
+    during = [s for s in steps if s[1] < end]
+    return [b[0] - a[1] for a, b in zip(during, during[1:])]
+
+
+def test_an_offered_slack_is_how_long_the_forward_keeps_the_cpus(tmp_path):
+    # 60 ms of slack: the forward keeps the CPUs about that long (handing over before a 10 ms
+    # layer would overrun it), far longer than its 10 ms slice, and never past the slack plus
+    # the handing over
+    layers, steps, _, _, end, passes = _layers_beside_steps(
+        tmp_path, slice_s=0.01, offer_ms=60.0, layers_n=40
+    )
+    gaps = _gaps_while_forward_runs(steps, end)
+    assert passes >= 3 and len(gaps) >= 2
+    # held ~50-60 ms, not the 10 ms slice (on a loaded machine a descheduled forward thread now
+    # and then misses its turn and two steps run back to back: the median, not every gap)
+    assert statistics.median(gaps) >= 0.035, gaps
+    assert max(gaps) <= 0.060 + 0.060, gaps  # the slack, plus a hand-over's scheduling noise
+
+
+def test_no_slack_hands_the_cpus_over_at_the_next_layer(tmp_path):
+    layers, steps, _, _, end, passes = _layers_beside_steps(tmp_path, slice_s=0.5, offer_ms=0.0)
+    gaps = _gaps_while_forward_runs(steps, end)
+    assert passes >= 5  # the 500 ms slice gave way to the offer
+    assert gaps and statistics.median(gaps) < 0.03, gaps  # a layer, not the slice
+
+
+def test_offers_bind_only_while_fresh_and_the_shortest_wins(tmp_path):
+    d = str(tmp_path)
+    reader = CpuTurns("prefill-0", [0, 1], 2, "on", 1.0, lock_dir=d, slice_s=0.05)
+    a = CpuTurns("decode-0", [0, 1], 2, "on", 1.0, lock_dir=d)
+    b = CpuTurns("decode/1", [0, 1], 2, "on", 1.0, lock_dir=d)
+    offered = []
+    a.on_offer = offered.append
+    assert reader.granted_ms() is None
+    a.offer(80.0)
+    b.offer(30.0)
+    time.sleep(0.01)  # past the reader's 5 ms cache
+    assert reader.granted_ms() == 30.0
+    b.offer(None)  # withdrawn: the other's stands
+    time.sleep(0.01)
+    assert reader.granted_ms() == 80.0
+    a.offer(80.4)  # under a millisecond's change: not written again
+    assert offered == [80.0]
+    # an offer left by a worker that died expires
+    with open(a.offer_path, "w") as f:
+        f.write(f"10.0 {time.monotonic() - 0.001:.6f}")
+    time.sleep(0.01)
+    assert reader.granted_ms() is None
+    with open(a.offer_path, "w") as f:
+        f.write("garbage")
+    time.sleep(0.01)
+    assert reader.granted_ms() is None  # unreadable: no offer, never an error
+
+
+def test_held_seconds_count_each_workers_share_of_the_cpus(tmp_path):
+    d = str(tmp_path)
+    held = []
+    w = CpuTurns("w", [0, 1], 2, "on", 1.0, lock_dir=d, on_held=held.append)
+    with w.turn():
+        time.sleep(0.03)
+    with w.turn():
+        time.sleep(0.01)
+    assert len(held) == 2 and 0.025 <= held[0] < 0.2 and held[1] < held[0]
+    assert w.held_s == pytest.approx(sum(held))
+    off = CpuTurns("x", [0, 1], 2, "off", 1.0, lock_dir=d, on_held=held.append)
+    with off.turn():
+        pass
+    assert len(held) == 2  # no turns taken, none counted
+
+
 def test_a_slice_is_never_negative(tmp_path):
     with pytest.raises(ValueError, match="slice"):
         CpuTurns("w", [0, 1], 2, "on", 1.0, lock_dir=str(tmp_path), slice_s=-0.01)
@@ -182,3 +257,19 @@ def test_without_its_wait_file_a_worker_still_takes_turns_and_says_so_once(tmp_p
     assert other.timeouts == 3 and turns.passes == 0
     said = [r for r in caplog.records if "turns at the CPUs are taken as they come" in r.message]
     assert len(said) == 2  # once each
+
+
+def test_the_pace_fraction_is_a_fraction():
+    for bad in (0.0, -0.5, 1.5):
+        with pytest.raises(ValueError, match=r"DecodeConfig.tbt_pace_fraction"):
+            DecodeConfig(tbt_pace_fraction=bad)
+    assert DecodeConfig(tbt_pace_fraction=1.0).tbt_pace_fraction == 1.0
+
+
+def test_a_decode_worker_offers_what_its_tightest_objective_leaves():
+    # 100 ms objective, 80% of it for the step and the wait, a 20 ms step: 60 ms for the prefill
+    assert decode_slack_ms([100.0, 250.0], 20.0, 0.8) == pytest.approx(60.0)
+    assert decode_slack_ms([0.0, 250.0], 20.0, 0.8) == pytest.approx(180.0)  # 0 = none
+    assert decode_slack_ms([100.0], 95.0, 0.8) == 0.0  # the step takes it all: the next layer
+    assert decode_slack_ms([], 20.0, 0.8) is None  # no stream
+    assert decode_slack_ms([0.0, 0.0], 20.0, 0.8) is None  # no objective: the slice stands

@@ -1,8 +1,10 @@
 """Cluster config loading (YAML + --set overrides) and worker placement, without starting
 anything."""
 
+import os
 from pathlib import Path
 
+import psutil
 import pytest
 
 from deploy import (
@@ -164,6 +166,22 @@ def test_worker_cpus_are_checked_and_pin_the_process():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["1", "[0]"]
+    # unpinned, 0 is a thread per core it may run on, whatever OMP_NUM_THREADS says (Ray's
+    # actors start with 1), and taskset's affinity bounds it
+    code = "from servekit import pin_process; print(pin_process('DecodeConfig.cpus', '', 0))"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    out = subprocess.run(
+        ["taskset", "-c", "0", sys.executable, "-c", code],
+        capture_output=True, text=True, check=True, env=env,
+    )  # fmt: skip
+    assert out.stdout.split() == ["1"]
+    if len(os.sched_getaffinity(0)) >= 2 and psutil.cpu_count(logical=False) >= 2:
+        out = subprocess.run(
+            ["taskset", "-c", "0,1", sys.executable, "-c", code],
+            capture_output=True, text=True, check=True, env=env,
+        )  # fmt: skip
+        logical, physical = psutil.cpu_count(), psutil.cpu_count(logical=False)
+        assert out.stdout.split() == [str(max(1, 2 * physical // logical))]
     code = "from servekit import pin_process; pin_process('DecodeConfig.cpus', '4096', 0)"
     bad = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert bad.returncode != 0 and "CPUs [4096] are not available here" in bad.stderr

@@ -386,6 +386,8 @@ def test_other_errors_in_openais_shape(api, cluster):
     with pytest.raises(openai.RateLimitError) as err:
         api.completions.create(**kw, extra_body={"slo": {"ttft_ms": 1e-6}})
     assert "TTFT" in err.value.body["message"]
+    # with when to come back: the predicted excess, in whole seconds, at least one
+    assert int(err.value.response.headers["retry-after"]) >= 1
     # a conductor that does not answer: 503 (and /health says so)
     dead = HttpServer(HttpConfig(conductor="127.0.0.1:1", model_name=MODEL, health_timeout_s=0.5))
     address = dead.start()

@@ -10,6 +10,7 @@ from conductor import (
     ClusterState,
     DecodeCandidate,
     Link,
+    MissesObjectives,
     PrefillCandidate,
     Rejected,
     RequestInfo,
@@ -200,12 +201,28 @@ def test_rejections():
     assert pol.choose(req(ttft=1200.0), s).predicted_ttft_ms == pytest.approx(1151.5)
     with pytest.raises(Rejected, match="between tokens"):
         pol.choose(req(tbt=50.0), s)  # 10 + 51 > 50
-    with pytest.raises(Rejected, match="KV pool"):
+    with pytest.raises(Rejected, match="KV pool") as exc:
         pol.choose(req(tokens=2000), state([prefill("a")], [decode("d", total=100)], {}))
-    with pytest.raises(Rejected, match="prefill"):
+    assert not isinstance(exc.value, MissesObjectives)  # no pair at all: nothing to retry
+    with pytest.raises(Rejected, match="prefill") as exc:
         pol.choose(req(), state([prefill("a", healthy=False)], [decode("d")], {}))
+    assert not isinstance(exc.value, MissesObjectives)
     # The baselines never reject on SLOs.
     assert make_policy("load_balance").choose(req(ttft=1.0, tbt=1.0), s).prefill == "a"
+
+
+def test_a_missed_objective_says_by_how_much_and_when_to_retry():
+    pol = make_policy("mooncake")
+    s = state([prefill("a", queue_ms=2500.0)], [decode("d", running=50)], {})
+    with pytest.raises(MissesObjectives) as exc:
+        pol.choose(req(ttft=1000.0), s)  # 2500 + 160 = 2660: 1660 ms over
+    assert exc.value.over_ms == pytest.approx(1660.0) and exc.value.retry_after_s == 2
+    with pytest.raises(MissesObjectives) as exc:
+        pol.choose(req(tbt=60.5), s)  # steps of 61 ms: half a millisecond over
+    assert exc.value.over_ms == pytest.approx(0.5) and exc.value.retry_after_s == 1
+    assert "61 ms" in str(exc.value)
+    # without objectives the same state has a pair: what best-effort admission serves it on
+    assert pol.choose(req(), s).prefill == "a"
 
 
 def test_a_kivi_window_is_not_counted_against_the_decode_pool():

@@ -3,6 +3,7 @@ no servers: seconds)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -142,6 +143,15 @@ def test_mooncake_rejects_early_and_what_it_admits_meets_the_slos():
     lb = simulate(arr, TOY, ClusterSpec(prefill=1, decode=1, policy="load_balance", **{
         "ttft_slo_ms": 400, "tbt_slo_ms": 60})).report  # fmt: skip
     assert lb.rejected == 0 and rep.slo_attainment > lb.slo_attainment
+    # best-effort admission runs the conductor's own rule: the refused are served instead, and
+    # each one served late makes the queue the next ones are predicted behind longer (so past
+    # capacity early refusal is what keeps goodput)
+    best = simulate(arr, TOY, dataclasses.replace(spec, admission="best_effort"))
+    assert best.report.rejected == 0 and best.report.done == rep.requests
+    assert best.best_effort >= rep.rejected
+    assert best.report.goodput_rps < rep.goodput_rps
+    with pytest.raises(ValueError, match="admission"):
+        ClusterSpec(admission="sometimes")
 
 
 def test_colocated_decode_stalls_behind_prefill():

@@ -42,7 +42,7 @@ class WorkerConfig:
     # Each store call of the KV connector (a lookup, a transfer) gives up after this many seconds:
     # a stalled store node costs a recomputation, never a hung request
     kv_timeout_s: float = 30.0
-    torch_threads: int = 0  # torch intra-op threads; 0 = torch's default (or one per `cpus`)
+    torch_threads: int = 0  # torch intra-op threads; 0 = one per core it may run on (`cpus`)
     # CPUs this worker's process runs on, e.g. "0-3" or "0,2" ("" = any): a prefill and a decode
     # worker on one host each keep to their own cores instead of thrashing each other's threads
     cpus: str = ""

@@ -1,0 +1,84 @@
+"""The host's CPUs go where the objectives need them: a burst of long prompts over running decode
+streams on one host's shared cores. The streams keep flowing (every one gets tokens while the
+prompts compute), and the prompts get more of the CPUs than the decode steps: the decode worker
+offers the slack its streams have under their TBT objective, and the prefill keeps the CPUs that
+long. Counted (turns held, tokens, passes), not timed."""
+
+from __future__ import annotations
+
+import random
+import threading
+
+import pytest
+
+from model import load_model
+from model.fetch import smollm2_path
+from tests.serving_cluster import Cluster, request, wait_for
+
+pytestmark = pytest.mark.skipif(
+    not smollm2_path().exists(), reason="SmolLM2 not fetched (make model)"
+)
+
+STREAMS = 3
+STREAM_TOKENS = 200  # long enough to outlast the burst
+BURST = 3
+BURST_TOKENS = 1200  # each prompt: ~1 s of prefill on 2 cores
+TBT_SLO_MS = 100.0
+
+
+@pytest.fixture(scope="module")
+def lm():
+    return load_model("smollm2-135m")
+
+
+def test_a_burst_of_long_prompts_takes_the_cpus_while_streams_keep_flowing(lm):
+    rng = random.Random(0)
+    vocab = lm.config.vocab_size
+    objectives = {"tbt_slo_ms": TBT_SLO_MS, "ttft_slo_ms": 120_000.0}
+    with Cluster(lm, prefill={"cpu_turns": "on"}, decode={"cpu_turns": "on"}) as c:
+        prefill, decode = c.prefills[0].runner.turns, c.decodes[0].runner.turns
+        assert prefill.path == decode.path  # one host, one CPU set: they take turns
+        counts = [0] * STREAMS
+        errors: list[BaseException] = []
+
+        def stream(i: int) -> None:
+            prompt = [rng.randrange(3, vocab) for _ in range(40)]
+            try:
+                for msg in c.stub.Generate(
+                    request(token_ids=prompt, max_tokens=STREAM_TOKENS, **objectives), timeout=300
+                ):
+                    counts[i] += len(msg.token_ids)
+            except BaseException as exc:  # noqa: BLE001 - reported by the assertion below
+                errors.append(exc)
+
+        streams = [threading.Thread(target=stream, args=(i,)) for i in range(STREAMS)]
+        for t in streams:
+            t.start()
+        wait_for(lambda: min(counts) >= 5, 120, "every stream decoding")
+        assert decode.granted_ms() is not None and decode.granted_ms() > 0  # its slack offered
+        held0 = (prefill.held_s, decode.held_s)
+        passes0, tokens0 = prefill.passes, list(counts)
+
+        prompts = [[rng.randrange(3, vocab) for _ in range(BURST_TOKENS)] for _ in range(BURST)]
+        burst = [
+            threading.Thread(target=c.generate, kwargs={"token_ids": p, "max_tokens": 1})
+            for p in prompts
+        ]
+        for t in burst:
+            t.start()
+        for t in burst:
+            t.join()
+        held_prefill = prefill.held_s - held0[0]
+        held_decode = decode.held_s - held0[1]
+        during = [n - n0 for n, n0 in zip(counts, tokens0)]
+        passes = prefill.passes - passes0
+        for t in streams:
+            t.join()
+        assert not errors, errors
+        assert all(n == STREAM_TOKENS for n in counts)
+
+    # the prompts had the CPUs most of the time ...
+    assert held_prefill > held_decode, (held_prefill, held_decode)
+    # ... and handed them to the decode steps between layers, so no stream stood still
+    assert passes >= 3, passes
+    assert min(during) >= passes // 2, (during, passes)
