@@ -7,15 +7,20 @@ Two workloads, each beside vLLM's CPU build on the same workload and dtype when 
 Every figure is a median of --repeats runs (3 prompts for each TTFT), taken the same way for both
 systems; halfmoon runs once before vLLM and once after it, and its figures are the medians over
 both runs (each run's own medians are in the JSON as `<figure>_runs`), so that a drift of the
-shared machine weighs on both systems alike. The dtype is the machine's fastest (`auto`: bf16 with
+shared machine weighs on both systems alike. halfmoon's KV memory (the store's DRAM slab and both
+workers' pools together) is the KV space vLLM is given (--kv-gib, VLLM_CPU_KVCACHE_SPACE), split
+as the config's `auto` splits it. The dtype is the machine's fastest (`auto`: bf16 with
 avx512_bf16, else fp32), the same for both. Each halfmoon server's resident memory: its peak RSS
 (the kernel's high-water mark), and its peak PSS (shared pages split among their mappers, so the
 store's slab, which the workers map too, counts once; sampled between workloads, never during one)
-against what it was configured to hold (weights, pools, in-memory tiers).
+with its page tables, against what it was configured to hold (weights, pools, in-memory tiers):
+the slab and the pools are written whole when they are made (MADV_POPULATE_WRITE, zeros), so
+every configured byte is resident and counted, none is an untouched page.
 The last line printed is one JSON object, with the CPU's flags, the load and the pinning used.
 
     .venv/bin/python bench/e2e.py [--dtype auto] [--repeats 3] [--vllm-python PATH]
-        [--prefill-cpus 0-1 --decode-cpus 0-1] [--stream-interval 8]
+        [--prefill-cpus 0-1 --decode-cpus 0-1] [--stream-interval 8] [--kv-gib 4]
+        [--set store.dram_bytes=536870912 ...]
 """
 
 from __future__ import annotations
@@ -32,8 +37,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.server_memory import MemorySampler, cluster_pids, configured_bytes  # noqa: E402
-from bench.vllm_peer import DEFAULT_VLLM, run_vllm  # noqa: E402
+from bench.server_memory import (  # noqa: E402
+    MemorySampler,
+    cluster_pids,
+    configured_bytes,
+    dram_used_bytes,
+    kv_sizes,
+)
+from bench.vllm_peer import DEFAULT_VLLM, VLLM_KV_GIB, run_vllm  # noqa: E402
 
 PROMPT_TOKENS, CACHED_TOKENS, NEW_TOKENS, CONCURRENCY = 1024, 960, 64, 16
 
@@ -68,39 +79,45 @@ def process_cluster(
     cpus: tuple,
     stream_interval: int = 1,
     prefill_overrides: dict | None = None,
+    kv_bytes: int = 0,
+    overrides: tuple[str, ...] = (),
 ):
     """Store node, prefill worker, decode worker and conductor, each in its own process, as a
     deployment runs them (one interpreter each, no shared GIL), with an embedded Redis index:
     deploy.LocalCluster, wired as the Ray launcher wires a cluster. `prefill_overrides`: fields
-    of the prefill worker's config set over this benchmark's."""
+    of the prefill worker's config set over this benchmark's; `kv_bytes`: the slab's and the
+    pools' bytes together, split as `auto` splits them (0: a 512 MiB slab and 512-block pools,
+    the sizes of the benchmarks' earlier runs); `overrides`: `--set` values over all of it."""
     from deploy import LocalCluster, cluster_config_from_dict
+    from servekit import merge_config, parse_overrides
 
     workers = {"num_blocks": 512, "torch_threads": threads}
     prefill_cpus, decode_cpus = cpus
-    cfg = cluster_config_from_dict(
-        {
-            "model": model,
-            "dtype": dtype,
-            "store": {"dram_bytes": 512 << 20, "model_fingerprint": fingerprint},
-            "prefill": {
-                **workers,
-                # vLLM's CPU build takes up to 4,096 tokens a step (max_num_batched_tokens, its
-                # LLM class's default), so it prefills each 1,024-token prompt in one forward:
-                # the same here (512 cost ~35 ms of a cold TTFT on a 2-core AMX Xeon)
-                "chunk_size": 4096,
-                "device_cache": device_cache,
-                "cpus": prefill_cpus,
-                **(prefill_overrides or {}),
-            },
-            "decode": {
-                **workers,
-                "max_batch": 32,
-                "cpus": decode_cpus,
-                "stream_interval": stream_interval,
-            },
-            "conductor": {"load_poll_s": 0.05},
-        }
-    )
+    data = {
+        "model": model,
+        "dtype": dtype,
+        "store": {"dram_bytes": 512 << 20, "model_fingerprint": fingerprint},
+        "prefill": {
+            **workers,
+            # vLLM's CPU build takes up to 4,096 tokens a step (max_num_batched_tokens, its
+            # LLM class's default), so it prefills each 1,024-token prompt in one forward:
+            # the same here (512 cost ~35 ms of a cold TTFT on a 2-core AMX Xeon)
+            "chunk_size": 4096,
+            "device_cache": device_cache,
+            "cpus": prefill_cpus,
+            **(prefill_overrides or {}),
+        },
+        "decode": {
+            **workers,
+            "max_batch": 32,
+            "cpus": decode_cpus,
+            "stream_interval": stream_interval,
+        },
+        "conductor": {"load_poll_s": 0.05},
+    }
+    if kv_bytes:
+        data = merge_config(data, kv_sizes(cluster_config_from_dict(data), kv_bytes))
+    cfg = cluster_config_from_dict(merge_config(data, parse_overrides(list(overrides))))
     cluster = LocalCluster(cfg, processes=True)
     cluster.start()
     return cluster
@@ -115,6 +132,8 @@ def run_halfmoon(
     cpus: tuple,
     repeats: int,
     stream_interval: int,
+    kv_bytes: int = 0,
+    overrides: tuple[str, ...] = (),
 ) -> tuple[dict, dict]:
     """(figures, each figure's measurements) of one halfmoon run, for merge_runs."""
     import grpc
@@ -139,8 +158,11 @@ def run_halfmoon(
     samples: dict[str, list[float]] = {}  # each figure's measurements, for merge_runs
     say("halfmoon: starting the store node, the workers and the conductor (one process each)")
     cluster = process_cluster(
-        lm.name, dtype, lm.fingerprint, threads, device_cache, cpus, stream_interval
-    )
+        lm.name, dtype, lm.fingerprint, threads, device_cache, cpus, stream_interval,
+        kv_bytes=kv_bytes, overrides=overrides,
+    )  # fmt: skip
+    out["dram_mb"] = round(cluster.cfg.store.dram_bytes / 2**20, 1)
+    out["num_blocks"] = {r: getattr(cluster.cfg, r).num_blocks for r in ("prefill", "decode")}
     sampler = MemorySampler(cluster_pids(cluster))
     try:
         sampler.sample()
@@ -216,10 +238,13 @@ def run_halfmoon(
         )
         sampler.sample()
         configured = configured_bytes(stub)
+        # how much of the (resident) slab the workloads filled: the rest is room, not use
+        out["dram_used_mb"] = round(dram_used_bytes(stub) / 2**20, 1)
         names = list(sampler.procs)
         for name in names:
             out[f"rss_peak_mb_{name}"] = round(sampler.rss[name] / 2**20, 1)
             out[f"pss_peak_mb_{name}"] = round(sampler.pss[name] / 2**20, 1)
+            out[f"pte_peak_mb_{name}"] = round(sampler.pte[name] / 2**20, 1)
             out[f"configured_mb_{name}"] = round(configured.get(name, 0) / 2**20, 1)
         add_memory_totals(out)
         say(
@@ -245,7 +270,7 @@ def merge_runs(runs: list[tuple[dict, dict]]) -> dict:
     for key in runs[0][1]:
         out[key] = statistics.median(x for _, samples in runs for x in samples[key])
         out[f"{key}_runs"] = [round(r[key], 1) for r, _ in runs]
-    for key in [k for k in out if k.startswith(("rss_peak_mb_", "pss_peak_mb_"))]:
+    for key in [k for k in out if k.startswith(("rss_peak_mb_", "pss_peak_mb_", "pte_peak_mb_"))]:
         out[key] = max(r[key] for r, _ in runs)
     add_memory_totals(out)
     return out
@@ -253,11 +278,13 @@ def merge_runs(runs: list[tuple[dict, dict]]) -> dict:
 
 def add_memory_totals(out: dict) -> None:
     """`rss_vs_configured`: the processes' summed peak PSS (shared pages split among their
-    mappers: the store's slab once) over what they are configured to hold (weights, pools,
-    in-memory tiers); `pss_beyond_configured_mb`: the difference, in MiB. The ratio depends on
-    the model's size (the runtime's memory is much the same for any model), the difference
-    does not."""
-    pss = sum(v for k, v in out.items() if k.startswith("pss_peak_mb_"))
+    mappers: the store's slab once) and page tables over what they are configured to hold
+    (weights, pools, in-memory tiers); `pss_beyond_configured_mb`: the difference, in MiB. The
+    ratio depends on the model's and the KV tiers' sizes (the runtime's memory is much the same
+    for any), the difference does not. PSS counts a page only where some process maps it: an
+    untouched page of a mapping counts nowhere, so a tier that was configured but never
+    written would lower the ratio; the slab and the pools here are written whole at start."""
+    pss = sum(v for k, v in out.items() if k.startswith(("pss_peak_mb_", "pte_peak_mb_")))
     configured = sum(v for k, v in out.items() if k.startswith("configured_mb_"))
     out["rss_vs_configured"] = round(pss / configured, 3) if configured else None
     out["pss_beyond_configured_mb"] = round(pss - configured, 1)
@@ -347,6 +374,21 @@ def main(argv=None) -> int:
         help="tokens a decode stream sends at once (decode.stream_interval; vLLM's offline "
         "generate, the baseline, streams nothing back)",
     )
+    ap.add_argument(
+        "--kv-gib",
+        type=float,
+        default=VLLM_KV_GIB,
+        help="halfmoon's KV memory, the store's DRAM slab and both pools together, split as the "
+        "config's `auto` splits it (default: the KV space vLLM-CPU is given beside it, "
+        "VLLM_CPU_KVCACHE_SPACE); 0 = a 512 MiB slab and 512-block pools, earlier runs' sizes",
+    )
+    ap.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="a value of halfmoon's cluster config over this benchmark's (repeatable)",
+    )
     ap.add_argument("--plot", default="runs/bench/e2e.png")
     args = ap.parse_args(argv)
 
@@ -378,6 +420,8 @@ def main(argv=None) -> int:
             cpus,
             args.repeats,
             args.stream_interval,
+            int(args.kv_gib * 2**30),
+            tuple(args.set),
         )
 
     # halfmoon runs before vLLM and again after it, and each figure is the median over both:
@@ -400,6 +444,8 @@ def main(argv=None) -> int:
         "repeats": args.repeats,
         "halfmoon_runs": len(runs),
         "stream_interval": args.stream_interval,
+        "kv_gib": args.kv_gib,
+        "overrides": args.set,
         "pinning": {
             "halfmoon_prefill_cpus": args.prefill_cpus or "any",
             "halfmoon_decode_cpus": args.decode_cpus or "any",

@@ -13,6 +13,8 @@ import time
 from pathlib import Path
 
 DEFAULT_VLLM = "/tmp/vllm-venv/bin/python"  # --vllm-python when VLLM_PYTHON is not set
+# the KV cache vLLM-CPU allocates (VLLM_CPU_KVCACHE_SPACE, GiB): what bench/e2e.py gives halfmoon
+VLLM_KV_GIB = 4
 
 
 def say(*a) -> None:
@@ -74,7 +76,7 @@ def run_vllm(
         env = dict(
             os.environ,
             VLLM_CPU_OMP_THREADS_BIND=f"0-{os.cpu_count() - 1}",
-            VLLM_CPU_KVCACHE_SPACE="4",
+            VLLM_CPU_KVCACHE_SPACE=str(VLLM_KV_GIB),
             TOKENIZERS_PARALLELISM="false",
         )
         env.pop("TRITON_INTERPRET", None)

@@ -6,9 +6,9 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from openai_api import HttpConfig
+from deploy.sizing import resolve_memory, take_auto
 from servekit import (
     DTYPE_AUTO,
     ROLES,
@@ -26,7 +26,19 @@ from servekit import (
     security_config,
 )
 
+if TYPE_CHECKING:
+    from openai_api import HttpConfig
+
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "local.yaml"
+
+
+def _http_config(**values: Any) -> HttpConfig:
+    # openai_api is imported here, not with this module: what a cluster's servers are forked from
+    # imports deploy (deploy/preload.py), and openai_api's FastAPI and pydantic, ~18 MiB resident,
+    # were in every server process though none but the HTTP one uses them
+    from openai_api import HttpConfig
+
+    return HttpConfig(**values)
 
 
 # cluster-wide values copied into every section that has such a field and does not set it itself
@@ -116,11 +128,13 @@ class ClusterConfig:
     prefill: Any = None
     decode: Any = None
     conductor: Any = None
-    http: HttpConfig = field(default_factory=HttpConfig)  # its template (port: http_port)
+    http: HttpConfig = field(default_factory=_http_config)  # its template (port: http_port)
     # the objectives, given to the conductor (its own ttft_slo_ms / tbt_slo_ms override them)
     slo: SloConfig = field(default_factory=SloConfig)
     # TLS, tokens and tenants, given to every server (a server's own `security` key overrides)
     security: SecurityConfig = field(default_factory=SecurityConfig)
+    # not a key: how the loader sized the `auto` KV tiers (deploy.sizing; None when none was)
+    memory_plan: Any = field(default=None, init=False, repr=False, compare=False)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -129,7 +143,7 @@ class ClusterConfig:
 def cluster_config_from_dict(data: dict) -> ClusterConfig:
     """Validate and build; the servers' sections are checked against their own dataclasses."""
     data = dict(data or {})
-    top = {f.name for f in dataclasses.fields(ClusterConfig)}
+    top = {f.name for f in dataclasses.fields(ClusterConfig) if f.init}
     unknown = sorted(set(data) - top)
     if unknown:
         known = ", ".join(sorted(top))
@@ -168,7 +182,10 @@ def cluster_config_from_dict(data: dict) -> ClusterConfig:
         )
     http.setdefault("host", cfg.host)
     http.setdefault("security", cfg.security)
+    from openai_api import HttpConfig  # here, not at the top: see _http_config
+
     cfg.http = config_from_dict(HttpConfig, http, "http")
+    auto: dict[str, bool] = {}  # section -> its KV tier's size said `auto`
     for role in ROLES:
         config_cls, _ = role_classes(role)  # imports the role's package
         section = dict(sections[role])
@@ -180,12 +197,14 @@ def cluster_config_from_dict(data: dict) -> ClusterConfig:
             section["dtype"] = resolve_dtype(section["dtype"])  # auto: this CPU's native dtype
         if "security" in names and "security" not in section:
             section["security"] = cfg.security
+        auto[role] = take_auto(role, section)  # sized below, once every section is checked
         setattr(cfg, role, config_from_dict(config_cls, section, role))
     if cfg.prefill_workers < 1 or cfg.decode_workers < 1:
         worst = "prefill_workers" if cfg.prefill_workers < 1 else "decode_workers"
         raise ConfigError(
             "cluster config: prefill_workers and decode_workers must be >= 1", (worst,)
         )
+    cfg.memory_plan = resolve_memory(cfg, auto)  # the `auto` sizes, from this machine's memory
     return cfg
 
 

@@ -11,6 +11,7 @@ from typing import Any
 from deploy.actor import ServerActor, wait_healthy
 from deploy.config import ClusterConfig, dtype_said
 from deploy.placement import Placement, node_views, place_workers
+from deploy.sizing import memory_said
 from deploy.wiring import ServerInfo, Wiring, metrics_address
 
 
@@ -88,7 +89,7 @@ class Cluster:
             f"ray: {len(nodes)} node(s); starting {len(nodes)} store node(s), "
             f"{cfg.prefill_workers} prefill, "
             f"{cfg.decode_workers} decode worker(s), the conductor{http} ({cfg.model}, "
-            f"{dtype_said(cfg)})"
+            f"{dtype_said(cfg)}; {memory_said(cfg)})"
         )
 
         # every actor process is created first, so that their imports overlap; each starts once its

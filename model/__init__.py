@@ -9,7 +9,13 @@ costs a process ~170 MB."""
 from typing import TYPE_CHECKING
 
 from kernels.lazy import deferred
-from model.checkpoint import MODEL_NAMES, ModelInfo, kv_fingerprint, load_model_info
+from model.checkpoint import (
+    MODEL_NAMES,
+    ModelInfo,
+    kv_fingerprint,
+    load_model_info,
+    read_model_config,
+)
 from model.config import ModelConfig
 from model.rules import finish_reason, prompt_problem
 from model.tokenizer import Tokenizer
@@ -47,6 +53,7 @@ __all__ = [
     "load_model",
     "load_model_info",
     "prompt_problem",
+    "read_model_config",
     "sample",
     "save_hf_dir",
 ]

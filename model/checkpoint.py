@@ -419,3 +419,15 @@ def load_model_info(name_or_path: str) -> ModelInfo:
     """Name, config, tokenizer and weights id of what load_model would load, reading no weights
     (a GGUF file is memory-mapped for its metadata and hashed in chunks)."""
     return read_checkpoint(resolve_checkpoint(name_or_path))[0]
+
+
+def read_model_config(name_or_path: str) -> ModelConfig:
+    """The config of what load_model would load, from the checkpoint's metadata alone: no
+    weights read and nothing hashed (what sizing memory for it needs; load_model_info hashes
+    the file for the weights' id)."""
+    ckpt = resolve_checkpoint(name_or_path)
+    if ckpt.kind == "tiny-random":
+        return _tiny_info(ckpt.name).config
+    if ckpt.kind == "gguf":
+        return read_gguf_meta(ckpt.path).config
+    return read_hf_meta(ckpt.path).config

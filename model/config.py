@@ -158,6 +158,37 @@ class ModelConfig:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
+    def num_parameters(self) -> int:
+        """Weights the forwards hold (LlamaModel's and DeepseekModel's parameters: one embedding
+        when the head is tied), from the config alone: what sizing a machine's memory needs
+        before any checkpoint is read."""
+        h, heads = self.hidden_size, self.num_heads
+        per_layer = [2 * h] * self.num_layers  # input and post-attention norms
+        for layer in range(self.num_layers):
+            if self.is_mla:
+                latent = self.kv_lora_rank + self.qk_rope_head_dim
+                q = heads * self.head_dim
+                if self.q_lora_rank:  # q_a (fused with kv_a), its norm, q_b
+                    attn = h * (self.q_lora_rank + latent) + self.q_lora_rank
+                    attn += self.q_lora_rank * q
+                else:
+                    attn = h * (q + latent)
+                attn += self.kv_lora_rank  # kv_a's norm
+                attn += self.kv_lora_rank * heads * (self.qk_nope_head_dim + self.v_head_dim)
+                attn += heads * self.v_head_dim * h  # o_proj
+            else:
+                q, kv = heads * self.head_dim, self.num_kv_heads * self.head_dim
+                attn = h * (q + 2 * kv) + q * h  # q, k, v and o
+            if self.is_moe_layer(layer):
+                e, m = self.n_routed_experts, self.moe_intermediate_size
+                mlp = e * h + (e if self.topk_method == "noaux_tc" else 0)  # router (and bias)
+                mlp += (e + self.n_shared_experts) * 3 * h * m  # gate, up and down of each
+            else:
+                mlp = 3 * h * self.intermediate_size
+            per_layer[layer] += attn + mlp
+        heads_out = 1 if self.tie_word_embeddings else 2  # the embedding, and an untied lm_head
+        return sum(per_layer) + heads_out * self.vocab_size * h + h  # + the final norm
+
     def kv_layout(self, block_size: int, dtype: torch.dtype) -> KVLayout:
         """The paged KV layout of this architecture: full-precision K and V per KV head, or for
         MLA one latent row (c_kv and the shared rope key) per token."""

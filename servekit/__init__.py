@@ -32,15 +32,24 @@ from servekit.cpus import (
 )
 from servekit.grpc_server import GrpcServer
 from servekit.kv_cache import (
+    DTYPE_BYTES,
     DTYPE_NAMES,
     KIVI_WINDOW_DTYPES,
     KV_CACHE_DTYPES,
     check_kv_cache,
     is_kivi,
+    kv_block_bytes,
     kv_cache_layout,
     kv_cache_layout_id,
 )
-from servekit.machine import DTYPE_AUTO, cpu_flags, native_dtype, resolve_dtype
+from servekit.machine import (
+    DTYPE_AUTO,
+    MachineMemory,
+    cpu_flags,
+    machine_memory,
+    native_dtype,
+    resolve_dtype,
+)
 from servekit.memory import (
     IDLE_TRIM_S,
     MemoryUsage,
@@ -49,6 +58,14 @@ from servekit.memory import (
     release_freed_heap,
     resident_without_shared_memory,
     tensor_bytes,
+)
+from servekit.memory_sizing import (
+    MemoryPlan,
+    PoolSpec,
+    SizingError,
+    plan_memory,
+    sizes_said,
+    split_kv_bytes,
 )
 from servekit.request_guard import DecodeGuard
 from servekit.roles import ROLES, Role, role_classes
@@ -83,6 +100,14 @@ __all__ = [
     "cpu_flags",
     "native_dtype",
     "resolve_dtype",
+    "MachineMemory",
+    "machine_memory",
+    "MemoryPlan",
+    "PoolSpec",
+    "SizingError",
+    "plan_memory",
+    "sizes_said",
+    "split_kv_bytes",
     "CONTROL_THREADS",
     "RETRY_AFTER_KEY",
     "CallLimit",
@@ -115,6 +140,7 @@ __all__ = [
     "release_freed_heap",
     "freeze_startup_objects",
     "tensor_bytes",
+    "DTYPE_BYTES",
     "DTYPE_NAMES",
     "KIVI_WINDOW_DTYPES",
     "KV_CACHE_DTYPES",
@@ -136,6 +162,7 @@ __all__ = [
     "decode_features",
     "field_names",
     "is_kivi",
+    "kv_block_bytes",
     "kv_cache_layout",
     "kv_cache_layout_id",
     "predict",

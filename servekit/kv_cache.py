@@ -103,6 +103,27 @@ def kv_cache_layout_id(model_config, config, dtype: str) -> str:
     )
 
 
+# bytes of one value of each compute or full-precision KV dtype (DTYPE_NAMES), without torch
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def kv_block_bytes(model_config, config, dtype: str) -> int:
+    """kv_cache_layout(model_config, config, <dtype>).block_bytes from the compute dtype's name:
+    one block of a worker's pool, what its num_blocks multiplies. Without torch for full
+    precision and MLA (the launcher sizes `num_blocks: auto` pools with it and holds no
+    tensors); KIVI's packed fields are sized by the kernels' own layout (imports torch)."""
+    kind, stored = _stored_dtype(model_config, config, dtype)
+    c = model_config
+    if kind.kivi_bits:
+        import torch
+
+        return kv_cache_layout(model_config, config, getattr(torch, dtype)).block_bytes
+    # the layouts' block shapes (kernels/layout.py): [layers, 2 (k|v), block_size, kv_heads,
+    # head_dim], or MLA's [layers, block_size, kv_lora_rank + rope dims]
+    width = c.kv_lora_rank + c.qk_rope_head_dim if c.is_mla else 2 * c.num_kv_heads * c.head_dim
+    return c.num_layers * config.block_size * width * DTYPE_BYTES[stored]
+
+
 def kv_cache_layout(model_config, config, dtype: torch.dtype) -> KVLayout:
     """The layout a server's blocks are stored in, from its config's block_size, kv_cache_dtype,
     kivi_group_size, kivi_residual and kivi_window_dtype: full precision (in `dtype`, the compute
