@@ -55,10 +55,15 @@ def generate_remote(args: argparse.Namespace) -> int:
         out.write("\n")
         if last is not None and last.usage is not None:
             u = last.usage
+            where = (
+                f"prefilled on {u.decode_worker}"
+                if u.prefill_on_decode
+                else f"{u.prefill_worker} -> {u.decode_worker}"
+            )
             print(
                 f"[{u.completion_tokens} tokens, {last.finish_reason}; TTFT {u.ttft_ms:.0f} ms, "
                 f"TBT {u.tbt_mean_ms:.1f} ms; prompt {u.prompt_tokens} tokens, "
-                f"{u.cached_tokens} cached; {u.prefill_worker} -> {u.decode_worker}]",
+                f"{u.cached_tokens} cached; {where}]",
                 file=sys.stderr,
             )
     return 0

@@ -110,6 +110,8 @@ class Report(NamedTuple):
     output_tokens_per_s: float
     ttft_prediction: PredictionError = NO_ERROR  # the policy's TTFT estimate against the measure
     tbt_prediction: PredictionError = NO_ERROR  # its TBT estimate against the request's TBT
+    # done requests whose prompt its decode worker prefilled (conditional disaggregation)
+    prefilled_on_decode: int = 0
 
 
 def request_tbt(gaps_ms: Iterable[float]) -> float:
@@ -176,6 +178,8 @@ def compute_report(
         tbt_prediction=prediction_error(
             (r.predicted_tbt_ms, request_tbt(r.gaps_ms)) for r in done if r.gaps_ms
         ),
+        prefilled_on_decode=sum(bool(r.decode_worker) and r.prefill_worker == r.decode_worker
+                                for r in done),  # fmt: skip
     )
 
 
@@ -217,6 +221,7 @@ def format_reports(reports: list[Report]) -> str:
         ("TTFT pred. error p50/p90 (bias)", [err(r.ttft_prediction) for r in reports]),
         ("TBT pred. error p50/p90 (bias)", [err(r.tbt_prediction) for r in reports]),
         ("TTFT predicted/measured p50/p90", [ratio(r.ttft_prediction) for r in reports]),
+        ("prefilled on the decode worker", [str(r.prefilled_on_decode) for r in reports]),
         ("prefill tokens computed", [str(r.prefill_tokens_computed) for r in reports]),
         ("prefill tokens saved", [str(r.prefill_tokens_saved) for r in reports]),
         ("output tokens/s", [f"{r.output_tokens_per_s:.1f}" for r in reports]),

@@ -43,6 +43,10 @@ class ConductorConfig:
     # mooncake: KV transfer speed assumed of a link until a prefill worker's fetches measure it
     # (1.0 = 1 GB/s); measured links replace it (logged and counted: halfmoon_link_assumed)
     transfer_mb_per_ms: float = 1.0
+    # mooncake: a prompt with at most this many tokens left to compute after its decode host's
+    # stored prefix is prefilled on the decode worker itself, between its steps, where that is
+    # predicted no slower than on a prefill worker (conditional disaggregation); 0 = never
+    local_prefill_tokens: int = 0
     random_seed: int = 0  # the random policy's seed
     ttft_slo_ms: float = 30_000.0  # default time-to-first-token objective (requests may set theirs)
     tbt_slo_ms: float = 2_000.0  # default time-between-tokens objective
@@ -76,6 +80,11 @@ class ConductorConfig:
             raise ValueError(
                 "ConductorConfig: ttft_slo_ms and tbt_slo_ms must be positive (ms), got "
                 f"{self.ttft_slo_ms} and {self.tbt_slo_ms}"
+            )
+        if self.local_prefill_tokens < 0:
+            raise ValueError(
+                "ConductorConfig.local_prefill_tokens: 0 (never) or a number of tokens, got "
+                f"{self.local_prefill_tokens}"
             )
         if self.admission not in ADMISSION_MODES:
             raise ValueError(

@@ -46,6 +46,9 @@ class DecodeBooking:
     prompt_tokens: int  # its prompt's tokens (the KV the worker pulls)
     max_tokens: int  # new tokens it may generate there
     blocks: int  # pool blocks its whole answer needs
+    # a prefill on the decode worker itself: its predicted compute, until the worker says it is
+    # done (the stream's admitted message); 0 = prefilled elsewhere, or done
+    local_ms: float = 0.0
 
     def as_waiting(self) -> tuple[int, int, int]:
         """The policy's view of it: a sequence admitted before a new one (DecodeCandidate)."""
@@ -184,16 +187,26 @@ class Fleet:
         decode_id: str,
         prefill: PrefillBooking,
         decode: DecodeBooking,
-    ) -> tuple[PrefillWorker, DecodeWorker]:
+    ) -> tuple[PrefillWorker | None, DecodeWorker]:
         """Book `rid`'s work on the chosen pair (any older booking of it goes: it is routed again
-        after a failure); the pair's workers."""
+        after a failure); the pair's workers (no prefill worker where `prefill_id` is "": the
+        decode worker prefills it)."""
         with self.lock:
             for w in self.workers:
                 w.inflight.pop(rid, None)
-            p = {w.worker_id: w for w in self.prefill}[prefill_id]
+            p = {w.worker_id: w for w in self.prefill}[prefill_id] if prefill_id else None
             d = {w.worker_id: w for w in self.decode}[decode_id]
-            p.inflight[rid], d.inflight[rid] = prefill, decode
+            if p is not None:
+                p.inflight[rid] = prefill
+            d.inflight[rid] = decode
         return p, d
+
+    def prefilled_on_decode(self, worker: DecodeWorker, rid: str) -> None:
+        """The decode worker has prefilled `rid` itself: its booking no longer holds compute."""
+        with self.lock:
+            booking = worker.inflight.get(rid)
+            if booking is not None:
+                worker.inflight[rid] = dataclasses.replace(booking, local_ms=0.0)
 
     def decode_sent(self, worker: DecodeWorker, rid: str) -> None:
         """`rid`'s Decode call goes out now: from now on a load report the worker gives may hold

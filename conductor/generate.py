@@ -60,7 +60,11 @@ class RequestFlow:
                 prompt = s.prompt()
                 s.routed = routed = self._route(context, s, prompt)
                 try:
-                    reply = self._relay.prefill(context, s, routed, prompt)
+                    reply = (
+                        None
+                        if routed.prefill_on_decode  # the decode worker prefills it itself
+                        else self._relay.prefill(context, s, routed, prompt)
+                    )
                     yield from self._relay.decode(context, s, routed, prompt, reply)
                 except Retry as r:
                     self._worker_lost(context, s, r)

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from conductor.corrections import Correction
 from conductor.estimates import DecodeEstimate, decode_estimate
 from conductor.policy_types import (
     ClusterState,
@@ -22,6 +23,11 @@ from conductor.policy_types import (
     RequestInfo,
 )
 from servekit import blocks_needed, predict, prefill_features, reusable_blocks
+
+# A miss predicted by an unchecked model on an idle worker is a probe (admit) only where the
+# conductor's correction, which scales a model by 0.2x at the least, could bring it within the
+# objective: a prediction 5x past it stays a refusal whatever the model's error.
+PROBE_WITHIN = 1.0 / Correction.BOUNDS[0]
 
 
 class Policy(abc.ABC):
@@ -54,11 +60,17 @@ def _least_loaded_decode(
     need = blocks_needed(
         request.num_tokens, request.max_tokens, state.block_size, state.window_tokens
     )
-    best, best_key, slow_ttft, slow_tbt = None, None, 0.0, 0.0
+    best, best_key, slow_ttft, slow_tbt, idle = None, None, 0.0, 0.0, False
     for d in _decode_fits(request, state):
         est = decode_estimate(d, request, state.block_size, state.window_tokens)
         if slo and request.tbt_slo_ms > 0 and est.tbt_ms > request.tbt_slo_ms:
             slow_tbt = est.tbt_ms if not slow_tbt else min(slow_tbt, est.tbt_ms)
+            idle = idle or (
+                d.running == 0
+                and not d.waiting
+                and not d.checked
+                and est.tbt_ms <= PROBE_WITHIN * request.tbt_slo_ms
+            )
             continue
         ttft = est.ttft_ms(prefill_ttft_ms)
         if slo and request.ttft_slo_ms > 0 and ttft > request.ttft_slo_ms:
@@ -80,6 +92,7 @@ def _least_loaded_decode(
             f"predicted time between tokens {slow_tbt:.0f} ms exceeds the "
             f"{request.tbt_slo_ms:g} ms SLO on every decode worker",
             slow_tbt - request.tbt_slo_ms,
+            idle=idle,
         )
     return best, best_est
 
@@ -125,6 +138,14 @@ class MooncakePolicy(Policy):
     # links (PrefillCandidate.links) take its place.
     transfer_mb_per_ms: float = 1.0
     reject: bool = True  # reject when a predicted SLO is missed
+    # Conditional disaggregation (Dynamo's, llm-d's pd-decider): a prompt with at most this many
+    # tokens to compute on a decode worker (after the prefix its host's store holds) is prefilled
+    # there, between its steps, when that is predicted no slower than on a prefill worker; no
+    # prefill queue, no KV transfer. 0 = every prompt on a prefill worker.
+    local_prefill_tokens: int = 0
+    # The share of a TBT objective a decode worker keeps for its steps (DecodeConfig's
+    # tbt_pace_fraction): a prefill there gets the rest of the CPUs while its batch runs.
+    tbt_pace_fraction: float = 0.8
     name: str = "mooncake"
 
     def transfer_ms(
@@ -140,6 +161,65 @@ class MooncakePolicy(Policy):
         return link.fixed_ms + nbytes / link.bytes_per_ms, True
 
     def choose(self, request: RequestInfo, state: ClusterState) -> Decision:
+        """On a prefill worker (Algorithm 1), or on the decode worker itself where a short or
+        mostly cached prompt is predicted to be served as fast there (`local_prefill_tokens`)."""
+        local = None
+        if self.local_prefill_tokens > 0 and not request.resumed:
+            local = self._on_decode(request, state)
+        try:
+            remote = self._disaggregated(request, state)
+        except Rejected:
+            if local is None:
+                raise
+            return local  # the prefill workers cannot meet it (or are gone): the decode worker can
+        if local is not None and local.predicted_ttft_ms <= remote.predicted_ttft_ms:
+            return local
+        return remote
+
+    def _on_decode(self, request: RequestInfo, state: ClusterState) -> Decision | None:
+        """The best decode worker to prefill the prompt itself: the fastest predicted TTFT among
+        those within the objectives with at most `local_prefill_tokens` to compute; None when
+        none is. Its compute is predicted by the fastest prefill worker's model (the same model
+        on the same kind of CPU), slowed to the share of the CPUs its running batch leaves."""
+        bs = state.block_size
+        coefs = [w.coef for w in state.prefill]
+        if not coefs:
+            return None
+        best: Decision | None = None
+        for d in _decode_fits(request, state):
+            own = max((state.matches.get(n, 0) for n in d.nodes), default=0)
+            own = reusable_blocks(own, request.num_tokens, bs)
+            todo = request.num_tokens - own * bs
+            if todo > self.local_prefill_tokens:
+                continue
+            est = decode_estimate(d, request, bs, state.window_tokens)
+            if request.tbt_slo_ms > 0 and est.tbt_ms > request.tbt_slo_ms and self.reject:
+                continue
+            compute_ms = min(predict(c, prefill_features(todo, request.num_tokens)) for c in coefs)
+            share = 1.0
+            if d.running and request.tbt_slo_ms > 0:
+                budget = self.tbt_pace_fraction * request.tbt_slo_ms
+                share = max(0.1, (budget - est.step_ms) / budget)
+            prefill_ms = d.local_queue_ms + compute_ms / share
+            ttft = est.admission_wait_ms + prefill_ms + est.align_ms
+            if self.reject and request.ttft_slo_ms > 0 and ttft > request.ttft_slo_ms:
+                continue
+            if best is None or (ttft, d.worker_id) < (best.predicted_ttft_ms, best.decode):
+                best = Decision(
+                    prefill="",
+                    decode=d.worker_id,
+                    use_cache=True,
+                    fetch_from="",
+                    fetch_blocks=0,
+                    reuse_blocks=own,
+                    predicted_ttft_ms=ttft,
+                    predicted_tbt_ms=est.tbt_ms,
+                    predicted_prefill_ms=compute_ms,
+                    prefill_on_decode=True,  # no prefill answer: no part after it
+                )
+        return best
+
+    def _disaggregated(self, request: RequestInfo, state: ClusterState) -> Decision:
         bs = state.block_size
         cap = lambda b: reusable_blocks(b, request.num_tokens, bs)  # noqa: E731
         # The longest prefix a worker could fetch: a device pool is its owner's alone.
@@ -180,6 +260,9 @@ class MooncakePolicy(Policy):
                 f"predicted TTFT {ttft:.0f} ms exceeds the {request.ttft_slo_ms:g} ms SLO "
                 "on every prefill worker",
                 ttft - request.ttft_slo_ms,
+                idle=chosen.worker.queue_ms <= 0.0
+                and not chosen.worker.checked
+                and ttft <= PROBE_WITHIN * request.ttft_slo_ms,
             )
         d, est = _least_loaded_decode(request, state, self.reject, ttft)
         total = est.ttft_ms(ttft)
@@ -265,19 +348,29 @@ class RandomPolicy(Policy):
         )
 
 
+ADMITTED, PROBE, BEST_EFFORT = "admitted", "probe", "best_effort"
+
+
 def admit(
     policy: Policy, request: RequestInfo, state: ClusterState, admission: str = "reject"
-) -> tuple[Decision, bool]:
-    """(the policy's decision, whether it is best-effort). A request no pair is predicted to
-    serve within its objectives raises MissesObjectives under "reject"; under "best_effort" it
-    goes where the policy would send it without objectives, and is best-effort (never counted
-    as good). No pair at all is Rejected either way."""
+) -> tuple[Decision, str]:
+    """(the policy's decision, how it was admitted: ADMITTED within its objectives as predicted;
+    PROBE where the prediction that missed them was made on an idle worker; BEST_EFFORT).
+
+    A request no pair is predicted to serve within its objectives raises MissesObjectives under
+    "reject"; under "best_effort" it goes where the policy would send it without objectives, and
+    is best-effort (never counted as good). Either way, a miss predicted on a worker with
+    nothing to do and a model no served request has checked yet is admitted, as a probe, and
+    judged by its outcome (where within PROBE_WITHIN of its objective): that prediction is the
+    model alone, which only requests served there correct, and a model fitted on a loaded
+    machine would otherwise refuse every request from then on. No pair at all is Rejected."""
     try:
-        return policy.choose(request, state), False
-    except MissesObjectives:
-        if admission != "best_effort":
+        return policy.choose(request, state), ADMITTED
+    except MissesObjectives as exc:
+        if not exc.idle and admission != "best_effort":
             raise
-    return policy.choose(request._replace(ttft_slo_ms=0.0, tbt_slo_ms=0.0), state), True
+        how = PROBE if exc.idle else BEST_EFFORT
+    return policy.choose(request._replace(ttft_slo_ms=0.0, tbt_slo_ms=0.0), state), how
 
 
 POLICIES: dict[str, Callable[..., Policy]] = {

@@ -14,6 +14,9 @@ class RequestInfo(NamedTuple):
     max_tokens: int  # new tokens the request may generate
     ttft_slo_ms: float  # time-to-first-token objective; <= 0 = none
     tbt_slo_ms: float  # time-between-tokens objective; <= 0 = none
+    # resumed after a lost decode worker (its first token sent already): prefilled on a prefill
+    # worker, never on the decode worker (which would sample a first token again)
+    resumed: bool = False
 
 
 class Link(NamedTuple):
@@ -40,6 +43,9 @@ class PrefillCandidate(NamedTuple):
     queued_tokens: int = 0
     # the links from the store nodes it has fetched from, as measured (others: the default)
     links: tuple[Link, ...] = ()
+    # its model's predictions have been checked against requests served (its correction holds):
+    # False = its model alone, which may be far off (fitted on a loaded machine, say)
+    checked: bool = True
 
 
 class DecodeCandidate(NamedTuple):
@@ -60,6 +66,12 @@ class DecodeCandidate(NamedTuple):
     max_batch: int = 0  # sequences one step carries at most (0 = no bound)
     # what pulling one prompt block into its pool took lately (0 = unknown: taken as instant)
     pull_ms_per_block: float = 0.0
+    # Index node ids of its host's store node(s): the prefix it can load itself, were it to
+    # prefill a prompt (a prefill on the decode worker)
+    nodes: tuple[str, ...] = ()
+    # predicted compute of the prefills routed to it and not done yet (ms, at its full speed)
+    local_queue_ms: float = 0.0
+    checked: bool = True  # as PrefillCandidate's
 
 
 
@@ -101,6 +113,9 @@ class Decision(NamedTuple):
     # The part of the TTFT estimate after the prefill's answer: the decode admission wait, the KV
     # pull and the step boundary it joins at (what a correction of the prefill leaves out).
     predicted_admission_ms: float = 0.0
+    # The prompt is prefilled on the decode worker itself, between its steps (its host's stored
+    # prefix loaded, the rest computed there): `prefill` is "" and no prefill worker runs.
+    prefill_on_decode: bool = False
 
 
 class Rejected(Exception):
@@ -112,9 +127,13 @@ class MissesObjectives(Rejected):
     once with a time to retry after, or (the conductor's `admission: best_effort`) served
     without being counted as good."""
 
-    def __init__(self, message: str, over_ms: float):
+    def __init__(self, message: str, over_ms: float, idle: bool = False):
         super().__init__(message)
         self.over_ms = over_ms  # how far the best prediction is past its objective
+        # the worker it was predicted on had nothing to do and an unchecked model: the prediction
+        # is its model alone, which only requests served there correct (conductor.admit admits
+        # it as a probe)
+        self.idle = idle
 
     @property
     def retry_after_s(self) -> int:

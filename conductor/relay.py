@@ -88,6 +88,29 @@ def remaining(context: grpc.ServicerContext, cap: float) -> float:
     return cap if left is None else max(0.001, min(cap, left))
 
 
+def decode_request(
+    s: RequestStream, routed: Routed, prompt: list[int], reply: pb.PrefillReply | None
+) -> pb.DecodeRequest:
+    """The Decode call of the routed pair: after the prefill's `reply` (its handle, its first
+    token, or the last one sent when resumed), or with none the decode worker prefilling the
+    prompt itself (prefill_here), loading the leading blocks its host's store holds."""
+    dreq = pb.DecodeRequest(
+        request_id=s.rid,
+        prompt_ids=prompt,
+        sampling=s.decode_sampling(),
+        cache_salt=s.salt,
+        tbt_slo_ms=s.tbt_slo_ms,
+    )
+    if reply is None:
+        dreq.prefill_here = True
+        dreq.handle.block_keys.extend(routed.reuse_keys)
+        dreq.handle.num_tokens = len(prompt)
+    else:
+        dreq.first_token = s.out[-1] if s.out else reply.first_token
+        dreq.handle.CopyFrom(reply.handle)
+    return dreq
+
+
 class Relay:
     """Runs one request's legs on the pair it was routed to."""
 
@@ -104,6 +127,9 @@ class Relay:
     ) -> pb.PrefillReply:
         """The prefill reply; Cancelled when the client went away, Retry when the worker is
         gone; any other verdict of the worker ends the request."""
+        worker = routed.prefill
+        if worker is None:
+            raise ValueError(f"request {s.rid} is prefilled on its decode worker, not by a prefill")
         preq = pb.PrefillRequest(
             request_id=s.rid,
             token_ids=prompt,
@@ -119,7 +145,7 @@ class Relay:
         )
         try:
             timeout = remaining(context, self.config.prefill_timeout_s)
-            fut = routed.prefill.stub.Prefill.future(preq, timeout=timeout)
+            fut = worker.stub.Prefill.future(preq, timeout=timeout)
             context.add_callback(fut.cancel)
             try:
                 reply = fut.result()
@@ -128,7 +154,7 @@ class Relay:
                 with self._fleet.lock:
                     # the prefill's own estimate: the first token is held for the decode
                     # admission after this, which the prefill worker's correction leaves out
-                    routed.prefill.correction.observe(
+                    worker.correction.observe(
                         s.elapsed_ms(),
                         routed.predicted_ttft_ms - routed.predicted_admission_ms,
                         routed.prefill_ratio,
@@ -141,13 +167,13 @@ class Relay:
                 if not context.is_active():
                     raise Cancelled() from None
                 if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
-                    raise Retry("prefill", routed.prefill, exc) from None
+                    raise Retry("prefill", worker, exc) from None
                 if s.first is None and exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
-                    who = f"prefill worker {routed.prefill.worker_id}"
+                    who = f"prefill worker {worker.worker_id}"
                     self._reject(context, "prefill_full", f"{who}: {exc.details()}")
-                downstream_failed(context, self._metrics, "prefill", routed.prefill, exc)
+                downstream_failed(context, self._metrics, "prefill", worker, exc)
         finally:
-            self._fleet.unbook(routed.prefill, s.rid)
+            self._fleet.unbook(worker, s.rid)
 
     def decode(
         self,
@@ -155,7 +181,7 @@ class Relay:
         s: RequestStream,
         routed: Routed,
         prompt: list[int],
-        reply: pb.PrefillReply,
+        reply: pb.PrefillReply | None,
     ) -> Iterator[pb.GenerateResponse]:
         """Relays the decode worker's tokens until the answer ends (s.reason set); Cancelled
         when the client went away, Retry when the stream broke off before its end.
@@ -163,24 +189,23 @@ class Relay:
         A new request's first token (the prefill's) goes to the client only once the decode
         worker has admitted the sequence (its first message): a wait for pool room is part of
         TTFT, and no stream stalls after its first token. A refusal before that (the worker's
-        queue is full) is an early rejection."""
+        queue is full) is an early rejection. With no `reply` the decode worker prefills the
+        prompt itself, and its admitted message carries what a prefill worker would answer."""
         worker = routed.decode
-        dreq = pb.DecodeRequest(
-            request_id=s.rid,
-            prompt_ids=prompt,
-            first_token=s.out[-1] if s.out else reply.first_token,
-            handle=reply.handle,
-            sampling=s.decode_sampling(),
-            cache_salt=s.salt,
-            tbt_slo_ms=s.tbt_slo_ms,
-        )
+        dreq = decode_request(s, routed, prompt, reply)
         self._fleet.decode_sent(worker, s.rid)
         timeout = remaining(context, self.config.decode_timeout_s)
         call = worker.stub.Decode(dreq, timeout=timeout)
         context.add_callback(call.cancel)
         try:
             for msg in call:
+                if reply is None and msg.HasField("prefilled"):
+                    reply = msg.prefilled  # prefilled there: the first token comes with it
+                    s.answered_ms = s.elapsed_ms()
+                    self._fleet.prefilled_on_decode(worker, s.rid)
                 if s.first is None:  # admitted (or ended by its first token): it starts now
+                    if reply is None:
+                        raise Retry("decode", worker, None)  # a stream that broke the protocol
                     first = s.start(reply)
                     self._metrics.ttft.observe(s.ttft_ms / 1000.0)
                     yield first
@@ -217,8 +242,9 @@ class Relay:
         """The finished stream's measurements: its KV pull time and, past one token, its TBT
         against the estimate it was routed by."""
         worker = routed.decode
-        with self._fleet.lock:
-            worker.observe_pull(transfer_ms, -(-prompt_tokens // self.config.block_size))
+        if not routed.prefill_on_decode:  # there its fill time was a prefill's, not a pull's
+            with self._fleet.lock:
+                worker.observe_pull(transfer_ms, -(-prompt_tokens // self.config.block_size))
         if len(s.times) > 1:
             with self._fleet.lock:
                 worker.correction.observe(

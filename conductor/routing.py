@@ -9,15 +9,23 @@ import threading
 import time
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, Counter
 
 from conductor.config import ConductorConfig
 from conductor.fleet import DecodeBooking, DecodeWorker, Fleet, PrefillBooking, PrefillWorker
 from conductor.links import AssumedLinks
-from conductor.policy import POLICIES, Policy, RequestInfo, admit, make_policy
+from conductor.policy import (
+    ADMITTED,
+    BEST_EFFORT,
+    POLICIES,
+    Policy,
+    RequestInfo,
+    admit,
+    make_policy,
+)
 from conductor.prefixes import PrefixIndex
 from conductor.state import cluster_state
-from servekit import blocks_needed
+from servekit import blocks_needed, is_kivi
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +36,7 @@ class Routed:
     kept to correct the workers' models once the request's times are measured."""
 
     decision_policy: str  # the policy's registry name
-    prefill: PrefillWorker  # the chosen prefill worker
+    prefill: PrefillWorker | None  # the chosen prefill worker (None: the decode worker prefills)
     decode: DecodeWorker  # the chosen decode worker
     fetch_from: str  # remote store node to pull the prefix from ("" = own tiers only)
     fetch_blocks: int  # the prompt's leading blocks to take from there
@@ -46,14 +54,21 @@ class Routed:
     # admitted although no pair was predicted to meet its objectives (admission: best_effort):
     # served, never counted as good
     best_effort: bool = False
+    # prefilled on the decode worker itself, loading the prompt's leading `reuse_blocks` blocks
+    # from its host's store (Decision.prefill_on_decode)
+    prefill_on_decode: bool = False
+    reuse_keys: tuple[bytes, ...] = ()
 
 
 def make_policies(config: ConductorConfig) -> dict[str, Policy]:
     """Every policy a request may name, built with the configured options."""
+    # a KIVI decode worker's pool holds packed blocks its prefill cannot write
+    local = 0 if is_kivi(config.kv_cache_dtype) else config.local_prefill_tokens
     policies = {
         "mooncake": make_policy(
             "mooncake",
             kvcache_balancing_threshold=config.kvcache_balancing_threshold,
+            local_prefill_tokens=local,
             transfer_mb_per_ms=config.transfer_mb_per_ms,
         ),
         "load_balance": make_policy("load_balance"),
@@ -87,6 +102,21 @@ class Router:
         # thread-safe either.
         self._lock = threading.Lock()
         self._assumed_links = AssumedLinks(registry, config.transfer_mb_per_ms)
+        self._probes = Counter(
+            "halfmoon_admitted_unpredicted",
+            "Requests admitted although no pair was predicted to meet their objectives: probe "
+            "(predicted on an idle worker, whose model only served requests correct) or "
+            "best_effort (admission: best_effort)",
+            ["how"],
+            registry=registry,
+        )
+        self._placed = Counter(
+            "halfmoon_prefill_placement",
+            "Routed prompts by where they are prefilled: on a prefill worker, or on their decode "
+            "worker (conditional disaggregation: local_prefill_tokens)",
+            ["where"],
+            registry=registry,
+        )
 
     def route(
         self,
@@ -112,16 +142,24 @@ class Router:
             max_tokens=max_tokens,
             ttft_slo_ms=0.0 if resumed else ttft_slo_ms or self.config.ttft_slo_ms,
             tbt_slo_ms=0.0 if resumed else tbt_slo_ms or self.config.tbt_slo_ms,
+            resumed=resumed,
         )
         self._fleet.loads_wanted.set()  # routed or refused, the next request sees fresh loads
         # Choosing and booking the work on the pair is one step: a burst of requests each sees
         # the ones routed before it.
         with self._lock:
             state = cluster_state(self._fleet, self._prefixes.matches(keys), self.config)
-            d, best_effort = admit(self.policies[policy_name], info, state, self.config.admission)
-            if best_effort:
-                log.info("request %s served best-effort: no pair meets its objectives", rid)
+            d, how = admit(self.policies[policy_name], info, state, self.config.admission)
+            best_effort = how == BEST_EFFORT
+            if how != ADMITTED:
+                self._probes.labels(how).inc()
+                log.info("request %s admitted (%s): no pair is predicted to meet its objectives",
+                         rid, how)  # fmt: skip
             self._assumed_links.note(d)
+            self._placed.labels("decode" if d.prefill_on_decode else "prefill").inc()
+            log.debug("request %s: prefill on %s, decode on %s, predicted TTFT %.0f ms", rid,
+                      d.decode if d.prefill_on_decode else d.prefill, d.decode,
+                      d.predicted_ttft_ms)  # fmt: skip
             block_size = self.config.block_size
             prefill, decode = self._fleet.book(
                 rid,
@@ -132,12 +170,14 @@ class Router:
                     compute_ms=d.predicted_prefill_ms,
                     tokens=info.num_tokens - d.reuse_blocks * block_size,
                 ),
-                # Not sent until the prefill answers: counted as unseen until then.
+                # Not sent until the prefill answers: counted as unseen until then (sent at once
+                # where the decode worker prefills it, its compute held until it says done).
                 DecodeBooking(
-                    sent_at=math.inf,
+                    sent_at=time.perf_counter() if d.prefill_on_decode else math.inf,
                     prompt_tokens=info.num_tokens,
                     max_tokens=info.max_tokens,
                     blocks=blocks_needed(info.num_tokens, info.max_tokens, block_size),
+                    local_ms=d.predicted_prefill_ms if d.prefill_on_decode else 0.0,
                 ),
             )
         return Routed(
@@ -151,10 +191,12 @@ class Router:
             predicted_prefill_ms=d.predicted_prefill_ms,
             ttft_slo_ms=info.ttft_slo_ms,
             predicted_tbt_ms=d.predicted_tbt_ms,
-            prefill_ratio=prefill.correction.ratio,
+            prefill_ratio=prefill.correction.ratio if prefill is not None else 1.0,
             decode_ratio=decode.correction.ratio,
             predicted_admission_ms=d.predicted_admission_ms,
-            prefill_epoch=prefill.correction.epoch,
+            prefill_epoch=prefill.correction.epoch if prefill is not None else 0,
             decode_epoch=decode.correction.epoch,
             best_effort=best_effort,
+            prefill_on_decode=d.prefill_on_decode,
+            reuse_keys=tuple(keys[: d.reuse_blocks]) if d.prefill_on_decode else (),
         )

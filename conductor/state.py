@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 
 from conductor.config import ConductorConfig
+from conductor.corrections import Correction
 from conductor.fleet import Fleet, PrefillWorker
 from conductor.policy_types import ClusterState, DecodeCandidate, Link, PrefillCandidate
 from protos import halfmoon_pb2 as pb
@@ -43,6 +44,7 @@ def cluster_state(fleet: Fleet, matches: dict[str, int], config: ConductorConfig
                     fetch_block_bytes=ld.fetch_block_bytes,
                     queued_tokens=queued_tokens,
                     links=tuple(Link(x.node, x.fixed_ms, x.bytes_per_ms) for x in ld.links),
+                    checked=w.correction.samples >= Correction.MIN_SAMPLES,
                 )
             )
         for d in fleet.decode:
@@ -51,6 +53,7 @@ def cluster_state(fleet: Fleet, matches: dict[str, int], config: ConductorConfig
                 continue
             # Routed here and not in the report: admitted after what it reports waiting.
             unseen = tuple(b.as_waiting() for b in d.unseen())
+            local_ms = sum(b.local_ms for b in d.inflight.values())
             waiting = tuple(zip(ld.waiting_positions, ld.waiting_remaining, ld.waiting_blocks))
             decode.append(
                 DecodeCandidate(
@@ -65,6 +68,9 @@ def cluster_state(fleet: Fleet, matches: dict[str, int], config: ConductorConfig
                     waiting=waiting + unseen,
                     max_batch=ld.max_batch,
                     pull_ms_per_block=d.pull_ms_per_block,
+                    nodes=tuple(ld.nodes),
+                    local_queue_ms=local_ms,
+                    checked=d.correction.samples >= Correction.MIN_SAMPLES,
                 )
             )
     return ClusterState(

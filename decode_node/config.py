@@ -39,6 +39,9 @@ class DecodeConfig(WorkerConfig):
     # offered to the prefill as slack (servekit.CpuTurns.offer); the remainder is margin for a
     # step that runs long
     tbt_pace_fraction: float = 0.8
+    # A prompt prefilled here (the conductor's local_prefill_tokens) is computed this many
+    # tokens a forward at most: each chunk takes its turn at the CPUs like a step
+    prefill_chunk_tokens: int = 512
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -48,6 +51,11 @@ class DecodeConfig(WorkerConfig):
             raise ValueError(
                 "DecodeConfig.tbt_pace_fraction: a fraction in (0, 1], got "
                 f"{self.tbt_pace_fraction}"
+            )
+        if self.prefill_chunk_tokens <= 0:
+            raise ValueError(
+                "DecodeConfig.prefill_chunk_tokens: must be positive, got "
+                f"{self.prefill_chunk_tokens}"
             )
         if self.stream_interval <= 0:
             raise ValueError(

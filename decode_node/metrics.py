@@ -76,3 +76,11 @@ class DecodeMetrics:
             ["worker"],
             registry=r,
         ).labels(**lab)
+        self.prefilled_here = Counter(
+            "halfmoon_decode_prefilled_tokens",
+            "Prompt tokens computed here because the conductor routed their prefill here "
+            "(conditional disaggregation; a planned block that could not be loaded counts in "
+            "halfmoon_decode_recomputed_tokens too)",
+            ["worker"],
+            registry=r,
+        ).labels(**lab)

@@ -18,6 +18,7 @@ from kvstore import block_keys
 from kvstore.client import KVConnector
 from model import KVPool, finish_reason, sample
 from model.cuda_graphs import GraphedStep, StaticInput, batch_sizes_upto
+from protos import halfmoon_pb2 as pb
 from servekit import blocks_needed, cpu_turns
 from servekit.worker import load_worker_model
 
@@ -180,6 +181,9 @@ class DecodeRunner:
         """The sequence's blocks with its prompt's KV: stored blocks from the store, the rest
         from the handle's inline tail. What cannot be loaded (evicted, corrupt, unreachable) is
         recomputed here: slower, never wrong."""
+        if s.prefill_here:
+            self._prefill_here(s)
+            return
         t0 = time.perf_counter()
         h, bs = s.request.handle, self.config.block_size
         got = self._pull_stored(s)
@@ -191,13 +195,50 @@ class DecodeRunner:
         if have < len(s.prompt):
             self._recompute_forward(s.prompt[have:], self.pool, s.table, have)
 
-    def _recompute_forward(self, tokens: list[int], pool, table: list[int], start: int) -> None:
+    def _prefill_here(self, s: Seq) -> None:
+        """A prompt no prefill worker ran (conditional disaggregation): the leading blocks the
+        handle names from this host's store, the rest computed here a chunk at a time between
+        this worker's steps, and the first token sampled from the last position's logits as a
+        prefill worker samples it (a fresh generator: the stream's own draws stay as they would
+        be after a prefill worker). A planned block that cannot be loaded is computed: counted,
+        never wrong."""
+        t0 = time.perf_counter()
+        bs, keys = self.config.block_size, list(s.request.handle.block_keys)
+        got = self.kv.pull(self.config.store_address, keys, s.table[: len(keys)]) if keys else 0
+        loaded_ms = (time.perf_counter() - t0) * 1000.0
+        if got < len(keys):
+            s.recomputed = (len(keys) - got) * bs
+            self.metrics.recomputed.inc(s.recomputed)
+        # the last position is computed whatever is stored: its logits give the first token
+        start = min(got * bs, len(s.prompt) - 1)
+        chunk = self.config.prefill_chunk_tokens
+        logits = None
+        for at in range(start, len(s.prompt), chunk):
+            logits = self._recompute_forward(s.prompt[at : at + chunk], self.pool, s.table, at)
+        assert logits is not None  # start < len(prompt)
+        first = int(sample(logits.float(), [s.params], [s.params.generator()])[0])
+        s.out = [first]
+        s.transfer_ms = loaded_ms
+        prefill_ms = (time.perf_counter() - t0) * 1000.0 - loaded_ms
+        self.metrics.prefilled_here.inc(len(s.prompt) - start)
+        s.prefilled = pb.PrefillReply(
+            first_token=first,
+            # from this host's store: its DRAM or SSD tier (the store counts which)
+            cached_dram_tokens=start,
+            computed_tokens=len(s.prompt) - start,
+            prefill_ms=prefill_ms,
+            transfer_ms=loaded_ms,
+        )
+
+    def _recompute_forward(
+        self, tokens: list[int], pool, table: list[int], start: int
+    ) -> torch.Tensor:
         """A prompt's `tokens` from position `start` on computed into `pool`'s blocks `table`:
         a forward like any other, taking its turn at the CPUs and handing it to a waiting step
-        between layers."""
+        between layers. The last position's logits."""
         ids = torch.tensor(tokens, dtype=torch.long)
         with self.turns.turn():
-            self.lm.model.prefill(
+            return self.lm.model.prefill(
                 ids, pool, table, start, last_only=True, on_layer_done=lambda _: self.turns.share()
             )
 

@@ -208,8 +208,13 @@ class DecodeScheduler:
                 self._release(seq)
                 self._end_stream(seq, "error", note=f"KV pull failed: {exc}")
             else:
-                self._running.append(seq)
                 seq.events.put(("admitted",))  # its tokens come with the next steps
+                # prefilled here, its first token may end it (EOS, one token asked)
+                reason = self.runner.finish_reason(seq) if seq.prefill_here else ""
+                if reason:
+                    self.finish(seq, reason, publish=True)
+                else:
+                    self._running.append(seq)
         self.metrics.running.set(len(self._running))
 
     def _drop_cancelled(self) -> None:

@@ -21,7 +21,12 @@ class Seq:
         self.tbt_slo_ms = request.tbt_slo_ms  # its time-between-tokens objective; 0 = none
         self.budget = budget  # new tokens allowed (max_tokens, capped by the context window)
         self.need_blocks = need_blocks  # pool blocks reserved at admission: the whole answer
-        self.out = [request.first_token]  # generated tokens; the last one's KV is not computed
+        # prefilled here (no prefill worker ran): the first token is sampled once its KV is in
+        self.prefill_here = request.prefill_here
+        # what a prefill worker would have answered, once prefilled here (the admitted message)
+        self.prefilled: pb.PrefillReply | None = None
+        # generated tokens; the last one's KV is not computed
+        self.out = [] if request.prefill_here else [request.first_token]
         self.table: list[int] = []  # pool blocks (KIVI: packed blocks, the first n_packed used)
         self.window: list[int] = []  # KIVI: full-precision window blocks, oldest first
         self.n_packed = 0  # KIVI: leading tokens' blocks held packed

@@ -78,7 +78,7 @@ class DecodeWorker(WorkerServer, pb_grpc.DecodeWorkerServicer):
             )
         seq = Seq(request, budget, need)
         context.add_callback(lambda: setattr(seq, "cancelled", True))
-        reason = self.runner.finish_reason(seq)
+        reason = "" if seq.prefill_here else self.runner.finish_reason(seq)
         if reason:  # the first token (the caller has it already) ends it: no KV needed
             self.scheduler.end_early(seq, reason)
             yield pb.DecodeResponse(finished=True, finish_reason=reason)
@@ -108,7 +108,7 @@ class DecodeWorker(WorkerServer, pb_grpc.DecodeWorkerServicer):
             msg = pb.DecodeResponse()
             for kind, *payload in evs:
                 if kind == "admitted":
-                    yield pb.DecodeResponse(admitted=True)
+                    yield pb.DecodeResponse(admitted=True, prefilled=seq.prefilled)
                 elif kind == "toks":
                     for tok, t_ms, batch in payload[0]:
                         msg.token_ids.append(tok)
@@ -163,6 +163,8 @@ class DecodeWorker(WorkerServer, pb_grpc.DecodeWorkerServicer):
             return f"first_token: id {r.first_token} is outside the vocabulary [0, {c.vocab_size})"
         if r.sampling.max_tokens < 1:
             return f"sampling.max_tokens: must be >= 1, got {r.sampling.max_tokens}"
+        if r.prefill_here:
+            return self._prefill_here_problem(r)
         if r.handle.num_tokens != len(r.prompt_ids):
             return (
                 f"handle.num_tokens: {r.handle.num_tokens} but the prompt has "
@@ -184,6 +186,25 @@ class DecodeWorker(WorkerServer, pb_grpc.DecodeWorkerServicer):
         # other keys would read another prompt's (or tenant's) KV into this answer.
         if list(h.block_keys) != block_keys(r.prompt_ids, bs, self.fingerprint, r.cache_salt):
             return "handle.block_keys: not the keys of this prompt, model and cache salt"
+        try:
+            sampling_params(r.sampling)
+        except ValueError as exc:
+            return f"sampling: {exc}"
+        return ""
+
+    def _prefill_here_problem(self, r: pb.DecodeRequest) -> str:
+        """'' when this worker can prefill `r` itself: its handle names only a prefix of the
+        prompt's own block keys (what to load from this host's store), with no tail."""
+        if is_kivi(self.config.kv_cache_dtype):
+            return "prefill_here: a KIVI decode worker does not prefill (route it to a prefill)"
+        h, bs = r.handle, self.config.block_size
+        if h.num_tokens != len(r.prompt_ids):
+            return f"handle.num_tokens: {h.num_tokens} but the prompt has {len(r.prompt_ids)}"
+        if h.tail or h.tail_tokens or h.window_blocks or h.store_address:
+            return "handle: a prefill_here handle names blocks of this host's store, no tail"
+        keys = block_keys(r.prompt_ids, bs, self.fingerprint, r.cache_salt)
+        if list(h.block_keys) != keys[: len(h.block_keys)] or len(h.block_keys) > len(keys):
+            return "handle.block_keys: not a prefix of this prompt's keys under this model and salt"
         try:
             sampling_params(r.sampling)
         except ValueError as exc:

@@ -81,7 +81,7 @@ class GenerateRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., model: _Optional[str] = ..., cache_salt: _Optional[str] = ..., policy: _Optional[str] = ..., ttft_slo_ms: _Optional[float] = ..., tbt_slo_ms: _Optional[float] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens", "cached_device_tokens", "cached_dram_tokens", "cached_ssd_tokens", "cached_remote_tokens", "computed_prompt_tokens", "ttft_ms", "tbt_mean_ms", "tbt_p90_ms", "prefill_worker", "decode_worker", "queue_ms", "transfer_ms", "max_decode_batch", "predicted_ttft_ms", "policy", "predicted_tbt_ms", "prefill_ms", "worker_failures", "predicted_admission_ms", "prefill_answered_ms")
+    __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens", "cached_device_tokens", "cached_dram_tokens", "cached_ssd_tokens", "cached_remote_tokens", "computed_prompt_tokens", "ttft_ms", "tbt_mean_ms", "tbt_p90_ms", "prefill_worker", "decode_worker", "queue_ms", "transfer_ms", "max_decode_batch", "predicted_ttft_ms", "policy", "predicted_tbt_ms", "prefill_ms", "worker_failures", "predicted_admission_ms", "prefill_answered_ms", "prefill_on_decode")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -105,6 +105,7 @@ class Usage(_message.Message):
     WORKER_FAILURES_FIELD_NUMBER: _ClassVar[int]
     PREDICTED_ADMISSION_MS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_ANSWERED_MS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_ON_DECODE_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
@@ -128,7 +129,8 @@ class Usage(_message.Message):
     worker_failures: int
     predicted_admission_ms: float
     prefill_answered_ms: float
-    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., cached_device_tokens: _Optional[int] = ..., cached_dram_tokens: _Optional[int] = ..., cached_ssd_tokens: _Optional[int] = ..., cached_remote_tokens: _Optional[int] = ..., computed_prompt_tokens: _Optional[int] = ..., ttft_ms: _Optional[float] = ..., tbt_mean_ms: _Optional[float] = ..., tbt_p90_ms: _Optional[float] = ..., prefill_worker: _Optional[str] = ..., decode_worker: _Optional[str] = ..., queue_ms: _Optional[float] = ..., transfer_ms: _Optional[float] = ..., max_decode_batch: _Optional[int] = ..., predicted_ttft_ms: _Optional[float] = ..., policy: _Optional[str] = ..., predicted_tbt_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., worker_failures: _Optional[int] = ..., predicted_admission_ms: _Optional[float] = ..., prefill_answered_ms: _Optional[float] = ...) -> None: ...
+    prefill_on_decode: bool
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., cached_device_tokens: _Optional[int] = ..., cached_dram_tokens: _Optional[int] = ..., cached_ssd_tokens: _Optional[int] = ..., cached_remote_tokens: _Optional[int] = ..., computed_prompt_tokens: _Optional[int] = ..., ttft_ms: _Optional[float] = ..., tbt_mean_ms: _Optional[float] = ..., tbt_p90_ms: _Optional[float] = ..., prefill_worker: _Optional[str] = ..., decode_worker: _Optional[str] = ..., queue_ms: _Optional[float] = ..., transfer_ms: _Optional[float] = ..., max_decode_batch: _Optional[int] = ..., predicted_ttft_ms: _Optional[float] = ..., policy: _Optional[str] = ..., predicted_tbt_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., worker_failures: _Optional[int] = ..., predicted_admission_ms: _Optional[float] = ..., prefill_answered_ms: _Optional[float] = ..., prefill_on_decode: _Optional[bool] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "token_ids", "text", "token_times_ms", "finished", "finish_reason", "usage")
@@ -405,7 +407,7 @@ class PrefillReply(_message.Message):
     def __init__(self, first_token: _Optional[int] = ..., handle: _Optional[_Union[KVHandle, _Mapping]] = ..., cached_device_tokens: _Optional[int] = ..., cached_dram_tokens: _Optional[int] = ..., cached_ssd_tokens: _Optional[int] = ..., cached_remote_tokens: _Optional[int] = ..., computed_tokens: _Optional[int] = ..., queue_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., transfer_ms: _Optional[float] = ..., cachegen_levels: _Optional[_Iterable[int]] = ..., fetched_bytes: _Optional[int] = ..., fetch_ms: _Optional[float] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_ids", "first_token", "handle", "sampling", "cache_salt", "tbt_slo_ms")
+    __slots__ = ("request_id", "prompt_ids", "first_token", "handle", "sampling", "cache_salt", "tbt_slo_ms", "prefill_here")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
@@ -413,6 +415,7 @@ class DecodeRequest(_message.Message):
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     TBT_SLO_MS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_HERE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
     first_token: int
@@ -420,10 +423,11 @@ class DecodeRequest(_message.Message):
     sampling: SamplingParams
     cache_salt: str
     tbt_slo_ms: float
-    def __init__(self, request_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., first_token: _Optional[int] = ..., handle: _Optional[_Union[KVHandle, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., tbt_slo_ms: _Optional[float] = ...) -> None: ...
+    prefill_here: bool
+    def __init__(self, request_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., first_token: _Optional[int] = ..., handle: _Optional[_Union[KVHandle, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., tbt_slo_ms: _Optional[float] = ..., prefill_here: _Optional[bool] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
-    __slots__ = ("token_ids", "token_times_ms", "finished", "finish_reason", "transfer_ms", "batch_sizes", "recomputed_tokens", "admitted")
+    __slots__ = ("token_ids", "token_times_ms", "finished", "finish_reason", "transfer_ms", "batch_sizes", "recomputed_tokens", "admitted", "prefilled")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_TIMES_MS_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
@@ -432,6 +436,7 @@ class DecodeResponse(_message.Message):
     BATCH_SIZES_FIELD_NUMBER: _ClassVar[int]
     RECOMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ADMITTED_FIELD_NUMBER: _ClassVar[int]
+    PREFILLED_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     token_times_ms: _containers.RepeatedScalarFieldContainer[float]
     finished: bool
@@ -440,4 +445,5 @@ class DecodeResponse(_message.Message):
     batch_sizes: _containers.RepeatedScalarFieldContainer[int]
     recomputed_tokens: int
     admitted: bool
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., token_times_ms: _Optional[_Iterable[float]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., transfer_ms: _Optional[float] = ..., batch_sizes: _Optional[_Iterable[int]] = ..., recomputed_tokens: _Optional[int] = ..., admitted: _Optional[bool] = ...) -> None: ...
+    prefilled: PrefillReply
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., token_times_ms: _Optional[_Iterable[float]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., transfer_ms: _Optional[float] = ..., batch_sizes: _Optional[_Iterable[int]] = ..., recomputed_tokens: _Optional[int] = ..., admitted: _Optional[bool] = ..., prefilled: _Optional[_Union[PrefillReply, _Mapping]] = ...) -> None: ...

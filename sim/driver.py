@@ -28,7 +28,7 @@ from sim.events import EventLoop
 from sim.index import GlobalIndex
 from sim.instances import ColocatedInstance, DecodeInstance, Job, PrefillInstance
 from sim.profile import Profile
-from sim.timing import transfer_ms
+from sim.timing import prefill_ms, transfer_ms
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +45,7 @@ class ClusterSpec:
     ttft_slo_ms: float = 2000.0
     tbt_slo_ms: float = 200.0
     admission: str = "reject"  # or best_effort: as the conductor's (conductor.admit)
+    tbt_pace_fraction: float = 0.8  # of the TBT objective a decode step keeps (DecodeConfig)
 
     def __post_init__(self) -> None:
         default = 0 if self.colocated else 1
@@ -74,6 +75,7 @@ class SimResult(NamedTuple):
     sim_s: float  # simulated time, first arrival to last answer
     redirected: int  # colocated: decisions whose decode worker differed (served where prefilled)
     best_effort: int = 0  # admitted although predicted to miss (spec.admission: best_effort)
+    local_prefills: int = 0  # prompts prefilled on their decode instance (prefill_on_decode)
 
 
 class _Sim:
@@ -90,6 +92,7 @@ class _Sim:
         self.rejected: list[tuple[SimRequest, str]] = []
         self.redirected = 0
         self.best_effort = 0  # admitted although predicted to miss (admission: best_effort)
+        self.local_prefills = 0  # prompts prefilled on their decode instance
         p = profile
         for i in range(spec.colocated):
             dev = f"m{i}-dev"
@@ -116,6 +119,8 @@ class _Sim:
             self.nodes[pre.id] = tuple(c.node for c in (store, device) if c is not None)
         for i in range(spec.decode or 0):
             dec = DecodeInstance(self.loop, f"d{i}", p, self._done)
+            # a prefill there keeps to what its streams' TBT objective leaves (DecodeConfig)
+            dec.tbt_budget_ms = spec.tbt_pace_fraction * spec.tbt_slo_ms
             self.decode[dec.id] = dec
 
     # ---- routing: the live policy on the simulated cluster's state ----
@@ -140,6 +145,7 @@ class _Sim:
                 d.seqs(),
                 d.waiting_seqs(),
                 p.max_batch,
+                local_queue_ms=d.local_queue_ms(),
             )
             for iid, d in self.decode.items()
         ]
@@ -152,14 +158,23 @@ class _Sim:
         spec = self.spec
         info = RequestInfo(req.input_tokens, req.output_tokens, spec.ttft_slo_ms, spec.tbt_slo_ms)
         try:
-            d, best_effort = admit(self.policy, info, self._state(req), spec.admission)
+            d, how = admit(self.policy, info, self._state(req), spec.admission)
         except Rejected as exc:
             self.rejected.append((req, str(exc)))
             return
-        self.best_effort += best_effort
+        self.best_effort += how == "best_effort"
         job = Job(req, d, self.loop.now, self.p.block_size)
         job.predicted_ms = d.predicted_prefill_ms
         self.jobs.append(job)
+        if d.prefill_on_decode and self.spec.colocated:  # one instance does both anyway
+            d = d._replace(prefill=d.decode, prefill_on_decode=False)
+        if d.prefill_on_decode:  # on the decode instance, between its steps (no store there)
+            p = self.p
+            job.computed = req.input_tokens
+            job.compute_ms = prefill_ms(p.prefill_coef, 0, req.input_tokens, p.chunk_size)
+            self.local_prefills += 1
+            self.decode[d.decode].arrive_local(job)
+            return
         if self.spec.colocated and d.decode != d.prefill:
             self.redirected += 1  # one instance does both: it decodes where it prefilled
         job.decode_id = d.prefill if self.spec.colocated else d.decode
@@ -266,5 +281,5 @@ def simulate(
     report = compute_report(records, spec.ttft_slo_ms, spec.tbt_slo_ms, spec.label)
     return SimResult(
         records, report, sim.loop.events, wall, sim.loop.now / 1000.0, sim.redirected,
-        sim.best_effort,
+        sim.best_effort, sim.local_prefills,
     )  # fmt: skip

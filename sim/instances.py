@@ -205,7 +205,17 @@ class DecodeInstance:
     def __init__(self, loop: EventLoop, iid: str, profile: Profile, on_done: Callable[[Job], None]):
         self.loop, self.id, self.profile, self.on_done = loop, iid, profile, on_done
         self.free = profile.kv_blocks
-        self.waiting: deque[tuple[Job, float]] = deque()  # (job, its KV move's ms)
+        # (job, its KV move's ms; None: prefilled here, its compute in job.compute_ms)
+        self.waiting: deque[tuple[Job, float | None]] = deque()
+        # Prompts prefilled here (conditional disaggregation), admitted, in order; the first one
+        # computes between the steps, as the live worker's prefill takes the CPUs for the slack
+        # its streams leave under their TBT objective (`tbt_budget_ms`, 0 = no objective: the
+        # static slice, `slice_ms`).
+        self.local: deque[Job] = deque()
+        self.local_left_ms = 0.0  # compute left of local[0]
+        self.tbt_budget_ms = 0.0
+        self.slice_ms = 50.0
+        self.layer_ms = 1.0  # what a prefill gets between steps that leave no slack
         self.joining: list[Job] = []  # admitted, KV on its way
         # routed here, still in prefill: the live conductor counts these as waiting too
         self.routed: list[Job] = []
@@ -223,6 +233,23 @@ class DecodeInstance:
         if not self.stepping:  # otherwise at the end of the step in flight
             self._admit()
 
+    def arrive_local(self, job: Job) -> None:
+        """A prompt routed here to be prefilled here: admitted in turn, then computed between
+        the steps, joining the batch when its prefill ends."""
+        job.decode_id = job.prefill_id = self.id
+        job.held = True
+        self.waiting.append((job, None))
+        if not self.stepping:
+            self._admit()
+            if not self.stepping and self.local:
+                self._step()
+
+    def local_queue_ms(self) -> float:
+        """What the policy sees: compute left of the prompts to prefill here."""
+        queued = sum(j.compute_ms for j in list(self.local)[1:])
+        waiting = sum(j.compute_ms for j, kv in self.waiting if kv is None)
+        return (self.local_left_ms if self.local else 0.0) + queued + waiting
+
     def _admit(self) -> None:
         p = self.profile
         while self.waiting:
@@ -231,6 +258,11 @@ class DecodeInstance:
                 return
             self.waiting.popleft()
             self.free -= job.need
+            if kv_ms is None:
+                if not self.local:
+                    self.local_left_ms = job.compute_ms
+                self.local.append(job)
+                continue
             self.joining.append(job)
             self.loop.after(kv_ms, self._join, job)
 
@@ -249,12 +281,34 @@ class DecodeInstance:
                 j.held = False
                 j.first_at = j.last_at = self.loop.now
         c0, c1, c2 = self.profile.decode_coef
+        step_ms = max(0.0, c0 + c1 * n + c2 * self.context) if n else 0.0
+        # a prefill here takes the CPUs between steps for the slack the streams leave (all of
+        # it, a slice at a time, with no stream)
+        grant = 0.0
+        if self.local:
+            slack = self.tbt_budget_ms - step_ms if self.tbt_budget_ms else self.slice_ms
+            grant = min(self.local_left_ms, max(0.0, slack) if n else self.slice_ms)
+            if n and grant <= 0.0:  # the step takes the whole budget: a layer between steps
+                grant = min(self.local_left_ms, self.layer_ms)
         self.stepping = True
         self.steps += 1
-        self.loop.after(max(0.0, c0 + c1 * n + c2 * self.context), self._stepped, n)
+        self.loop.after(step_ms + grant, self._stepped, n, grant)
 
-    def _stepped(self, n: int) -> None:
+    def _stepped(self, n: int, grant: float = 0.0) -> None:
         now = self.loop.now
+        if grant:
+            self.local_left_ms -= grant
+            if self.local_left_ms <= 1e-9:
+                job = self.local.popleft()  # prefilled: it joins for the next step
+                self.local_left_ms = self.local[0].compute_ms if self.local else 0.0
+                if job.remaining > 0:
+                    self.running.append(job)
+                    self.context += job.pos
+                else:  # its first token was its whole answer
+                    job.held, job.first_at = False, now
+                    job.last_at = job.done_at = now
+                    self.free += job.need
+                    self.on_done(job)
         ended = False
         for j in self.running[:n]:
             j.gaps.append(now - j.last_at)
@@ -272,7 +326,7 @@ class DecodeInstance:
             self.running = [j for j in self.running if j.remaining > 0]
         self._admit()  # between steps: room freed, or sequences that arrived during the step
         self.stepping = False
-        if self.running:
+        if self.running or self.local:
             self._step()
 
     # what the policy sees
@@ -377,8 +431,8 @@ class ColocatedInstance(DecodeInstance):
         self.stepping = False
         self._iterate()
 
-    def _stepped(self, n: int) -> None:
-        super()._stepped(n)  # calls _step -> _iterate while something runs
+    def _stepped(self, n: int, grant: float = 0.0) -> None:
+        super()._stepped(n, grant)  # calls _step -> _iterate while something runs
         self._sync_cache()
         if not self.stepping:
             self._iterate()

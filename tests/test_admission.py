@@ -1,8 +1,12 @@
 """Admission by the objectives on a running cluster: a request no pair is predicted to serve in
 time is refused at once with when to retry (a `retry-after` trailer), or, where the conductor's
-`admission` is best_effort, served all the same and never counted as good."""
+`admission` is best_effort, served all the same and never counted as good. On a fresh cluster,
+whose workers' models no served request has checked, such a request on an idle worker is a
+probe: served, judged by its outcome."""
 
 from __future__ import annotations
+
+import re
 
 import grpc
 import pytest
@@ -26,8 +30,39 @@ def _status(c: Cluster) -> pb.StatusReply:
     return c.stub.Status(pb.StatusRequest(), timeout=10)
 
 
+def _check_models(c: Cluster) -> None:
+    """Serve enough requests that the conductor has checked both workers' models (a model no
+    served request has checked is not believed on an idle worker: its misses are probes)."""
+    for _ in range(5):
+        ids, _, _ = c.generate(token_ids=PROMPT, max_tokens=4)
+        assert len(ids) == 4
+
+
+def _unpredicted(c: Cluster, how: str) -> float:
+    value = c.conductor.registry.get_sample_value(
+        "halfmoon_admitted_unpredicted_total", {"how": how}
+    )
+    return value or 0.0
+
+
+def test_on_a_fresh_cluster_a_predicted_miss_is_a_probe_not_a_refusal(lm):
+    with Cluster(lm) as c:
+        # far past its objective (more than a correction could mend): refused even so
+        with pytest.raises(grpc.RpcError) as err:
+            c.generate(token_ids=PROMPT, max_tokens=4, **HOPELESS)
+        predicted = float(re.search(r"predicted TTFT (\d+) ms", err.value.details()).group(1))
+        # within what a correction could mend (half the prediction): served as a probe, judged
+        # by its outcome, since no served request has checked the idle workers' models yet
+        near = {"ttft_slo_ms": max(predicted, 1.0) / 2, "tbt_slo_ms": 60_000.0}
+        ids, _, _ = c.generate(token_ids=PROMPT, max_tokens=4, **near)
+        assert len(ids) == 4
+        assert _unpredicted(c, "probe") == 1.0
+        assert _status(c).requests_rejected == 1
+
+
 def test_a_request_that_cannot_be_served_in_time_is_refused_with_when_to_retry(lm):
     with Cluster(lm) as c:
+        _check_models(c)
         with pytest.raises(grpc.RpcError) as err:
             c.generate(token_ids=PROMPT, max_tokens=4, **HOPELESS)
         assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -38,11 +73,12 @@ def test_a_request_that_cannot_be_served_in_time_is_refused_with_when_to_retry(l
         assert len(ids) == 4
         s = _status(c)
         assert (s.requests_rejected, s.requests_best_effort) == (1, 0)
-        assert s.requests_slo_met + s.requests_slo_missed == 1
+        assert s.requests_slo_met + s.requests_slo_missed == 6
 
 
 def test_best_effort_admission_serves_it_and_never_counts_it_as_good(lm):
     with Cluster(lm, conductor={"admission": "best_effort"}) as c:
+        _check_models(c)
         ids, _, last = c.generate(token_ids=PROMPT, max_tokens=4, **HOPELESS)
         assert len(ids) == 4 and last.finish_reason == "length"
         ids, _, _ = c.generate(token_ids=PROMPT, max_tokens=4)
@@ -54,6 +90,7 @@ def test_best_effort_admission_serves_it_and_never_counts_it_as_good(lm):
         assert metrics.get_sample_value(
             "halfmoon_slo_requests_total", {"outcome": "best_effort"}
         ) == 1.0
+        assert _unpredicted(c, "best_effort") == 1.0 and _unpredicted(c, "probe") == 0.0
 
 
 def test_the_admission_mode_is_checked():

@@ -131,7 +131,8 @@ def test_generate_command_streams_text_and_json(cluster, capsys):
     c, _ = cluster
     assert cli_main(["generate", "hello there", "--address", c.address, "--max-tokens", "6"]) == 0
     captured = capsys.readouterr()
-    assert "tokens" in captured.err and "prefill-0 -> decode-0" in captured.err
+    # a short prompt: local.yaml's local_prefill_tokens has the decode worker prefill it
+    assert "tokens" in captured.err and "prefilled on decode-0" in captured.err
     assert (
         cli_main(["generate", "hello there", "--address", c.address, "--max-tokens", "6", "--json"])
         == 0

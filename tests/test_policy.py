@@ -14,6 +14,7 @@ from conductor import (
     PrefillCandidate,
     Rejected,
     RequestInfo,
+    admit,
     make_policy,
 )
 from kvstore.links import LinkModel
@@ -351,3 +352,92 @@ def test_mooncake_steers_around_a_decode_worker_that_would_make_it_wait():
     assert d.predicted_tbt_ms == pytest.approx(11.0)
     with pytest.raises(Rejected, match="TTFT .* admission wait"):
         make_policy("mooncake").choose(req(tokens=32, max_tokens=16, ttft=1000.0), alone)
+
+
+def _local_state(prefill_queue_ms=0.0, decode_running=0, matches=None):
+    """One prefill worker (1 ms a token) and one decode worker on host node d-node."""
+    d = decode("d", running=decode_running)._replace(nodes=("d-node",))
+    return state([prefill("a", queue_ms=prefill_queue_ms)], [d], matches or {})
+
+
+def test_a_short_prompt_is_prefilled_on_the_decode_worker_a_long_one_is_not():
+    pol = make_policy("mooncake", local_prefill_tokens=64)
+    # 48 tokens, both idle: no queue and no transfer either way; the decode worker serves it
+    short = pol.choose(req(tokens=48), _local_state())
+    assert short.prefill_on_decode and short.prefill == "" and short.decode == "d"
+    assert short.predicted_prefill_ms == pytest.approx(48.0)
+    long = pol.choose(req(tokens=160), _local_state())
+    assert not long.prefill_on_decode and long.prefill == "a"
+    # off by default: the same short prompt goes to the prefill worker
+    assert make_policy("mooncake").choose(req(tokens=48), _local_state()).prefill == "a"
+
+
+def test_a_mostly_cached_prompt_counts_only_what_is_left_to_compute():
+    pol = make_policy("mooncake", local_prefill_tokens=64)
+    # 160 tokens, 8 blocks (128 tokens) on the decode host's store: 32 to compute there
+    d = pol.choose(req(tokens=160), _local_state(matches={"d-node": 8}))
+    assert d.prefill_on_decode and d.reuse_blocks == 8
+    assert d.predicted_prefill_ms == pytest.approx(32.0)
+    # the same blocks on the prefill worker's node only: 160 to compute on the decode worker
+    assert not pol.choose(req(tokens=160), _local_state(matches={"a-node": 8})).prefill_on_decode
+
+
+def test_the_decode_worker_takes_a_short_prompt_stuck_behind_a_long_prefill_queue():
+    pol = make_policy("mooncake", local_prefill_tokens=64)
+    # the prefill worker has 3 s of work queued: the 48-token prompt would wait for all of it
+    d = pol.choose(req(tokens=48, ttft=2000.0, tbt=100.0), _local_state(prefill_queue_ms=3000.0))
+    assert d.prefill_on_decode and d.predicted_ttft_ms < 2000.0
+    # a long one is refused (no prefill worker meets it, and it is not the decode worker's)
+    with pytest.raises(MissesObjectives):
+        pol.choose(req(tokens=160, ttft=2000.0), _local_state(prefill_queue_ms=3000.0))
+
+
+def test_a_running_batch_slows_a_prefill_on_its_decode_worker_to_the_cpu_it_leaves():
+    pol = make_policy("mooncake", local_prefill_tokens=64)
+    idle = pol.choose(req(tokens=48, tbt=100.0), _local_state())
+    assert idle.prefill_on_decode and idle.predicted_ttft_ms == pytest.approx(48.0)
+    busy = pol.choose(req(tokens=48, tbt=100.0), _local_state(decode_running=20))
+    # 21 sequences, 31 ms steps, 80 of each 100 ms kept for them: the prefill gets 49 ms in 80,
+    # so its 48 ms take 78.4, and it joins the batch at a step boundary (half a step)
+    assert busy.prefill_on_decode
+    assert busy.predicted_ttft_ms == pytest.approx(48.0 * 80 / 49 + 15.5)
+    # the prefill worker's way costs as much here (48 ms, then the join): a slower decode CPU
+    # share tips it
+    slower = make_policy("mooncake", local_prefill_tokens=64, tbt_pace_fraction=0.5)
+    assert slower.choose(req(tokens=48, tbt=100.0), _local_state(decode_running=20)).prefill == "a"
+
+
+def test_a_resumed_request_is_never_prefilled_on_its_decode_worker():
+    pol = make_policy("mooncake", local_prefill_tokens=64)
+    info = req(tokens=48)._replace(resumed=True)
+    assert pol.choose(info, _local_state()).prefill == "a"
+    # and a cluster without a prefill model to predict by sends nothing there
+    no_prefill = state([], [decode("d")._replace(nodes=("d-node",))], {})
+    with pytest.raises(Rejected):
+        pol.choose(req(tokens=48), no_prefill)
+
+
+def test_a_miss_predicted_by_an_unchecked_model_on_an_idle_worker_is_a_probe():
+    pol = make_policy("mooncake")
+    # idle prefill worker whose model says 160 ms against a 100 ms objective
+    fresh = state([prefill("a")._replace(checked=False)], [decode("d")], {})
+    d, how = admit(pol, req(ttft=100.0), fresh)
+    assert how == "probe" and d.prefill == "a"  # served: its outcome checks the model
+    # a checked model is believed: refused (or best-effort where so configured)
+    checked = state([prefill("a")], [decode("d")], {})
+    with pytest.raises(MissesObjectives):
+        admit(pol, req(ttft=100.0), checked)
+    assert admit(pol, req(ttft=100.0), checked, "best_effort")[1] == "best_effort"
+    # a busy worker's miss comes from its queue as much as its model: refused
+    busy = state([prefill("a", queue_ms=500.0)._replace(checked=False)], [decode("d")], {})
+    with pytest.raises(MissesObjectives):
+        admit(pol, req(ttft=100.0), busy)
+    # the same for a decode worker's TBT: idle and unchecked, a probe
+    slow = state([prefill("a")], [decode("d", coef=(300.0, 1.0, 0.0))._replace(checked=False)], {})
+    assert admit(pol, req(tbt=100.0), slow)[1] == "probe"
+    # ... but not past what a correction could bring within the objective (5x): refused
+    with pytest.raises(MissesObjectives):
+        admit(pol, req(ttft=30.0), fresh)  # 160 ms predicted, 30 ms asked
+    with pytest.raises(MissesObjectives):
+        admit(pol, req(tbt=50.0), slow)  # 301 ms
+    assert admit(pol, req(), checked)[1] == "admitted"

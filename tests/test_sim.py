@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import statistics
 
 import pytest
 
@@ -22,6 +23,7 @@ from sim import (
     make_arrivals,
     simulate,
 )
+from sim.arrivals import SimRequest
 from sim.cache import BlockCache
 from sim.index import GlobalIndex
 
@@ -289,3 +291,26 @@ def test_a_simulated_round_gathers_only_while_it_is_small():
     # round counts as small (no bound, or a bound above 160)
     assert first[100] == pytest.approx(160.0)
     assert first[0] == pytest.approx(165.0) and first[200] == pytest.approx(165.0)
+
+
+def test_short_prompts_behind_long_ones_prefill_on_the_decode_instance():
+    # a long prompt (0.9 s of prefill) every 2 s, and a short one (40 tokens) 100 ms after each:
+    # on the prefill instance the short ones wait out the long prefill; on the decode instance
+    # (the live policy's conditional disaggregation) they start at once, between its steps
+    arr = []
+    for i in range(10):
+        t = 2000.0 * i
+        arr.append(SimRequest(2 * i, t, 900, 4, tuple(range(1000 * i, 1000 * i + 56))))
+        arr.append(SimRequest(2 * i + 1, t + 100.0, 40, 16, (10**6 + i, 10**6 + i + 1)))
+    base = dict(prefill=1, decode=1, policy="mooncake", ttft_slo_ms=0, tbt_slo_ms=100)
+    off = simulate(arr, TOY, ClusterSpec(**base))
+    on = simulate(arr, TOY, ClusterSpec(**base, policy_options={"local_prefill_tokens": 64}))
+    assert off.local_prefills == 0 and on.local_prefills == 10  # the short ones, each
+    assert on.report.done == off.report.done == len(arr)
+
+    def short_ttft(r):
+        return statistics.median(x.ttft_ms for x in r.records if x.prompt_tokens == 40)
+
+    assert short_ttft(off) > 700.0 and short_ttft(on) < 200.0
+    local = [x for x in on.records if x.prompt_tokens == 40]
+    assert all(x.prefill_worker == x.decode_worker == "d0" for x in local)
