@@ -7,7 +7,7 @@ from protos import halfmoon_pb2 as pb
 
 
 class Correction:
-    """measured / predicted, averaged (EWMA) over the worker's recent requests: what its fitted
+    """measured over predicted, summed (EWMAs) over the worker's recent requests: what its fitted
     model misses (the RPCs and hand-offs around a forward, a neighbour's load on shared cores).
     The conductor scales the worker's model by it before the policy sees it."""
 
@@ -18,7 +18,10 @@ class Correction:
     MODEL_CHANGE = 0.25  # a refit moving the model's prediction this much starts it afresh
 
     def __init__(self) -> None:
-        self._mean = 1.0  # EWMA of measured / raw predicted
+        # EWMAs of measured and of raw predicted ms: their ratio is the correction (a ratio of
+        # sums, not a mean of ratios: a short request's fixed overhead, 2-3x its few predicted
+        # ms, would otherwise scale a long prompt's prediction by as much and refuse it)
+        self._measured = self._predicted = 0.0
         self.samples = 0
         self._reference_ms = 0.0  # the worker's model at a reference point, when last observed
         # Bumped when the model moved past MODEL_CHANGE: estimates made before are no evidence.
@@ -34,12 +37,15 @@ class Correction:
         old = self._reference_ms
         self._reference_ms = reference_ms
         if old > 0 and abs(reference_ms - old) > self.MODEL_CHANGE * old:
-            self._mean, self.samples = 1.0, 0
+            self._measured = self._predicted = 0.0
+            self.samples = 0
             self.epoch += 1
 
     @property
     def ratio(self) -> float:
-        return self._mean if self.samples >= self.MIN_SAMPLES else 1.0
+        if self.samples < self.MIN_SAMPLES or self._predicted <= 0:
+            return 1.0
+        return min(max(self._measured / self._predicted, self.BOUNDS[0]), self.BOUNDS[1])
 
     def observe(self, measured_ms: float, predicted_ms: float, applied: float, epoch: int) -> None:
         """`predicted_ms` was made with `applied` as the ratio against the model of `epoch`; the
@@ -52,10 +58,11 @@ class Correction:
         if epoch != self.epoch:
             self.stale += 1
             return
-        sample = measured_ms / (predicted_ms / applied)
-        sample = min(max(sample, self.BOUNDS[0]), self.BOUNDS[1])
+        raw = predicted_ms / applied
+        measured = min(max(measured_ms, self.BOUNDS[0] * raw), self.BOUNDS[1] * raw)
         a = max(self.ALPHA, 1.0 / (self.samples + 1))  # a plain mean until it has history
-        self._mean = (1 - a) * self._mean + a * sample
+        self._measured = (1 - a) * self._measured + a * measured
+        self._predicted = (1 - a) * self._predicted + a * raw
         self.samples += 1
 
 

@@ -45,7 +45,12 @@ _LIFE_POINTS = 12  # points along a sequence's life at which its step time is pr
 
 def tbt_of_times(times_ms: Sequence[float]) -> float:
     """Mooncake's TBT of one answer from its token times: the mean of its slowest 10% of gaps."""
-    gaps = sorted((b - a for a, b in zip(times_ms, times_ms[1:])), reverse=True)
+    return tbt_of_gaps([b - a for a, b in zip(times_ms, times_ms[1:])])
+
+
+def tbt_of_gaps(gaps_ms: Sequence[float]) -> float:
+    """The mean of the slowest 10% of `gaps_ms` (at least one); 0.0 for none."""
+    gaps = sorted(gaps_ms, reverse=True)
     if not gaps:
         return 0.0
     k = max(1, math.ceil(len(gaps) * WORST_GAP_SHARE))

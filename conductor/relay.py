@@ -10,7 +10,7 @@ from typing import NoReturn
 import grpc
 
 from conductor.config import ConductorConfig
-from conductor.estimates import tbt_of_times
+from conductor.estimates import tbt_of_gaps, tbt_of_times
 from conductor.fleet import AnyWorker, Fleet
 from conductor.metrics import ConductorMetrics, Totals
 from conductor.routing import Routed
@@ -246,9 +246,13 @@ class Relay:
             with self._fleet.lock:
                 worker.observe_pull(transfer_ms, -(-prompt_tokens // self.config.block_size))
         if len(s.times) > 1:
+            # its steps' own compute where the worker says it: the gaps also hold the slack its
+            # streams gave a prefill on the same CPUs (by design, within their objective), and
+            # learning that as the model's error refused streams the worker could serve
+            measured = tbt_of_gaps(s.step_ms) if s.step_ms else tbt_of_times(s.times)
             with self._fleet.lock:
                 worker.correction.observe(
-                    tbt_of_times(s.times),
+                    measured,
                     routed.predicted_tbt_ms,
                     routed.decode_ratio,
                     routed.decode_epoch,

@@ -38,6 +38,8 @@ class RequestStream:
     tbt_slo_ms: float = 0.0
     # admitted although predicted to miss them (admission: best_effort): never counted as good
     best_effort: bool = False
+    # per token from the decode workers: its step's own compute (ms), the pacing wait left out
+    step_ms: list[float] = field(default_factory=list)
 
     def met_slos(self) -> bool:
         """Whether the answer met both objectives: TTFT at the conductor, and TBT as Mooncake
@@ -89,6 +91,7 @@ class RequestStream:
         ids = list(msg.token_ids)
         self.out.extend(ids)
         self.times.extend(new_times)
+        self.step_ms.extend(msg.step_ms)
         self.max_batch = max([self.max_batch, *msg.batch_sizes])
         reply = pb.GenerateResponse(
             request_id=self.rid, token_ids=ids, text=self.text.add(ids), token_times_ms=new_times

@@ -238,7 +238,7 @@ class DecodeScheduler:
         self.max_batch_seen = max(self.max_batch_seen, b)
         for s, tok in zip(batch, new):
             s.out.append(tok)
-            s.held.append((tok, s.ms(), b))
+            s.held.append((tok, s.ms(), b, step_ms - self.runner.turn_wait_ms))
             reason = self.runner.finish_reason(s)
             if reason:
                 self.finish(s, reason, publish=True)

@@ -32,7 +32,8 @@ class Seq:
         self.n_packed = 0  # KIVI: leading tokens' blocks held packed
         # ("admitted",) | ("toks", [(id, ms, batch), ...]) | ("end", reason, note)
         self.events: queue.Queue = queue.Queue()
-        self.held: list[tuple[int, float, int]] = []  # tokens not yet put in events
+        # tokens not yet put in events: (id, ms since arrival, batch, its step's own compute ms)
+        self.held: list[tuple[int, float, int, float]] = []
         self.arrived = time.perf_counter()
         self.cancelled = False
         self.pull: Future | None = None

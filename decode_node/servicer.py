@@ -110,10 +110,11 @@ class DecodeWorker(WorkerServer, pb_grpc.DecodeWorkerServicer):
                 if kind == "admitted":
                     yield pb.DecodeResponse(admitted=True, prefilled=seq.prefilled)
                 elif kind == "toks":
-                    for tok, t_ms, batch in payload[0]:
+                    for tok, t_ms, batch, own_ms in payload[0]:
                         msg.token_ids.append(tok)
                         msg.token_times_ms.append(t_ms)
                         msg.batch_sizes.append(batch)
+                        msg.step_ms.append(own_ms)
                 else:
                     msg.finished, msg.finish_reason = True, payload[0]
                     msg.transfer_ms, msg.recomputed_tokens = seq.transfer_ms, seq.recomputed

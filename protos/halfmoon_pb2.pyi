@@ -427,7 +427,7 @@ class DecodeRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., first_token: _Optional[int] = ..., handle: _Optional[_Union[KVHandle, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., tbt_slo_ms: _Optional[float] = ..., prefill_here: _Optional[bool] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
-    __slots__ = ("token_ids", "token_times_ms", "finished", "finish_reason", "transfer_ms", "batch_sizes", "recomputed_tokens", "admitted", "prefilled")
+    __slots__ = ("token_ids", "token_times_ms", "finished", "finish_reason", "transfer_ms", "batch_sizes", "recomputed_tokens", "admitted", "prefilled", "step_ms")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_TIMES_MS_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
@@ -437,6 +437,7 @@ class DecodeResponse(_message.Message):
     RECOMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ADMITTED_FIELD_NUMBER: _ClassVar[int]
     PREFILLED_FIELD_NUMBER: _ClassVar[int]
+    STEP_MS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     token_times_ms: _containers.RepeatedScalarFieldContainer[float]
     finished: bool
@@ -446,4 +447,5 @@ class DecodeResponse(_message.Message):
     recomputed_tokens: int
     admitted: bool
     prefilled: PrefillReply
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., token_times_ms: _Optional[_Iterable[float]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., transfer_ms: _Optional[float] = ..., batch_sizes: _Optional[_Iterable[int]] = ..., recomputed_tokens: _Optional[int] = ..., admitted: _Optional[bool] = ..., prefilled: _Optional[_Union[PrefillReply, _Mapping]] = ...) -> None: ...
+    step_ms: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., token_times_ms: _Optional[_Iterable[float]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., transfer_ms: _Optional[float] = ..., batch_sizes: _Optional[_Iterable[int]] = ..., recomputed_tokens: _Optional[int] = ..., admitted: _Optional[bool] = ..., prefilled: _Optional[_Union[PrefillReply, _Mapping]] = ..., step_ms: _Optional[_Iterable[float]] = ...) -> None: ...

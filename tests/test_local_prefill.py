@@ -98,6 +98,10 @@ def test_a_planned_block_that_is_not_there_is_computed_never_wrong(lm, cluster):
         first = msgs[0].prefilled.first_token
         tokens = [first] + [t for m in msgs[1:] for t in m.token_ids]
         assert tokens == _want(lm, prompt)
+        # each token comes with its step's own compute (what the conductor's correction learns
+        # from: the gaps also hold the slack given to a prefill on the same CPUs)
+        steps = [x for m in msgs[1:] for x in m.step_ms]
+        assert len(steps) == NEW - 1 and all(x > 0 for x in steps)
         assert msgs[0].prefilled.cached_dram_tokens == 0
         assert msgs[0].prefilled.computed_tokens == len(prompt)
         after = c.decodes[0].registry.get_sample_value(

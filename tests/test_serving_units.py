@@ -203,3 +203,19 @@ def test_a_refit_worker_model_drops_the_ratios_learned_against_the_old_one():
     for _ in range(_Correction.MIN_SAMPLES):
         c.observe(measured_ms=3.0, predicted_ms=2.5, applied=1.0, epoch=c.epoch)
     assert c.ratio == pytest.approx(1.2)
+
+
+def test_a_correction_is_a_ratio_of_sums_so_short_requests_overheads_do_not_scale_long_ones():
+    from conductor.corrections import Correction as _Correction
+
+    c = _Correction()
+    # short prompts: 10 ms predicted, 30 measured (a fixed 20 ms of RPCs and hand-offs); one
+    # long one, 1,000 predicted and 1,050 measured
+    for _ in range(3):
+        c.observe(measured_ms=30.0, predicted_ms=10.0, applied=1.0, epoch=c.epoch)
+    c.observe(measured_ms=1050.0, predicted_ms=1000.0, applied=1.0, epoch=c.epoch)
+    # a mean of ratios would say ~2.5 and scale the next long prompt's 1,000 ms to 2,500
+    assert 1.0 < c.ratio < 1.2
+    # one request far off counts at most 5x its prediction
+    c.observe(measured_ms=1e6, predicted_ms=1000.0, applied=1.0, epoch=c.epoch)
+    assert c.ratio <= _Correction.BOUNDS[1]
