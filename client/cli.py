@@ -17,6 +17,7 @@ COMMANDS = {
     "fetch": "model.fetch:run",
     "simulate": "sim.cli:simulate_cmd",
     "fit-profile": "sim.cli:fit_profile_cmd",
+    "plan": "sim.plan_cmd:plan_cmd",
     "make-certs": "client.cli:make_certs_cmd",
 }
 
@@ -172,6 +173,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_fit_args(
         sub.add_parser("fit-profile", help="fit a simulator profile from `halfmoon replay` output")
+    )
+    from sim.plan_cmd import add_plan_args
+
+    add_plan_args(
+        sub.add_parser(
+            "plan", help="recommend a prefill:decode split for a trace and objectives (simulated)"
+        )
     )
     return parser
 

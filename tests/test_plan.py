@@ -1,0 +1,78 @@
+"""`halfmoon plan`: the P:D split it recommends follows the load (sim.plan, on a toy profile)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from client.cli import main as cli_main
+from client.traces import TraceRequest
+from sim import ClusterSpec, Profile
+from sim.arrivals import TraceScaling
+from sim.plan import plan_split, splits_of
+
+# 1 ms a prompt token, 10 ms a decode step (+1 ms a sequence), batches of 4 at most
+TOY = Profile(
+    name="toy",
+    block_size=16,
+    prefill_coef=(0.0, 1.0, 0.0),
+    decode_coef=(10.0, 1.0, 0.0),
+    block_bytes=1000,
+    kv_blocks=256,
+    max_batch=4,
+    dram_blocks=0,
+    ssd_blocks=0,
+    network_gbps=1.0,
+    dram_gbps=1.0,
+    ssd_gbps=1.0,
+)
+SCALING = TraceScaling(length_scale=16 / 512)  # a trace block of 512 tokens -> one 16-token block
+SPEC = ClusterSpec(policy="load_balance", ttft_slo_ms=2000, tbt_slo_ms=100)
+
+
+def _trace(n: int, every_ms: float, prompt: int, answer: int) -> list[TraceRequest]:
+    b = prompt // 16  # trace blocks of the unscaled prompt (512 tokens -> 16 each)
+    return [
+        TraceRequest(i, i * every_ms, prompt * 32, answer, tuple(range(i << 10, (i << 10) + b)),
+                     i + 1)  # fmt: skip
+        for i in range(n)
+    ]
+
+
+def test_long_prompts_short_answers_want_prefill_short_prompts_long_answers_decode():
+    rates = [0.5, 1, 2, 4]
+    # 600-token prompts (600 ms of prefill each), 2-token answers, one every 250 ms: prefill bound
+    heavy_prompts = plan_split(_trace(40, 250.0, 600, 2), SCALING, TOY, 4, rates, SPEC, 0.9)
+    assert heavy_prompts.best.prefill > heavy_prompts.best.decode
+    # 16-token prompts, 200-token answers in batches of 4: decode bound
+    long_answers = plan_split(_trace(40, 250.0, 16, 200), SCALING, TOY, 4, rates, SPEC, 0.9)
+    assert long_answers.best.decode > long_answers.best.prefill
+    # every split was tried, and the recommended one has the highest capacity
+    for plan in (heavy_prompts, long_answers):
+        assert [(s.prefill, s.decode) for s in plan.splits] == [(1, 3), (2, 2), (3, 1)]
+        assert plan.best.capacity_rps == max(s.capacity_rps for s in plan.splits) > 0
+
+
+def test_a_split_needs_two_instances():
+    assert splits_of(2) == [(1, 1)]
+    with pytest.raises(ValueError, match="--instances"):
+        splits_of(1)
+
+
+def test_plan_command_prints_the_recommendation_as_json(tmp_path, capsys):
+    # the paper's setting (a 70B model on 8xA800 nodes, TTFT 30 s)
+    rc = cli_main(["plan", "--instances", "3", "--config", "paper", "--limit", "40",
+                   "--rates", "0.5,2", "--output", str(tmp_path)])  # fmt: skip
+    assert rc == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert set(result["capacity_rps"]) == {"1P:2D", "2P:1D"}
+    assert result["recommended"]["prefill"] + result["recommended"]["decode"] == 3
+    assert (tmp_path / "plan.png").exists() and (tmp_path / "plan.json").exists()
+    # objectives nothing meets: said, and nothing recommended
+    assert cli_main(["plan", "--instances", "2", "--limit", "20", "--rates", "1",
+                     "--ttft-slo-ms", "0.001", "--output", str(tmp_path)]) == 0  # fmt: skip
+    out = capsys.readouterr().out
+    assert "no recommendation" in out and json.loads(out.splitlines()[-1])["recommended"] is None
+    assert cli_main(["plan", "--instances", "1", "--output", str(tmp_path)]) != 0
+    assert "--instances" in capsys.readouterr().err
