@@ -2,31 +2,21 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 
 from client.cli import main as cli_main
 from client.traces import TraceRequest
-from sim import ClusterSpec, Profile
+from sim import ClusterSpec
 from sim.arrivals import TraceScaling
 from sim.plan import plan_split, splits_of
+from tests.test_sim import TOY as SIM_TOY
 
-# 1 ms a prompt token, 10 ms a decode step (+1 ms a sequence), batches of 4 at most
-TOY = Profile(
-    name="toy",
-    block_size=16,
-    prefill_coef=(0.0, 1.0, 0.0),
-    decode_coef=(10.0, 1.0, 0.0),
-    block_bytes=1000,
-    kv_blocks=256,
-    max_batch=4,
-    dram_blocks=0,
-    ssd_blocks=0,
-    network_gbps=1.0,
-    dram_gbps=1.0,
-    ssd_gbps=1.0,
-)
+# test_sim's toy profile (1 ms a prompt token, 10 ms a decode step + 1 ms a sequence), with a
+# pool that never binds, batches of 4 at most and no store tiers
+TOY = dataclasses.replace(SIM_TOY, kv_blocks=256, max_batch=4, dram_blocks=0, ssd_blocks=0)
 SCALING = TraceScaling(length_scale=16 / 512)  # a trace block of 512 tokens -> one 16-token block
 SPEC = ClusterSpec(policy="load_balance", ttft_slo_ms=2000, tbt_slo_ms=100)
 
