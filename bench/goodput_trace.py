@@ -7,7 +7,8 @@ output_length, hash_ids), which vLLM's `bench serve --dataset-name timed_trace` 
 `--timed-trace-chunk-hash-size <512 / scale> --timed-trace-sec-multiplier 0.001`.
 
     .venv/bin/python bench/goodput_trace.py --out runs/goodput/trace.jsonl \
-        [--trace shared/traces/synthetic_trace.jsonl] [--requests 100] [--scale 32] [--rate 1.0]
+        [--trace client/data/mooncake_synthetic_trace.jsonl] [--requests 100] [--scale 32]
+        [--rate 1.0]
 """
 
 from __future__ import annotations
@@ -30,11 +31,8 @@ from client.traces import (  # noqa: E402
 
 
 def default_trace() -> Path:
-    """shared/traces/synthetic_trace.jsonl (in the checkout or beside it), else the same trace as
-    the client package ships it."""
-    for shared in (ROOT / "shared", ROOT.parent / "shared"):
-        if (shared / "traces" / "synthetic_trace.jsonl").is_file():
-            return shared / "traces" / "synthetic_trace.jsonl"
+    """The Mooncake synthetic trace as the client package ships it (the same file as the one
+    the issue names under shared/traces)."""
     return SHIPPED_TRACE
 
 
