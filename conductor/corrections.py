@@ -15,31 +15,41 @@ class Correction:
     BOUNDS = (0.2, 5.0)  # one odd request cannot swing it further
     MIN_SAMPLES = 4  # applied once this many requests agree (a cold start's first is no evidence)
 
-    MODEL_CHANGE = 0.25  # a refit moving the model's prediction this much starts it afresh
+    MODEL_DRIFT = 0.01  # a refit moving the model's prediction less than this is no new model
+    EPOCHS_KEPT = 1024  # models an estimate may have been made against (one per refit)
 
     def __init__(self) -> None:
         # EWMAs of measured and of raw predicted ms: their ratio is the correction (a ratio of
         # sums, not a mean of ratios: a short request's fixed overhead, 2-3x its few predicted
-        # ms, would otherwise scale a long prompt's prediction by as much and refuse it)
+        # ms, would otherwise scale a long prompt's prediction by as much and refuse it). The
+        # predictions are kept as the current model would make them.
         self._measured = self._predicted = 0.0
         self.samples = 0
-        self._reference_ms = 0.0  # the worker's model at a reference point, when last observed
-        # Bumped when the model moved past MODEL_CHANGE: estimates made before are no evidence.
+        # Bumped at each refit; an estimate names the epoch it was made in.
         self.epoch = 0
-        self.stale = 0  # measurements dropped because their estimate was made against an old model
+        # The worker's model at a fixed reference point, per epoch: an estimate made against an
+        # earlier model is re-expressed in the current one by the ratio of the two.
+        self._reference_ms: dict[int, float] = {}
+        self.stale = 0  # measurements dropped: their model is older than EPOCHS_KEPT refits
 
     def follow_model(self, reference_ms: float) -> None:
-        """The worker reported its model's prediction at a fixed reference point. Ratios learned
-        against an earlier model (its start-up prior, say) say nothing of a refit one: when the
-        prediction moved by more than MODEL_CHANGE, forget them."""
+        """The worker reported its model's prediction at a fixed reference point. A refit model
+        (its start-up prior replaced by the serving steps' fit, or a noisy refit of a few ms
+        steps) says other times for the same work: what was learned against the old one is
+        carried over, scaled as the two models differ there, not thrown away (a worker whose
+        model refits every few reports would otherwise never be corrected)."""
         if reference_ms <= 0:
             return
-        old = self._reference_ms
-        self._reference_ms = reference_ms
-        if old > 0 and abs(reference_ms - old) > self.MODEL_CHANGE * old:
-            self._measured = self._predicted = 0.0
-            self.samples = 0
-            self.epoch += 1
+        old = self._reference_ms.get(self.epoch, 0.0)
+        if old <= 0:
+            self._reference_ms[self.epoch] = reference_ms
+            return
+        if abs(reference_ms - old) <= self.MODEL_DRIFT * old:
+            return
+        self._predicted *= reference_ms / old
+        self.epoch += 1
+        self._reference_ms[self.epoch] = reference_ms
+        self._reference_ms.pop(self.epoch - self.EPOCHS_KEPT, None)
 
     @property
     def ratio(self) -> float:
@@ -50,15 +60,15 @@ class Correction:
     def observe(self, measured_ms: float, predicted_ms: float, applied: float, epoch: int) -> None:
         """`predicted_ms` was made with `applied` as the ratio against the model of `epoch`; the
         raw model said predicted/applied. A request routed before a refit (a burst judged by the
-        start-up calibration, finishing after the model learned the serving steps) measures the
-        old model, not this one: it is dropped, or the ratio would scale the new model by the old
-        one's error."""
+        start-up calibration, finishing after the model learned the serving steps) measured the
+        old model: its prediction is re-expressed in the current one before it counts."""
         if predicted_ms <= 0 or measured_ms <= 0 or applied <= 0:
             return
-        if epoch != self.epoch:
+        then, now = self._reference_ms.get(epoch, 0.0), self._reference_ms.get(self.epoch, 0.0)
+        if epoch != self.epoch and (then <= 0 or now <= 0):
             self.stale += 1
             return
-        raw = predicted_ms / applied
+        raw = predicted_ms / applied * (now / then if epoch != self.epoch else 1.0)
         measured = min(max(measured_ms, self.BOUNDS[0] * raw), self.BOUNDS[1] * raw)
         a = max(self.ALPHA, 1.0 / (self.samples + 1))  # a plain mean until it has history
         self._measured = (1 - a) * self._measured + a * measured
@@ -66,12 +76,19 @@ class Correction:
         self.samples += 1
 
 
+REFERENCE_PROMPT_TOKENS = 512  # prefill's reference point; decode's: this many per sequence
+REFERENCE_BATCH = 8  # decode's reference batch (less where the worker's max_batch is)
+
+
 def model_reference_ms(kind: str, load: pb.WorkerLoad) -> float:
-    """A worker's fitted model at one fixed point (prefill: 512 new tokens on no context; decode:
-    a step of 8 sequences over 8,192 tokens), to notice when a refit changes it."""
+    """A worker's fitted model at one fixed point near where it serves (prefill: 512 new tokens
+    on no context; decode: a step of its batch bound, up to 8 sequences, 512 tokens each), to
+    notice how a refit changes it. A point far from the serving one (8,192 tokens on a worker
+    whose pool holds 1,280) moves with every noisy refit of a coefficient it hardly uses."""
     coef = tuple(load.prefill_coef if kind == "prefill" else load.decode_coef)
     if len(coef) < 3:
         return 0.0
     if kind == "prefill":
-        return coef[0] + coef[1] * 512
-    return coef[0] + coef[1] * 8 + coef[2] * 8192
+        return coef[0] + coef[1] * REFERENCE_PROMPT_TOKENS
+    batch = min(REFERENCE_BATCH, load.max_batch) if load.max_batch > 0 else REFERENCE_BATCH
+    return coef[0] + coef[1] * batch + coef[2] * batch * REFERENCE_PROMPT_TOKENS

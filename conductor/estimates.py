@@ -71,7 +71,8 @@ def decode_estimate(
         batch = d.running + 1
         context = d.context_tokens + request.num_tokens + sum(w[0] for w in d.waiting)
         step = predict(d.coef, decode_features(batch, context))
-        return DecodeEstimate(step, step, 0.0, step / 2, max(step, pull_ms + step / 2), pull_ms)
+        wall = step * d.wait_scale
+        return DecodeEstimate(step, step, 0.0, wall / 2, max(wall, pull_ms + wall / 2), pull_ms)
     # Admission in order, each when the pool holds its answer and the batch has a slot: blocks
     # free up as sequences end, the running ones first and then those admitted ahead of it.
     ending = [(r, held) for _, r, held in d.seqs]
@@ -106,7 +107,9 @@ def decode_estimate(
         return max(0.0, c0 + c1 * (alive + (own > 0)) + c2 * (after[i] + t * alive + own))
 
     before = _spread(wait_steps)
+    # waits pass in wall-clock steps, the compute model's times d.wait_scale
     wait_ms = sum(step_at(t, 0) for t in before) * wait_steps / len(before) if before else 0.0
+    wait_ms *= d.wait_scale
     gaps = max(1, request.max_tokens - 1)
     points = _spread(gaps)
     steps = [step_at(wait_steps + i, request.num_tokens + i) for i in points]
@@ -123,9 +126,9 @@ def decode_estimate(
         return DecodeEstimate(total / taken, steps[0], wait_ms, 0.0, pull_ms, pull_ms)
     # It is admitted at a step boundary, pulls its KV alongside the next step and joins at the
     # boundary after the pull; unless its prefill answers after the batch has run dry.
-    inflight = step_at(wait_steps, 0)
+    inflight = step_at(wait_steps, 0) * d.wait_scale
     span = _spread(ends[-1])
-    drained = sum(step_at(t, 0) for t in span) * ends[-1] / len(span)
+    drained = sum(step_at(t, 0) for t in span) * ends[-1] / len(span) * d.wait_scale
     return DecodeEstimate(
         total / taken,
         steps[0],

@@ -111,6 +111,18 @@ class DecodeWorker(Worker[DecodeBooking]):
         self.stub = pb_grpc.DecodeWorkerStub(self.channel)
         # what pulling one prompt block took lately (smoothed; 0 = none measured yet)
         self.pull_ms_per_block = 0.0
+        # Its streams' wall-clock TBT over the model's, where `correction` learns their steps'
+        # compute: admission waits last whole wall-clock steps. Observed with `correction` and
+        # told of the same refits, so the two share their epochs.
+        self.pace = Correction()
+
+    @property
+    def wait_scale(self) -> float:
+        """A step's wall-clock time over its compute, as its recent streams measured them."""
+        compute, wall = self.correction, self.pace
+        if wall.samples < Correction.MIN_SAMPLES or compute.samples < Correction.MIN_SAMPLES:
+            return 1.0
+        return max(1.0, wall.ratio / compute.ratio)
 
     def observe_pull(self, ms: float, blocks: int) -> None:
         """A KV pull of `blocks` prompt blocks took `ms`: it delays admission, so the next TTFT
@@ -161,7 +173,10 @@ class Fleet:
                 continue
             with self.lock:
                 w.load, w.healthy = load, True
-                w.correction.follow_model(model_reference_ms(w.kind, load))
+                reference = model_reference_ms(w.kind, load)
+                w.correction.follow_model(reference)
+                if isinstance(w, DecodeWorker):
+                    w.pace.follow_model(reference)
                 # Work routed before the report was asked for is in it (queued at the worker).
                 w.report_at = asked
 

@@ -72,6 +72,10 @@ class DecodeCandidate(NamedTuple):
     # predicted compute of the prefills routed to it and not done yet (ms, at its full speed)
     local_queue_ms: float = 0.0
     checked: bool = True  # as PrefillCandidate's
+    # Wall-clock time of one of its steps over the step's compute (>= 1): a sequence waiting for
+    # a slot waits out whole steps, the token streaming, the scheduling and the CPU turns given
+    # to a prefill included, which the compute model (and TBT's correction) leaves out.
+    wait_scale: float = 1.0
 
 
 

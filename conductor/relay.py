@@ -249,13 +249,18 @@ class Relay:
             # its steps' own compute where the worker says it: the gaps also hold the slack its
             # streams gave a prefill on the same CPUs (by design, within their objective), and
             # learning that as the model's error refused streams the worker could serve
-            measured = tbt_of_gaps(s.step_ms) if s.step_ms else tbt_of_times(s.times)
+            wall = tbt_of_times(s.times)
+            measured = tbt_of_gaps(s.step_ms) if s.step_ms else wall
             with self._fleet.lock:
                 worker.correction.observe(
                     measured,
                     routed.predicted_tbt_ms,
                     routed.decode_ratio,
                     routed.decode_epoch,
+                )
+                # and the wall clock's, for the admission waits behind its steps
+                worker.pace.observe(
+                    wall, routed.predicted_tbt_ms, routed.decode_ratio, routed.decode_epoch
                 )
 
     def _reject(self, context: grpc.ServicerContext, reason: str, message: str) -> NoReturn:

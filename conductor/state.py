@@ -71,6 +71,7 @@ def cluster_state(fleet: Fleet, matches: dict[str, int], config: ConductorConfig
                     nodes=tuple(ld.nodes),
                     local_queue_ms=local_ms,
                     checked=d.correction.samples >= Correction.MIN_SAMPLES,
+                    wait_scale=d.wait_scale,
                 )
             )
     return ClusterState(

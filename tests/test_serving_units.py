@@ -182,7 +182,7 @@ def test_request_stream_resumes_without_repeating_a_token(tok):
     assert sp.max_tokens == 5  # the client's parameters stay as sent
 
 
-def test_a_refit_worker_model_drops_the_ratios_learned_against_the_old_one():
+def test_a_refit_worker_model_carries_what_was_learned_over_in_the_new_models_terms():
     from conductor.corrections import Correction as _Correction
 
     c = _Correction()
@@ -190,19 +190,37 @@ def test_a_refit_worker_model_drops_the_ratios_learned_against_the_old_one():
     for _ in range(_Correction.MIN_SAMPLES):
         c.observe(measured_ms=2.0, predicted_ms=10.0, applied=1.0, epoch=c.epoch)  # 5x high
     assert c.ratio == pytest.approx(0.2)
-    c.follow_model(11.0)  # a small drift keeps what was learned
+    c.follow_model(10.05)  # no refit: within MODEL_DRIFT
     assert c.ratio == pytest.approx(0.2)
     old = c.epoch
-    c.follow_model(2.5)  # refit: the model now says what was measured
-    assert c.ratio == 1.0 and c.samples == 0 and c.epoch == old + 1
-    # Requests routed by the old model finish after the refit: their error is the old model's,
-    # and must not scale the new one (a burst judged by the start-up calibration would).
+    c.follow_model(2.5)  # refit: the model now says about what was measured
+    assert c.epoch == old + 1
+    # what was learned is kept, as the new model would have predicted it: 2.0 over 2.5
+    assert c.ratio == pytest.approx(0.8)
+    # Requests routed by the old model finish after the refit: their estimates (10 ms) are
+    # re-expressed in the new model's terms (2.5), so they confirm the ratio, not undo it.
     for _ in range(2 * _Correction.MIN_SAMPLES):
         c.observe(measured_ms=2.0, predicted_ms=10.0, applied=1.0, epoch=old)
-    assert c.ratio == 1.0 and c.samples == 0 and c.stale == 2 * _Correction.MIN_SAMPLES
-    for _ in range(_Correction.MIN_SAMPLES):
+    assert c.ratio == pytest.approx(0.8) and c.stale == 0
+    for _ in range(4 * _Correction.MIN_SAMPLES):
         c.observe(measured_ms=3.0, predicted_ms=2.5, applied=1.0, epoch=c.epoch)
-    assert c.ratio == pytest.approx(1.2)
+    assert c.ratio == pytest.approx(1.2, rel=0.01)
+    # an estimate made against a model too many refits ago is dropped, not guessed at
+    for i in range(_Correction.EPOCHS_KEPT + 2):  # ending on the 2.5 ms model
+        c.follow_model(2.5 * (1.1 if i % 2 == 0 else 1.0))
+    c.observe(measured_ms=100.0, predicted_ms=1.0, applied=1.0, epoch=old)
+    assert c.stale == 1 and c.ratio == pytest.approx(1.2, rel=0.05)
+
+
+def test_a_decode_model_is_compared_where_the_worker_serves():
+    from conductor.corrections import model_reference_ms
+
+    load = pb.WorkerLoad(decode_coef=[1.0, 0.5, 0.001], max_batch=4)
+    # a step of 4 sequences of 512 tokens: 1 + 4 * 0.5 + 2048 * 0.001
+    assert model_reference_ms("decode", load) == pytest.approx(5.048)
+    load = pb.WorkerLoad(decode_coef=[1.0, 0.5, 0.001])  # no batch bound: 8 sequences
+    assert model_reference_ms("decode", load) == pytest.approx(9.096)
+    assert model_reference_ms("prefill", pb.WorkerLoad(prefill_coef=[2.0, 0.1, 0.0])) == 53.2
 
 
 def test_a_correction_is_a_ratio_of_sums_so_short_requests_overheads_do_not_scale_long_ones():
