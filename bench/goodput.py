@@ -27,7 +27,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -48,7 +47,7 @@ from bench.goodput_trace import (  # noqa: E402
     read_trace,
     write_trace,
 )
-from bench.machine import finish  # noqa: E402
+from bench.machine import finish, free_port  # noqa: E402
 from bench.vllm_peer import DEFAULT_VLLM  # noqa: E402
 
 SYSTEMS = ("halfmoon", "vllm")
@@ -68,13 +67,6 @@ BENCH_SCRIPT = """if __name__ == "__main__":
 
 def say(*a) -> None:
     print(*a, flush=True)
-
-
-def free_port() -> int:
-    """A port nothing listens on now: fixed ports would clash with another cluster on the host."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def quiet_env(**extra: str) -> dict:
@@ -144,6 +136,9 @@ def start_halfmoon(args, ssd_root: Path, log: Path) -> Server:
         f"conductor.port={free_port()}",
         f"slo.ttft_ms={args.ttft_ms:g}",
         f"slo.tbt_ms={args.tpot_ms:g}",
+        # judged by TPOT, a mean over each answer: paced by the mean, not gap by gap
+        f"decode.tbt_pacing={args.tbt_pacing}",
+        *args.halfmoon_set,
     ]
     argv = [str(ROOT / ".venv" / "bin" / "halfmoon"), "serve"]
     argv += [x for s in sets for x in ("--set", s)]
@@ -410,6 +405,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--ttft-ms", type=float, default=2000.0, help="TTFT objective")
     ap.add_argument("--tpot-ms", type=float, default=100.0, help="TPOT objective")
     ap.add_argument("--systems", default="halfmoon,vllm", help="which to run, in this order")
+    ap.add_argument("--tbt-pacing", default="mean", choices=["mean", "gap"], help="decode's")
+    ap.add_argument("--halfmoon-set", action="append", default=[], help="more --set for halfmoon")
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     ap.add_argument("--hash-seed", type=int, default=0, help="PYTHONHASHSEED of bench serve")
@@ -478,6 +475,7 @@ def main(argv=None) -> int:
             "max_output": args.max_output,
             "rates": [f"{r:g}" for r in args.rates],
             "objectives": {"ttft_ms": args.ttft_ms, "tpot_ms": args.tpot_ms},
+            "halfmoon_tbt_pacing": args.tbt_pacing,
             "hash_seed": args.hash_seed,
             "trace_stats": {k: v for k, v in stats.items() if k != "rate"},
             "vllm_omp_threads_bind": f"0-{os.cpu_count() - 1}",

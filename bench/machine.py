@@ -4,11 +4,19 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import statistics
 import time
 from collections.abc import Callable
 
 from servekit.machine import cpu_flags
+
+
+def free_port() -> int:
+    """A port nothing listens on now: fixed ports would clash with another cluster on the host."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def median_s(fn, repeats: int, warmup: bool = True) -> float:

@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 
 from servekit.worker import WorkerConfig
 
+PACINGS = ("gap", "mean")  # DecodeConfig.tbt_pacing
+
 
 @dataclass
 class DecodeConfig(WorkerConfig):
@@ -39,6 +41,11 @@ class DecodeConfig(WorkerConfig):
     # offered to the prefill as slack (servekit.CpuTurns.offer); the remainder is margin for a
     # step that runs long
     tbt_pace_fraction: float = 0.8
+    # How a stream's objective bounds its gaps: "gap" holds every gap within it (Mooncake's TBT,
+    # the mean of the slowest 10%), "mean" only its answer's mean gap so far (vLLM's TPOT: a
+    # stream ahead of its objective banks the difference, and a prefill on the same CPUs may
+    # spend it in one long gap, as vLLM's chunked prefill stalls its decodes)
+    tbt_pacing: str = "gap"
     # A prompt prefilled here (the conductor's local_prefill_tokens) is computed this many
     # tokens a forward at most: each chunk takes its turn at the CPUs like a step
     prefill_chunk_tokens: int = 512
@@ -51,6 +58,10 @@ class DecodeConfig(WorkerConfig):
             raise ValueError(
                 "DecodeConfig.tbt_pace_fraction: a fraction in (0, 1], got "
                 f"{self.tbt_pace_fraction}"
+            )
+        if self.tbt_pacing not in PACINGS:
+            raise ValueError(
+                f"DecodeConfig.tbt_pacing: one of {', '.join(PACINGS)}, got {self.tbt_pacing!r}"
             )
         if self.prefill_chunk_tokens <= 0:
             raise ValueError(

@@ -214,6 +214,7 @@ class DecodeScheduler:
                 if reason:
                     self.finish(seq, reason, publish=True)
                 else:
+                    seq.joined = time.perf_counter()
                     self._running.append(seq)
         self.metrics.running.set(len(self._running))
 
@@ -251,14 +252,19 @@ class DecodeScheduler:
     def _pace(self) -> None:
         """Offer a prefill on this host's CPUs the time the running streams can spare: the
         shortest TBT objective among them, its `tbt_pace_fraction`, less the next step as the
-        time model predicts it (servekit.decode_slack_ms)."""
+        time model predicts it (servekit.decode_slack_ms); with `tbt_pacing` "mean", each
+        stream's objective is what its next gap may take and its answer's mean still meet it."""
         with self._wake:
             running = list(self._running)
         b = len(running)
         step_ms = self.timing.predict(b, sum(s.position for s in running) + b) if b else 0.0
-        slack = decode_slack_ms(
-            [s.tbt_slo_ms for s in running], step_ms, self.config.tbt_pace_fraction
-        )
+        fraction = self.config.tbt_pace_fraction
+        if self.config.tbt_pacing == "mean":
+            now = time.perf_counter()
+            banked = [banked_gap_ms(s, now, fraction) for s in running if s.tbt_slo_ms > 0]
+            slack = max(0.0, min(banked) - step_ms) if banked else None
+        else:
+            slack = decode_slack_ms([s.tbt_slo_ms for s in running], step_ms, fraction)
         self.runner.turns.offer(slack)
 
     # ---- endings ----
@@ -296,3 +302,21 @@ class DecodeScheduler:
             self.runner.publish(s)
         finally:
             self._release(s)
+
+
+# A long answer well ahead of its objective banks a lot: one gap may spend at most this many
+# objectives of it, so that a stream never stalls for seconds while its mean still passes
+MAX_BANKED_GAPS = 10
+
+
+def banked_gap_ms(s: Seq, now: float, fraction: float) -> float:
+    """How long the next gap of `s` may be with the mean gap of its answer so far within
+    `fraction` of its objective: the gaps it has made, plus the next, at the objective, less the
+    time they took (0 = no objective). A stream that ran ahead of its objective banked the
+    difference; one behind it gets the bare objective back once it catches up."""
+    if s.tbt_slo_ms <= 0 or s.joined <= 0:
+        return s.tbt_slo_ms
+    gaps = len(s.out) - 1  # tokens since the first, released when it joined
+    spent_ms = (now - s.joined) * 1000.0
+    banked = (gaps + 1) * s.tbt_slo_ms * fraction - spent_ms
+    return min(max(0.0, banked), MAX_BANKED_GAPS * s.tbt_slo_ms)

@@ -35,6 +35,9 @@ class Seq:
         # tokens not yet put in events: (id, ms since arrival, batch, its step's own compute ms)
         self.held: list[tuple[int, float, int, float]] = []
         self.arrived = time.perf_counter()
+        # perf_counter when it joined the running batch (its first token released to the
+        # client): where its answer's mean gap is counted from (DecodeConfig.tbt_pacing "mean")
+        self.joined = 0.0
         self.cancelled = False
         self.pull: Future | None = None
         self.transfer_ms = 0.0

@@ -82,3 +82,27 @@ def test_a_burst_of_long_prompts_takes_the_cpus_while_streams_keep_flowing(lm):
     # ... and handed them to the decode steps between layers, so no stream stood still
     assert passes >= 3, passes
     assert min(during) >= passes // 2, (during, passes)
+
+
+def test_mean_pacing_lends_a_prefill_what_a_stream_banked_ahead_of_its_objective():
+    import time
+
+    from decode_node import DecodeConfig
+    from decode_node.scheduler import MAX_BANKED_GAPS, banked_gap_ms
+    from decode_node.seq import Seq
+    from protos import halfmoon_pb2 as pb
+
+    s = Seq(pb.DecodeRequest(first_token=5, tbt_slo_ms=100.0), budget=64, need_blocks=1)
+    now = time.perf_counter()
+    s.joined = now - 0.5  # joined 500 ms ago ...
+    s.out = [5] + [7] * 20  # ... and made 20 gaps since: 25 ms each
+    # its next gap may take what 21 gaps at 80 ms leave after the 500 ms spent: 1,180 ms,
+    # capped at MAX_BANKED_GAPS objectives
+    assert banked_gap_ms(s, now, 0.8) == pytest.approx(min(1180.0, MAX_BANKED_GAPS * 100.0))
+    s.out = [5] + [7] * 3  # behind: 3 gaps in 500 ms (167 ms each) leaves nothing to lend
+    assert banked_gap_ms(s, now, 0.8) == 0.0
+    s.joined = now  # just joined: the bare objective's fraction
+    s.out = [5]
+    assert banked_gap_ms(s, now, 0.8) == pytest.approx(80.0)
+    with pytest.raises(ValueError, match="tbt_pacing"):
+        DecodeConfig(tbt_pacing="average")
