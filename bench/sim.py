@@ -11,8 +11,21 @@
    fit-profile`) and its slice simulated per policy; TTFT p50/p90 and attainment compared.
    Without --real-run this part is skipped and its keys are null (a real replay takes minutes:
    see README "Simulator").
+4. the vLLM baseline against vLLM: every `vllm bench serve` result in --vllm-runs
+   (bench/goodput.py's vllm-<rate>.json beside trace-<rate>.jsonl) simulated on one vLLM-like
+   instance (sim.vllm_baseline) with the fitted profile --vllm-profile; goodput (TTFT and TPOT
+   objectives as bench serve counts them) and TTFT p50/p90 against the measured ones, the runs
+   the profile was fitted on marked in sample and the largest errors over the others reported
+   (keys `vllm_baseline_*`; null when there are no such runs: runs/ is not in the repository).
 
     .venv/bin/python bench/sim.py [--real-run runs/sim-validation] [--rates 0.1,0.2,...]
+
+5. the paper's experiment against a fair colocated baseline: Mooncake's every P:D split of four
+   instances against four vLLM-like colocated instances (chunked prefill under a token budget,
+   prefix caching, nothing refused; the budgets --vllm-budgets and routers --vllm-policies, the
+   best one kept) on the paper profile's -vllm variant, at TBT 100/200/300 ms; capacity against
+   the split with the best colocated one across it in paper-vs-vllm.png (--skip-vllm-paper
+   skips it: it takes minutes).
 
 The last line is one JSON object.
 """
@@ -43,7 +56,10 @@ from sim import (  # noqa: E402
     simulate,
     sweep,
 )
+from sim.capacity import format_vs, plot_vs, splits_vs_colocated  # noqa: E402
 from sim.validate import compare_run, format_comparisons  # noqa: E402
+from sim.vllm_fit import bench_files, fitted_runs, read_bench_run  # noqa: E402
+from sim.vllm_validate import check_runs, format_checks  # noqa: E402
 
 PAPER = "llama2-70b-8xa800"
 
@@ -104,6 +120,37 @@ def paper_experiment(reqs, rates: list[float], target: float, out: Path) -> dict
     return result
 
 
+def paper_vs_vllm(reqs, rates: list[float], target: float, out: Path, budgets: list[int],
+                  policies: list[str]) -> dict:  # fmt: skip
+    """Section 5: the best P:D split against the best vLLM-like colocated configuration."""
+    p, pv = load_profile(PAPER), load_profile(PAPER + "-vllm")
+    result, cases = {}, {}
+    for tbt in (100, 200, 300):
+        slo = {"ttft_slo_ms": 30000, "tbt_slo_ms": tbt}
+        colocated = [
+            ClusterSpec(colocated=4, colocated_kind="vllm", policy=pol, admission="best_effort",
+                        colocated_options={"max_num_batched_tokens": b}, **slo)
+            for pol in policies for b in budgets
+        ]  # fmt: skip
+        t0 = time.perf_counter()
+        base = ClusterSpec(policy="mooncake", **slo)
+        r = splits_vs_colocated(reqs, TraceScaling(), p, pv, 4, rates, base, colocated, target)
+        say(f"\n== TBT SLO {tbt} ms against vLLM-like colocated ({time.perf_counter() - t0:.0f} s)")
+        say(format_vs(r))
+        cases[f"TBT {tbt} ms"] = r
+        result[f"capacity_best_split_tbt{tbt}"] = round(r.best_split.capacity_rps, 4)
+        result[f"best_split_tbt{tbt}"] = r.best_split.label
+        result[f"capacity_vllm_colocated_best_tbt{tbt}"] = round(r.best_colocated.capacity_rps, 4)
+        result[f"best_vllm_colocated_tbt{tbt}"] = r.best_colocated.label
+        result[f"mooncake_capacity_vs_vllm_colocated_tbt{tbt}"] = (
+            round(r.ratio, 3) if math.isfinite(r.ratio) else None
+        )
+    png = plot_vs(cases, out / "paper-vs-vllm.png",
+                  title=f"synthetic trace, {PAPER}, TTFT 30 s: Mooncake P:D vs vLLM-like 4M")
+    say(f"plot in {png}")
+    return result
+
+
 def validation(run_dir: Path | None, trace) -> dict:
     keys = ("sim_vs_real_ttft_p50_error", "sim_vs_real_ttft_p90_error",
             "sim_vs_real_attainment_error_pts")  # fmt: skip
@@ -135,6 +182,46 @@ def validation(run_dir: Path | None, trace) -> dict:
     }
 
 
+def vllm_baseline(runs_dir: Path, profile_name: str, ttft_ms: float, tpot_ms: float) -> dict:
+    """Section 4: the fitted vLLM baseline against every measured vLLM run in `runs_dir`."""
+    keys = ("vllm_baseline_heldout_goodput_error", "vllm_baseline_heldout_goodput_diff_rps",
+            "vllm_baseline_heldout_ttft_p50_error", "vllm_baseline_heldout_ttft_p90_error",
+            "vllm_baseline_runs")  # fmt: skip
+    results = sorted(runs_dir.glob("vllm-*.json")) if runs_dir.is_dir() else []
+    pairs = [bench_files(str(r)) for r in results]
+    pairs = [(r, t) for r, t in pairs if t.is_file()]
+    if not pairs:
+        say(f"\nvLLM baseline vs vLLM: skipped (no vllm-<rate>.json and trace in {runs_dir})")
+        return {k: None for k in keys}
+    p = load_profile(profile_name)
+    runs = [read_bench_run(r, t, p.block_size) for r, t in pairs]
+    fit = {str(r) for r, _ in pairs if any((ROOT / f).resolve() == r.resolve()
+                                           for f in fitted_runs(p))}  # fmt: skip
+    rows = check_runs(runs, p, fit, ttft_ms, tpot_ms)
+    say(f"\n== vLLM baseline (profile {p.name}) vs vLLM bench serve runs in {runs_dir}")
+    say(format_checks(rows))
+    held = [c for c in rows if not c.fitted]
+    worst = lambda f: max((abs(f(c)) for c in held if not math.isnan(f(c))), default=math.nan)  # noqa: E731
+    return {
+        "vllm_baseline_heldout_goodput_error": _num(worst(lambda c: c.goodput_error)),
+        "vllm_baseline_heldout_goodput_diff_rps": _num(worst(lambda c: c.goodput_diff_rps)),
+        "vllm_baseline_heldout_ttft_p50_error": _num(worst(lambda c: c.ttft_p50_error)),
+        "vllm_baseline_heldout_ttft_p90_error": _num(worst(lambda c: c.ttft_p90_error)),
+        "vllm_baseline_runs": {
+            c.run: {
+                "fitted": c.fitted,
+                "goodput_measured": _num(c.measured.goodput_rps),
+                "goodput_predicted": _num(c.predicted.goodput_rps),
+                "ttft_p50_measured_ms": _num(c.measured.ttft_p50_ms),
+                "ttft_p50_predicted_ms": _num(c.predicted.ttft_p50_ms),
+                "ttft_p90_measured_ms": _num(c.measured.ttft_p90_ms),
+                "ttft_p90_predicted_ms": _num(c.predicted.ttft_p90_ms),
+            }
+            for c in rows
+        },
+    }
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--real-run", type=Path, default=None, help="a `halfmoon replay` output dir")
@@ -143,6 +230,16 @@ def main(argv=None) -> int:
     ap.add_argument("--target", type=float, default=0.9)
     ap.add_argument("--skip-paper", action="store_true")
     ap.add_argument("--output", type=Path, default=ROOT / "runs" / "bench")
+    ap.add_argument("--vllm-runs", type=Path, default=ROOT / "runs" / "bench" / "goodput",
+                    help="bench/goodput.py's output: vllm-<rate>.json and trace-<rate>.jsonl")
+    ap.add_argument("--vllm-profile", default="vllm-cpu-smollm2-135m")
+    ap.add_argument("--vllm-ttft-ms", type=float, default=2000.0)
+    ap.add_argument("--vllm-tpot-ms", type=float, default=100.0)
+    ap.add_argument("--skip-vllm-paper", action="store_true")
+    ap.add_argument("--vllm-budgets", default="256,512,1024,2048",
+                    help="the colocated baseline's max_num_batched_tokens to try")
+    ap.add_argument("--vllm-policies", default="mooncake,load_balance",
+                    help="the colocated baseline's routers to try")
     args = ap.parse_args(argv)
     args.output.mkdir(parents=True, exist_ok=True)
     load_start = os.getloadavg()[0]
@@ -152,7 +249,14 @@ def main(argv=None) -> int:
     if not args.skip_paper:
         rates = [float(x) for x in args.rates.split(",")]
         result.update(paper_experiment(reqs, rates, args.target, args.output))
+    if not args.skip_vllm_paper:
+        rates = [float(x) for x in args.rates.split(",")]
+        budgets = [int(x) for x in args.vllm_budgets.split(",")]
+        result.update(paper_vs_vllm(reqs, rates, args.target, args.output, budgets,
+                                    args.vllm_policies.split(",")))  # fmt: skip
     result.update(validation(args.real_run, args.trace))
+    result.update(vllm_baseline(args.vllm_runs, args.vllm_profile, args.vllm_ttft_ms,
+                                args.vllm_tpot_ms))  # fmt: skip
     return finish(result, load_start)
 
 

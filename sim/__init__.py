@@ -1,16 +1,20 @@
 """A discrete-event simulator of a halfmoon cluster: trace arrivals, the live conductor's policy
 objects routing them, chunked prefill with queueing, continuous-batching decode with admission
 bounded by KV blocks, KV transfer, per-node DRAM/SSD tiers with the store's eviction rule and a
-global index; the same report as `halfmoon replay`."""
+global index; the same report as `halfmoon replay`. Colocated instances schedule as named by
+`ClusterSpec.colocated_kind`: "stall" (whole prompts between decode steps) or "vllm" (vLLM's
+chunked prefill under a token budget with prefix caching, sim.vllm_baseline)."""
 
 from sim.arrivals import SimRequest, TraceScaling, make_arrivals
 from sim.config import SimConfig, load_sim_config, sim_config_from_dict
-from sim.driver import ClusterSpec, SimResult, simulate
+from sim.driver import COLOCATED_KINDS, ClusterSpec, SimResult, simulate
 from sim.fit import Fit, fit_profile
 from sim.profile import Profile, load_profile, profile_from_dict, profile_to_dict
 from sim.sweep import SweepPoint, effective_capacity, format_sweep, plot_sweep, sweep, trace_rate
+from sim.vllm_baseline import VllmConfig, VllmInstance
 
 __all__ = [
+    "COLOCATED_KINDS",
     "ClusterSpec",
     "Fit",
     "Profile",
@@ -19,6 +23,8 @@ __all__ = [
     "SimResult",
     "SweepPoint",
     "TraceScaling",
+    "VllmConfig",
+    "VllmInstance",
     "effective_capacity",
     "fit_profile",
     "format_sweep",

@@ -15,10 +15,20 @@ from client.report import format_reports, report_dict, write_records
 from client.traces import SHIPPED_TRACE, load_trace
 from sim.arrivals import make_arrivals
 from sim.config import SimConfig, load_sim_config
-from sim.driver import ClusterSpec, simulate
+from sim.driver import COLOCATED_KINDS, ClusterSpec, simulate
 from sim.fit import fit_profile
 from sim.profile import PROFILE_DIR, load_profile, profile_to_dict
 from sim.sweep import finite, format_sweep, plot_sweep, sweep
+from sim.vllm_baseline import DEFAULT_BUDGET
+from sim.vllm_fit import (
+    VLLM_CPU_BLOCK,
+    VLLM_CPU_SEQS,
+    bench_files,
+    fit_vllm_profile,
+    read_bench_run,
+    server_sizes,
+)
+from sim.vllm_validate import check_runs, format_checks, profile_yaml
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +43,12 @@ def add_simulate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill", type=int, default=None, help="one cluster: prefill instances")
     p.add_argument("--decode", type=int, default=None, help="one cluster: decode instances")
     p.add_argument("--colocated", type=int, default=None, help="one cluster: colocated instances")
+    p.add_argument("--colocated-kind", default=None, choices=sorted(COLOCATED_KINDS),
+                   help="how colocated instances schedule (every colocated cluster): stall = "
+                   "whole prompts between decode steps, vllm = chunked prefill under a token "
+                   "budget with prefix caching")  # fmt: skip
+    p.add_argument("--vllm-budget", type=int, default=None,
+                   help="vllm kind: max_num_batched_tokens (default: the profile's)")  # fmt: skip
     p.add_argument("--rate-scale", type=float, default=None, help="arrival rate x this")
     p.add_argument("--length-scale", type=float, default=None)
     p.add_argument("--max-output", type=int, default=None)
@@ -49,10 +65,30 @@ def add_simulate_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_fit_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("run_dir", help="a `halfmoon replay` output folder")
+    p.add_argument("run_dir", nargs="?", default=None,
+                   help="a `halfmoon replay` output folder (or --vllm-bench)")  # fmt: skip
     p.add_argument("--base", default="smollm2-cpu", help="profile whose other figures it keeps")
     p.add_argument("--name", default="", help="the new profile's name")
     p.add_argument("--output", default=None, help="YAML to write (default: print it)")
+    v = p.add_argument_group("a vLLM baseline profile (sim.vllm_fit) from `vllm bench serve` runs")
+    run = "RESULT[,TRACE]"  # the trace defaults to bench/goodput.py's trace-<rate>.jsonl beside it
+    v.add_argument("--vllm-bench", action="append", default=[], metavar=run,
+                   help="a --save-detailed result to fit on (repeatable)")  # fmt: skip
+    v.add_argument("--vllm-holdout", action="append", default=[], metavar=run,
+                   help="a result only checked against the fit (repeatable)")  # fmt: skip
+    v.add_argument("--vllm-budget", type=int, default=DEFAULT_BUDGET,
+                   help="the server's max_num_batched_tokens")  # fmt: skip
+    v.add_argument("--vllm-max-seqs", type=int, default=VLLM_CPU_SEQS, help="its max_num_seqs")
+    v.add_argument("--vllm-block-size", type=int, default=VLLM_CPU_BLOCK, help="its block size")
+    v.add_argument("--vllm-hash-tokens", type=int, default=16,
+                   help="tokens a trace hash id stands for (bench serve's "
+                   "--timed-trace-chunk-hash-size)")  # fmt: skip
+    v.add_argument("--vllm-kv-tokens", type=int, default=0,
+                   help="its KV pool in tokens (0: from RESULT's .server.log)")  # fmt: skip
+    v.add_argument("--vllm-token-bytes", type=int, default=0,
+                   help="KV bytes a token (0: from the log)")  # fmt: skip
+    v.add_argument("--ttft-slo-ms", type=float, default=2000.0, help="for the check's goodput")
+    v.add_argument("--tpot-slo-ms", type=float, default=100.0, help="for the check's goodput")
 
 
 def _apply_overrides(cfg: SimConfig, args: argparse.Namespace) -> SimConfig:
@@ -79,6 +115,18 @@ def _apply_overrides(cfg: SimConfig, args: argparse.Namespace) -> SimConfig:
         clusters = [dataclasses.replace(base, **merged)]
     if args.policy:
         clusters = [dataclasses.replace(c, policy=args.policy) for c in clusters]
+    kind, budget = getattr(args, "colocated_kind", None), getattr(args, "vllm_budget", None)
+    if budget is not None and (kind or "vllm") != "vllm":
+        raise ValueError("--vllm-budget is for --colocated-kind vllm")
+    if kind or budget is not None:
+        opts = {"max_num_batched_tokens": budget} if budget is not None else {}
+        clusters = [
+            dataclasses.replace(
+                c, colocated_kind=kind or c.colocated_kind,
+                colocated_options={**c.colocated_options, **opts},
+            ) if c.colocated else c
+            for c in clusters
+        ]  # fmt: skip
     slo = {k: getattr(args, k) for k in ("ttft_slo_ms", "tbt_slo_ms") if getattr(args, k)}
     clusters = [dataclasses.replace(c, **slo) for c in clusters]
     rates = cfg.sweep
@@ -159,7 +207,56 @@ def simulate_cmd(args: argparse.Namespace) -> int:
     return 0
 
 
+def fit_vllm_cmd(args: argparse.Namespace) -> int:
+    """`fit-profile --vllm-bench ...`: fit, check against every run given, write the YAML."""
+    bs = args.vllm_block_size
+
+    def read(spec: str):
+        result, trace = bench_files(spec)
+        return read_bench_run(result, trace, bs, args.vllm_hash_tokens)
+
+    fit_runs = [read(s) for s in args.vllm_bench]
+    held = [read(s) for s in args.vllm_holdout]
+    kv, token_bytes = args.vllm_kv_tokens, args.vllm_token_bytes
+    logs = [server_sizes(Path(r.name).with_suffix(".server.log")) for r in fit_runs]
+    sizes = next((x for x in logs if x is not None), None)
+    kv = kv or (sizes.kv_tokens if sizes else 0)
+    token_bytes = token_bytes or (sizes.token_bytes if sizes else 0)
+    if kv <= 0:
+        raise ValueError("--vllm-kv-tokens: no server log beside the results states the pool")
+    name = args.name or "vllm-cpu"
+    profile, fit = fit_vllm_profile(fit_runs, name, args.vllm_budget, kv, token_bytes, bs,
+                                    args.vllm_max_seqs)  # fmt: skip
+    checks = check_runs(fit_runs + held, profile, {r.name for r in fit_runs}, args.ttft_slo_ms,
+                        args.tpot_slo_ms)  # fmt: skip
+    command = " ".join(
+        ["halfmoon fit-profile"] + [f"--vllm-bench {s}" for s in args.vllm_bench]
+        + [f"--vllm-holdout {s}" for s in args.vllm_holdout]
+        + [f"--vllm-budget {args.vllm_budget}", f"--name {name}"]
+        + [f"--{k.replace('_', '-')} {getattr(args, k)}" for k, default in (
+            ("vllm_block_size", VLLM_CPU_BLOCK), ("vllm_max_seqs", VLLM_CPU_SEQS),
+            ("vllm_hash_tokens", 16), ("vllm_kv_tokens", 0), ("vllm_token_bytes", 0))
+           if getattr(args, k) != default]
+        + ([f"--output {args.output}"] if args.output else [])
+    )  # fmt: skip
+    text = profile_yaml(profile, fit, checks, command)
+    print(format_checks(checks))
+    if args.output:
+        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.output).write_text(text, encoding="utf-8")
+        print(f"profile {name} written to {args.output} ({fit.busy_steps} steps fitted)")
+    else:
+        print(text, end="")
+    return 0
+
+
 def fit_profile_cmd(args: argparse.Namespace) -> int:
+    if args.vllm_bench:
+        return fit_vllm_cmd(args)
+    if args.vllm_holdout:
+        raise ValueError("--vllm-holdout checks a --vllm-bench fit: give --vllm-bench too")
+    if not args.run_dir:
+        raise ValueError("fit-profile: a replay folder, or --vllm-bench results")
     base = load_profile(args.base)
     profile, fit = fit_profile(args.run_dir, base, args.name)
     text = yaml.safe_dump(profile_to_dict(profile), sort_keys=False, width=100)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -29,6 +30,7 @@ from sim.index import GlobalIndex
 from sim.instances import ColocatedInstance, DecodeInstance, Job, PrefillInstance
 from sim.profile import Profile
 from sim.timing import prefill_ms, transfer_ms
+from sim.vllm_baseline import VllmConfig, VllmInstance
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +42,11 @@ class ClusterSpec:
     prefill: int | None = None  # prefill instances, one node each (default 1; 0 if colocated)
     decode: int | None = None  # decode instances, one node each (default 1; 0 if colocated)
     colocated: int = 0  # > 0: this many instances that each prefill and decode (no P/D split)
+    # how a colocated instance schedules, a name in COLOCATED_KINDS: "stall" prefills whole
+    # prompts between decode steps; "vllm" is vLLM's chunked prefill under a token budget with
+    # prefix caching (sim.vllm_baseline), its settings in colocated_options (VllmConfig's fields)
+    colocated_kind: str = "stall"
+    colocated_options: dict = field(default_factory=dict)
     policy: str = "mooncake"  # any name conductor.make_policy knows
     policy_options: dict = field(default_factory=dict)
     ttft_slo_ms: float = 2000.0
@@ -60,11 +67,33 @@ class ClusterSpec:
             raise ValueError("colocated instances replace prefill/decode ones: set those to 0")
         if not self.colocated and (self.prefill < 1 or self.decode < 1):
             raise ValueError("need at least one prefill and one decode instance (or colocated)")
+        if self.colocated_kind not in COLOCATED_KINDS:
+            known = ", ".join(COLOCATED_KINDS)
+            raise ValueError(f"colocated_kind: one of {known}, not {self.colocated_kind!r}")
+        if self.colocated_options and self.colocated_kind == "stall":
+            raise ValueError("colocated_options: the stall kind takes none")
+        VllmConfig(**self.colocated_options)  # unknown names fail here, not mid-run
 
     @property
     def label(self) -> str:
         shape = f"{self.colocated}M" if self.colocated else f"{self.prefill}P+{self.decode}D"
+        if self.colocated and self.colocated_kind != "stall":
+            opts = ",".join(f"{k}={v}" for k, v in sorted(self.colocated_options.items()))
+            shape += f" {self.colocated_kind}" + (f" {opts}" if opts else "")
         return f"{self.policy}[{shape}]"
+
+
+# Colocated instance kinds by name: (loop, id, profile, its pool's cache, the driver's first-token
+# and done callbacks, the spec's colocated_options) -> the instance
+ColocatedFactory = Callable[..., "ColocatedInstance | VllmInstance"]
+COLOCATED_KINDS: dict[str, ColocatedFactory] = {
+    "stall": lambda loop, iid, p, cache, first, done, opts: ColocatedInstance(
+        loop, iid, p, cache, first, done
+    ),
+    "vllm": lambda loop, iid, p, cache, first, done, opts: VllmInstance(
+        loop, iid, p, cache, done, VllmConfig(**opts)
+    ),
+}
 
 
 class SimResult(NamedTuple):
@@ -84,8 +113,8 @@ class _Sim:
         self.loop = EventLoop()
         self.index = GlobalIndex()
         self.caches: dict[str, BlockCache] = {}
-        self.prefill: dict[str, PrefillInstance | ColocatedInstance] = {}
-        self.decode: dict[str, DecodeInstance] = {}
+        self.prefill: dict[str, PrefillInstance | ColocatedInstance | VllmInstance] = {}
+        self.decode: dict[str, DecodeInstance | VllmInstance] = {}
         self.nodes: dict[str, tuple[str, ...]] = {}  # prefill id -> its index node ids
         self.device_nodes: set[str] = set()
         self.jobs: list[Job] = []
@@ -97,7 +126,9 @@ class _Sim:
         for i in range(spec.colocated):
             dev = f"m{i}-dev"
             cache = self.caches[dev] = BlockCache(dev, self.index, p.kv_blocks)
-            inst = ColocatedInstance(self.loop, f"m{i}", p, cache, self._first, self._done)
+            make = COLOCATED_KINDS[spec.colocated_kind]
+            inst = make(self.loop, f"m{i}", p, cache, self._first, self._done,
+                        spec.colocated_options)  # fmt: skip
             self.prefill[inst.id] = inst
             self.decode[inst.id] = inst
             self.nodes[inst.id] = (dev,)
@@ -173,7 +204,9 @@ class _Sim:
             job.computed = req.input_tokens
             job.compute_ms = prefill_ms(p.prefill_coef, 0, req.input_tokens, p.chunk_size)
             self.local_prefills += 1
-            self.decode[d.decode].arrive_local(job)
+            dec = self.decode[d.decode]
+            assert isinstance(dec, DecodeInstance)  # colocated ones took the branch above
+            dec.arrive_local(job)
             return
         if self.spec.colocated and d.decode != d.prefill:
             self.redirected += 1  # one instance does both: it decodes where it prefilled
