@@ -7,7 +7,7 @@ prefix cache emptied before each (alone on the engine, a prompt's time to a one-
 its TTFT), and writes {"ttft_ms": [...], "outputs": [[token ids], ...], "answer_counts" and
 "ttft_counts": the connector's worker counts over each pass, "start_s": its start-up}. With
 "warm_prompts", it then serves those and answers the prompts again from its own prefix cache
-("warm_outputs").
+("warm_outputs"). "ttft_pass": false leaves the timed pass out.
 Runs the engine in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) so the connector's counts
 can be read back."""
 
@@ -81,7 +81,7 @@ def main() -> None:
     llm.reset_prefix_cache()  # the TTFTs below compute or load again, not read this cache
     one = SamplingParams(max_tokens=1, temperature=0.0)
     ttft = []
-    for p in prompts:
+    for p in prompts if spec.get("ttft_pass", True) else []:
         t = time.perf_counter()
         llm.generate([p], one, use_tqdm=False)
         ttft.append((time.perf_counter() - t) * 1000.0)

@@ -5,6 +5,8 @@ real vLLM engine: `make test-vllm` (tests/vllm/)."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -205,3 +207,37 @@ def test_an_unreachable_store_is_a_miss_and_a_full_queue_drops_saves(store):
     io.close()
     with pytest.raises(ValueError, match="store addresses or an index"):
         Stores([])
+
+
+def test_the_index_finds_the_node_holding_the_longest_prefix():
+    from kvstore import EmbeddedRedis
+
+    redis = EmbeddedRedis()
+    nodes = [
+        StoreNode(
+            StoreConfig(node_id=f"v{i}", dram_bytes=16 << 20, redis_url=redis.url, heartbeat_s=0.2)
+        )
+        for i in range(2)
+    ]
+    addresses = [n.start() for n in nodes]
+    try:
+        # the second node holds the prompt's first two blocks, the first none
+        io, caches = make_io(addresses[1])
+        p = Planner(Stores([addresses[1]]), BS, FP)
+        p.match("r", PROMPT[: 2 * BS + 1], 0)
+        forward(io, p.step([("r", [0, 1], 0)], [], {"r": 2 * BS + 1}), caches)
+        io.close()
+        stores = Stores([], index_url=redis.url)
+        q = Planner(stores, BS, FP)
+        deadline = time.monotonic() + 10
+        while q.match("s", PROMPT, 0) < 2 * BS and time.monotonic() < deadline:
+            time.sleep(0.1)  # the node publishes what it holds to the index shortly after
+        assert q.match("s", PROMPT, 0) == 2 * BS
+        q.allocated("s", [3, 4, 5, 6], 2 * BS)
+        (load,) = q.step([("s", [3, 4, 5, 6], 2 * BS)], [], {"s": 5}).loads
+        assert load.address == addresses[1]
+        stores.close()
+    finally:
+        for n in nodes:
+            n.stop()
+        redis.stop()
