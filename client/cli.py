@@ -172,7 +172,10 @@ def build_parser() -> argparse.ArgumentParser:
         )
     )
     add_fit_args(
-        sub.add_parser("fit-profile", help="fit a simulator profile from `halfmoon replay` output")
+        sub.add_parser(
+            "fit-profile",
+            help="fit a simulator profile from `halfmoon replay` output or vLLM bench results",
+        )
     )
     from sim.plan_cmd import add_plan_args
 
