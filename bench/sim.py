@@ -222,6 +222,9 @@ def vllm_baseline(runs_dir: Path, profile_name: str, ttft_ms: float, tpot_ms: fl
     }
 
 
+VLLM_RUNS = "vllm-cpu-smollm2-135m"  # the measured runs the shipped vLLM profile was fitted on
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--real-run", type=Path, default=None, help="a `halfmoon replay` output dir")
@@ -230,7 +233,7 @@ def main(argv=None) -> int:
     ap.add_argument("--target", type=float, default=0.9)
     ap.add_argument("--skip-paper", action="store_true")
     ap.add_argument("--output", type=Path, default=ROOT / "runs" / "bench")
-    ap.add_argument("--vllm-runs", type=Path, default=ROOT / "runs" / "bench" / "goodput",
+    ap.add_argument("--vllm-runs", type=Path, default=ROOT / "sim" / "data" / VLLM_RUNS,
                     help="bench/goodput.py's output: vllm-<rate>.json and trace-<rate>.jsonl")
     ap.add_argument("--vllm-profile", default="vllm-cpu-smollm2-135m")
     ap.add_argument("--vllm-ttft-ms", type=float, default=2000.0)

@@ -27,7 +27,6 @@ from sim.vllm_fit import bench_files, fitted_runs, read_bench_run, rebuild_steps
 from tests.test_sim import TOY as SIM_TOY
 
 ROOT = Path(__file__).resolve().parent.parent
-GOODPUT = ROOT / "runs" / "bench" / "goodput"  # bench/goodput.py's output (git-ignored)
 
 # test_sim's toy profile (1 ms a prompt token, a 10 ms step + 1 ms a decoded sequence), 16-token
 # blocks, a pool that never binds unless a test shrinks it, a 64-token step budget
@@ -223,8 +222,6 @@ def test_the_shipped_profile_loads_and_names_its_fit():
     assert {Path(f).name for f in fitted_runs(p)} == {"vllm-0.5.json", "vllm-2.json"}
 
 
-@pytest.mark.skipif(not (GOODPUT / "vllm-0.5.json").is_file(),
-                    reason="no bench/goodput.py run in runs/bench/goodput")  # fmt: skip
 def test_refitting_the_measured_runs_gives_the_shipped_profile(tmp_path):
     out = tmp_path / "refit.yaml"
     fit = [str(f) for f in sorted(fitted_runs(load_profile("vllm-cpu-smollm2-135m")))]
