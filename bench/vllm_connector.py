@@ -129,8 +129,7 @@ def main() -> int:
     node = StoreNode(StoreConfig(node_id="vllm-store", dram_bytes=a.dram_mib << 20))
     address = node.start()
     say(f"store node at {address}")
-    head = lm.config.head_dim or lm.config.hidden_size // lm.config.num_heads
-    shape = (lm.config.num_layers, lm.config.num_kv_heads, a.block_size, head)
+    shape = (lm.config.num_layers, lm.config.num_kv_heads, a.block_size, lm.config.head_dim)
 
     def experiment(dtype: str) -> dict:
         """A, then B with and without the connector, then B after a corrupted block."""
@@ -150,7 +149,7 @@ def main() -> int:
         run("A", first, conn)
         b = run("B", follow, conn)
         ref = run("B-without", follow, None, warm_prompts=first)
-        fp = fingerprint(weights_id(model_dir), layout_id(dtype, *shape[:2], *shape[2:]))
+        fp = fingerprint(weights_id(model_dir), layout_id(dtype, *shape))
         held = corrupt_one_block(node, block_keys(follow[0], a.block_size, fp)[1:2])
         say(f"[{dtype}] corrupted block 1 of prefix 0 (held: {held})")
         c = run("B-corrupt", follow, conn)

@@ -1,7 +1,7 @@
 """gRPC client library, the halfmoon CLI, trace loaders and replay, reports and plots."""
 
 from client.api import Access, AsyncClient, Chunk, Client, Completion, build_request
-from client.plot import plot_cdfs
+from client.plot import plot_cdfs, save_figure
 from client.replay import ReplaySettings, replay, replay_async
 from client.replay_cmd import ReplayResult, parse_policies, replay_trace
 from client.report import (
@@ -34,6 +34,7 @@ __all__ = [
     "Completion",
     "build_request",
     "plot_cdfs",
+    "save_figure",
     "ReplaySettings",
     "replay",
     "replay_async",

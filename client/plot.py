@@ -10,6 +10,19 @@ import numpy as np
 from client.report import ReplayRecord, request_tbt
 
 
+def save_figure(fig, path: str | Path) -> Path:
+    """Lay `fig` out, write it to `path` as a PNG (its folder made), close it: the end of every
+    plot the project draws."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def _cdf(values: list[float]) -> tuple[np.ndarray, np.ndarray]:
     # a log axis: zero gaps (one-token answers) have no place on it
     v = np.sort(np.asarray([x for x in values if not math.isnan(x) and x > 0], dtype=np.float64))
@@ -55,9 +68,4 @@ def plot_cdfs(
         ax.legend(fontsize=8, loc="lower right")
     if title:
         fig.suptitle(title)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import NamedTuple
 
+from client.plot import save_figure
 from client.traces import TraceRequest
 from sim.arrivals import TraceScaling, make_arrivals
 from sim.driver import ClusterSpec, simulate
@@ -128,9 +129,4 @@ def plot_vs(results: dict[str, SplitsVsColocated], path: str | Path, title: str 
     axes[0][0].set_ylim(bottom=0)
     if title:
         fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)

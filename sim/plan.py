@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import NamedTuple
 
+from client.plot import save_figure
 from client.traces import TraceRequest
 from sim.arrivals import TraceScaling
 from sim.driver import ClusterSpec
@@ -100,9 +101,4 @@ def plot_plan(plan: Plan, path: str | Path, title: str = "") -> Path:
     ax.grid(axis="y", alpha=0.3)
     if title:
         ax.set_title(title, fontsize=9)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import NamedTuple
 
+from client.plot import save_figure
 from client.traces import TraceRequest
 from sim.arrivals import TraceScaling, make_arrivals
 from sim.driver import ClusterSpec, simulate
@@ -134,12 +135,7 @@ def plot_sweep(points: Sequence[SweepPoint], target: float, path: str | Path, ti
     ax.legend(fontsize=8)
     if title:
         ax.set_title(title, fontsize=9)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def finite(x):

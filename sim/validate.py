@@ -24,7 +24,8 @@ class Comparison(NamedTuple):
     attainment_error_pts: float  # sim - real, in percentage points
 
 
-def _rel(sim: float, real: float) -> float:
+def relative_error(sim: float, real: float) -> float:
+    """(sim - real) / real; nan when either is nan or real is not positive."""
     if math.isnan(sim) or math.isnan(real) or real <= 0:
         return math.nan
     return (sim - real) / real
@@ -69,8 +70,8 @@ def compare_run(
                 policy,
                 real_report,
                 s,
-                _rel(s.ttft_ms.p50, real_report.ttft_ms.p50),
-                _rel(s.ttft_ms.p90, real_report.ttft_ms.p90),
+                relative_error(s.ttft_ms.p50, real_report.ttft_ms.p50),
+                relative_error(s.ttft_ms.p90, real_report.ttft_ms.p90),
                 100.0 * (s.slo_attainment - real_report.slo_attainment),
             )
         )

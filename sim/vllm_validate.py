@@ -15,6 +15,7 @@ import yaml
 
 from sim.driver import ClusterSpec, simulate
 from sim.profile import Profile, profile_to_dict
+from sim.validate import relative_error
 from sim.vllm_fit import BenchRun, VllmFit
 
 
@@ -80,10 +81,6 @@ class Check(NamedTuple):
     ttft_p90_error: float
 
 
-def _rel(pred: float, real: float) -> float:
-    return (pred - real) / real if real > 0 and not math.isnan(pred) else math.nan
-
-
 def check_runs(
     runs: list[BenchRun], profile: Profile, fitted: set[str], ttft_slo_ms: float,
     tpot_slo_ms: float,
@@ -97,8 +94,9 @@ def check_runs(
         rate = (len(arr) - 1) / span if span > 0 else math.nan
         out.append(Check(
             Path(run.name).name, rate, run.name in fitted, m, p,
-            _rel(p.goodput_rps, m.goodput_rps), p.goodput_rps - m.goodput_rps,
-            _rel(p.ttft_p50_ms, m.ttft_p50_ms), _rel(p.ttft_p90_ms, m.ttft_p90_ms),
+            relative_error(p.goodput_rps, m.goodput_rps), p.goodput_rps - m.goodput_rps,
+            relative_error(p.ttft_p50_ms, m.ttft_p50_ms),
+            relative_error(p.ttft_p90_ms, m.ttft_p90_ms),
         ))  # fmt: skip
     return out
 

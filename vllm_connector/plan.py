@@ -56,6 +56,24 @@ class _Request:
     load: LoadItem | None = None  # planned by allocated(), sent with the next step
 
 
+class StoreClients:
+    """One StoreClient per node address, opened on first use, all over one transport."""
+
+    def __init__(self, transport: str, timeout_s: float):
+        self._transport, self._timeout = transport, timeout_s
+        self._clients: dict[str, StoreClient] = {}
+
+    def get(self, address: str) -> StoreClient:
+        c = self._clients.get(address)
+        if c is None:
+            c = self._clients[address] = StoreClient(address, self._transport, self._timeout)
+        return c
+
+    def close(self) -> None:
+        for c in self._clients.values():
+            c.close()
+
+
 class Stores:
     """The store nodes a connector uses: clients by address, and who holds a prompt's blocks
     (every node asked, or the index's one round trip when a Redis URL is given)."""
@@ -66,19 +84,12 @@ class Stores:
         if not addresses and not index_url:
             raise ValueError("the halfmoon connector needs store addresses or an index URL")
         self.addresses = list(addresses)
-        # short: vLLM's scheduler waits on a lookup, and a store that is gone costs every
-        # waiting request this much once per RETRY_S
-        self._timeout = timeout_s
-        self._clients: dict[str, StoreClient] = {}
+        # lookups only (gRPC, no slab mapped); a short timeout: vLLM's scheduler waits on a
+        # lookup, and a store that is gone costs every waiting request this much once per RETRY_S
+        self._clients = StoreClients("grpc", timeout_s)
         self._down_until: dict[str, float] = {}
         self.failed_lookups = 0  # lookups a node did not answer (each one logged)
         self._index = Index(index_url) if index_url else None
-
-    def client(self, address: str, transport: str = "grpc") -> StoreClient:
-        c = self._clients.get(address)
-        if c is None:
-            c = self._clients[address] = StoreClient(address, transport, self._timeout)
-        return c
 
     def home(self) -> str:
         """Where blocks no node holds yet go."""
@@ -108,7 +119,7 @@ class Stores:
             if self._down_until.get(address, 0.0) > now:
                 continue
             try:
-                res = self.client(address).lookup(keys)
+                res = self._clients.get(address).lookup(keys)
             except (StoreUnavailable, ConnectionError) as e:
                 self.failed_lookups += 1
                 self._down_until[address] = now + self.RETRY_S
@@ -125,8 +136,7 @@ class Stores:
         return best
 
     def close(self) -> None:
-        for c in self._clients.values():
-            c.close()
+        self._clients.close()
         if self._index is not None:
             self._index.close()
 

@@ -14,9 +14,8 @@ from dataclasses import dataclass, field
 import torch
 
 from kvstore import StoreFull, StoreUnavailable
-from kvstore.client import StoreClient
 from vllm_connector.layout import CacheLayout, detect_layout, gather_blocks, scatter_blocks
-from vllm_connector.plan import LoadItem, SaveItem, StepPlan
+from vllm_connector.plan import LoadItem, SaveItem, StepPlan, StoreClients
 
 log = logging.getLogger(__name__)
 
@@ -82,9 +81,9 @@ class LayerIO:
     ):
         self.fingerprint, self.block_size = fingerprint, block_size
         self._heads, self._head_size, self._num_blocks = num_kv_heads, head_size, num_blocks
-        self._transport, self._timeout = transport, timeout_s
-        self._clients: dict[str, StoreClient] = {}
+        self._clients = StoreClients(transport, timeout_s)
         self.layers: list[str] = []
+        self._layer_index: dict[str, int] = {}  # a layer's name -> its place in a block
         self._caches: dict[str, torch.Tensor] = {}
         self.layout: CacheLayout | None = None
         self._loads: list[_Load] = []
@@ -102,6 +101,7 @@ class LayerIO:
         """vLLM's caches by layer name, in the model's layer order."""
         self._caches = dict(caches)
         self.layers = list(caches)
+        self._layer_index = {name: i for i, name in enumerate(self.layers)}
         first = next(iter(caches.values()))
         self.layout = detect_layout(
             first, self._heads, self._head_size, self.block_size, self._num_blocks
@@ -111,12 +111,6 @@ class LayerIO:
                 raise ValueError(
                     f"layer {name}'s KV cache {tuple(kv.shape)} differs from the first"
                 )
-
-    def _client(self, address: str) -> StoreClient:
-        c = self._clients.get(address)
-        if c is None:
-            c = self._clients[address] = StoreClient(address, self._transport, self._timeout)
-        return c
 
     @property
     def dtype(self) -> torch.dtype:
@@ -133,7 +127,7 @@ class LayerIO:
         for item in plan.loads:
             staging = torch.empty((len(item.keys), *shape), dtype=self.dtype)
             try:
-                got = self._client(item.address).get_into(item.keys, staging)
+                got = self._clients.get(item.address).get_into(item.keys, staging)
             except (StoreUnavailable, ConnectionError, ValueError) as e:
                 log.warning(
                     "halfmoon connector: load of %d blocks from %s failed: %s",
@@ -157,9 +151,9 @@ class LayerIO:
 
     def layer_loaded(self, layer: str) -> None:
         """Write the fetched blocks of `layer` into its cache (just before its attention)."""
-        if not self._loads or layer not in self._caches:
+        i = self._layer_index.get(layer)
+        if not self._loads or i is None:
             return
-        i = self.layers.index(layer)
         assert self.layout is not None
         for ld in self._loads:
             ids = ld.item.block_ids[: ld.got]
@@ -176,9 +170,9 @@ class LayerIO:
 
     def save_layer(self, layer: str, kv: torch.Tensor) -> None:
         """Copy this step's saved blocks out of `layer`'s cache (its attention just wrote it)."""
-        if not self._saves or layer not in self._caches:
+        i = self._layer_index.get(layer)
+        if not self._saves or i is None:
             return
-        i = self.layers.index(layer)
         assert self.layout is not None
         for s in self._saves:
             s.layers[i] = gather_blocks(kv, s.item.block_ids, self.layout)
@@ -212,7 +206,7 @@ class LayerIO:
         while (s := self._queue.get()) is not None:
             try:
                 blocks = torch.stack([t for t in s.layers if t is not None], dim=1)
-                held = self._client(s.item.address).put(
+                held = self._clients.get(s.item.address).put(
                     s.item.keys, blocks, self.fingerprint, parent=s.item.parent
                 )
                 self.counters.add("saved_blocks", held)
@@ -238,5 +232,4 @@ class LayerIO:
         self.flush()
         self._queue.put(None)
         self._writer.join(timeout=10)
-        for c in self._clients.values():
-            c.close()
+        self._clients.close()

@@ -17,7 +17,7 @@ import pytest
 from kvstore import block_keys
 from kvstore.client import parse_header
 from kvstore.node import StoreConfig, StoreNode
-from model import load_model, save_hf_dir
+from model import load_model, load_model_info, save_hf_dir
 from vllm_connector import fingerprint, layout_id, weights_id
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -83,12 +83,9 @@ def test_a_fresh_instance_loads_the_prefixes_and_answers_as_its_own_cache_would(
     assert b["outputs"] == ref["warm_outputs"] == ref["outputs"]
 
     # one byte of block 1 of the first prompt's prefix flipped in the store's memory
-    lm_config = load_model("smollm2-135m").config
-    head = lm_config.head_dim or lm_config.hidden_size // lm_config.num_heads
-    fp = fingerprint(
-        weights_id(model_dir),
-        layout_id("float32", lm_config.num_layers, lm_config.num_kv_heads, BLOCK, head),
-    )
+    cfg = load_model_info("smollm2-135m").config  # its shape, without the weights again
+    layout = layout_id("float32", cfg.num_layers, cfg.num_kv_heads, BLOCK, cfg.head_dim)
+    fp = fingerprint(weights_id(model_dir), layout)
     key = block_keys(follow[0][: 2 * BLOCK], BLOCK, fp)[1]
     lease_id, refs = node.store.acquire([key], ttl=5)
     node.store.release(lease_id)
