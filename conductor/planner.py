@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from conductor.policy_types import ClusterState, DecodeCandidate
+from servekit import decode_features, predict
 
 
 @dataclass
@@ -64,14 +65,12 @@ class RoleSwitch(NamedTuple):
 def decode_pressure(d: DecodeCandidate, tbt_slo_ms: float) -> float:
     """A decode worker's load against its objective: its step's predicted time over the TBT
     objective, its sequences over its batch bound, or more when sequences wait for room."""
-    c = d.coef
-    step_ms = (c[0] + c[1] * d.running + c[2] * d.context_tokens) if len(c) >= 3 else 0.0
+    step_ms = predict(d.coef, decode_features(d.running, d.context_tokens))
     p = step_ms / tbt_slo_ms if tbt_slo_ms > 0 else 0.0
     if d.max_batch > 0:
         p = max(p, d.running / d.max_batch)
-    admitted = d.running - len(d.waiting)
     if d.waiting:  # sequences queued for a slot or for pool room: past its capacity
-        p = max(p, 1.0 + len(d.waiting) / max(1, admitted))
+        p = max(p, 1.0 + len(d.waiting) / max(1, d.running - len(d.waiting)))
     return p
 
 
