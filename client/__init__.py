@@ -13,6 +13,7 @@ from client.report import (
     percentiles,
     read_records,
     request_tbt,
+    request_tpot,
     write_records,
 )
 from client.status_cmd import format_status
@@ -49,6 +50,7 @@ __all__ = [
     "percentiles",
     "read_records",
     "request_tbt",
+    "request_tpot",
     "write_records",
     "format_status",
     "Prompt",

@@ -66,6 +66,7 @@ def build_request(
     policy: str = "",
     ttft_slo_ms: float = 0.0,
     tbt_slo_ms: float = 0.0,
+    tpot_slo_ms: float = 0.0,
 ) -> pb.GenerateRequest:
     """A GenerateRequest from exactly one of: raw text, token ids, chat messages."""
     given = [x is not None for x in (prompt, token_ids, messages)]
@@ -87,6 +88,7 @@ def build_request(
         policy=policy,
         ttft_slo_ms=ttft_slo_ms,
         tbt_slo_ms=tbt_slo_ms,
+        tpot_slo_ms=tpot_slo_ms,
     )
     if prompt is not None:
         req.text = prompt
@@ -231,6 +233,13 @@ class Client:
         cluster this takes the cluster token."""
         return self._stub.ClearCache(
             pb.ClearCacheRequest(), timeout=STATUS_TIMEOUT_S, metadata=self._metadata
+        )
+
+    def recent_trace(self, limit: int = 0) -> pb.RecentTraceReply:
+        """The conductor's recent requests as a trace (the newest `limit`; 0: all it keeps); on
+        a secured cluster this takes the cluster token."""
+        return self._stub.RecentTrace(
+            pb.RecentTraceRequest(limit=limit), timeout=STATUS_TIMEOUT_S, metadata=self._metadata
         )
 
     def close(self) -> None:

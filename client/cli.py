@@ -114,7 +114,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="runs per policy, the policies in alternating order (A B, then B A)",
     )
     r.add_argument("--ttft-slo-ms", type=float, default=2000.0)
-    r.add_argument("--tbt-slo-ms", type=float, default=200.0)
+    r.add_argument(
+        "--tbt-slo-ms",
+        type=float,
+        default=200.0,
+        help="TBT objective (mean of a request's slowest 10%% of gaps); 0 = not judged, and the "
+        "conductor's default sent",
+    )
+    r.add_argument(
+        "--tpot-slo-ms",
+        type=float,
+        default=0.0,
+        help="TPOT objective (the mean gap, as vLLM's bench judges); 0 = not judged, and the "
+        "conductor's default sent",
+    )
     r.add_argument("--max-input", type=int, default=None, help="cap prompt lengths (after scaling)")
     r.add_argument(
         "--vocab-size", type=int, default=0, help="token ids drawn below this (0: ask the cluster)"
@@ -179,11 +192,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     from sim.plan_cmd import add_plan_args
 
-    add_plan_args(
-        sub.add_parser(
-            "plan", help="recommend a prefill:decode split for a trace and objectives (simulated)"
-        )
+    pl = sub.add_parser(
+        "plan", help="recommend a prefill:decode split for a trace and objectives (simulated)"
     )
+    add_plan_args(pl)
+    _add_access_args(pl)  # for --conductor
     return parser
 
 

@@ -58,7 +58,8 @@ def plot_cdfs(
                     where="post",
                     label=f"{policy or 'default'} ({x.size} done / {len(records)})",
                 )
-        ax.axvline(slo, color="grey", linestyle="--", linewidth=1, label=f"SLO {slo:.0f} ms")
+        if slo > 0:  # 0: not judged
+            ax.axvline(slo, color="grey", linestyle="--", linewidth=1, label=f"SLO {slo:.0f} ms")
         # Latencies span decades (a cached prefix against a queue): a log axis shows them all.
         ax.set_xscale("log")
         ax.set_xlabel(label)

@@ -21,6 +21,7 @@ class ReplaySettings(NamedTuple):
     cache_salt: str = ""  # block-key salt: a fresh salt is a cold, private cache for this run
     ttft_slo_ms: float = 0.0  # sent with each request (the conductor admits against it)
     tbt_slo_ms: float = 0.0
+    tpot_slo_ms: float = 0.0
     ignore_eos: bool = True  # answers as long as the trace says
     progress: bool = True  # a tqdm bar on stderr
     desc: str = "replay"
@@ -49,6 +50,7 @@ async def _one(client: AsyncClient, p: Prompt, s: ReplaySettings, t0: float) -> 
             cache_salt=s.cache_salt,
             ttft_slo_ms=s.ttft_slo_ms,
             tbt_slo_ms=s.tbt_slo_ms,
+            tpot_slo_ms=s.tpot_slo_ms,
             request_id=f"{s.cache_salt or 'replay'}-{p.index}",
         ):
             server_t.extend(c.token_times_ms)

@@ -55,6 +55,7 @@ def replay_trace(
     policies: list[str] = ("",),
     ttft_slo_ms: float = 2000.0,
     tbt_slo_ms: float = 200.0,
+    tpot_slo_ms: float = 0.0,
     output_dir: str | Path = "runs/replay",
     vocab_size: int = 0,
     seed: int = 0,
@@ -86,7 +87,7 @@ def replay_trace(
             if warmup:
                 replay(address, prompts[:warmup], ReplaySettings(
                     policy=policy, cache_salt=f"warmup-{tag}-{rep}-{name}", progress=False,
-                    ttft_slo_ms=ttft_slo_ms, tbt_slo_ms=tbt_slo_ms,
+                    ttft_slo_ms=ttft_slo_ms, tbt_slo_ms=tbt_slo_ms, tpot_slo_ms=tpot_slo_ms,
                 ))  # fmt: skip
             with Client(address) as c:
                 c.clear_cache()
@@ -95,11 +96,12 @@ def replay_trace(
                 cache_salt=f"replay-{tag}-{rep}-{name}",
                 ttft_slo_ms=ttft_slo_ms,
                 tbt_slo_ms=tbt_slo_ms,
+                tpot_slo_ms=tpot_slo_ms,
                 progress=progress,
                 desc=name if repeats == 1 else f"{name} ({rep + 1}/{repeats})",
             )
             records = replay(address, prompts, settings)
-            run = compute_report(records, ttft_slo_ms, tbt_slo_ms, policy)
+            run = compute_report(records, ttft_slo_ms, tbt_slo_ms, policy, tpot_slo_ms=tpot_slo_ms)
             runs.append({"policy": policy, "repeat": rep, "goodput_rps": run.goodput_rps,
                          "slo_attainment": run.slo_attainment})  # fmt: skip
             # the runs end to end: this one's times from where the policy's last one ended
@@ -109,7 +111,9 @@ def replay_trace(
     reports = []
     for policy, records in by_policy.items():
         write_records(out / f"records-{policy or 'default'}.jsonl", records)
-        reports.append(compute_report(records, ttft_slo_ms, tbt_slo_ms, policy))
+        reports.append(
+            compute_report(records, ttft_slo_ms, tbt_slo_ms, policy, tpot_slo_ms=tpot_slo_ms)
+        )
     png = plot_cdfs(
         by_policy,
         ttft_slo_ms,
@@ -170,6 +174,9 @@ def run(args: argparse.Namespace) -> int:
     for name in ("time_scale", "length_scale"):
         if not getattr(args, name) > 0:
             raise ValueError(f"--{name.replace('_', '-')} must be > 0")
+    for name in ("tbt_slo_ms", "tpot_slo_ms"):
+        if not getattr(args, name, 0.0) >= 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 0 (0 = not judged)")
     scaling = Scaling(
         length_scale=args.length_scale,
         time_scale=args.time_scale,
@@ -185,6 +192,7 @@ def run(args: argparse.Namespace) -> int:
         policies=parse_policies(args.compare_policies, args.policy),
         ttft_slo_ms=args.ttft_slo_ms,
         tbt_slo_ms=args.tbt_slo_ms,
+        tpot_slo_ms=getattr(args, "tpot_slo_ms", 0.0) or 0.0,
         output_dir=args.output,
         vocab_size=getattr(args, "vocab_size", 0) or 0,
         seed=getattr(args, "seed", 0) or 0,

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from servekit import DTYPE_NAMES, SecurityConfig, check_kv_cache, security_config
+from conductor.planner import PlannerConfig
+from servekit import (
+    DTYPE_NAMES,
+    SecurityConfig,
+    check_kv_cache,
+    config_from_dict,
+    security_config,
+)
 
 ADMISSION_MODES = ("reject", "best_effort")
 
@@ -49,12 +56,19 @@ class ConductorConfig:
     local_prefill_tokens: int = 0
     random_seed: int = 0  # the random policy's seed
     ttft_slo_ms: float = 30_000.0  # default time-to-first-token objective (requests may set theirs)
-    tbt_slo_ms: float = 2_000.0  # default time-between-tokens objective
+    # default time-between-tokens objective (the mean of a request's slowest 10% of gaps); 0 = TBT
+    # not judged (a cluster judged by TPOT alone)
+    tbt_slo_ms: float = 2_000.0
+    # default time-per-output-token objective (the mean gap, vLLM's benchmark's TPOT); 0 = not
+    # judged. A request meets its objectives when each one set is met.
+    tpot_slo_ms: float = 0.0
     # A request no pair is predicted to serve within its objectives: "reject" refuses it at once
     # (RESOURCE_EXHAUSTED with a retry-after, HTTP 429 with Retry-After); "best_effort" serves
     # it on the pair the policy would pick without objectives, never counted as good
     admission: str = "reject"
     max_tokens_limit: int = 4096  # the most new tokens one request may ask for
+    # requests kept as a trace for RecentTrace (`halfmoon plan --conductor`); 0 = none kept
+    recent_requests: int = 4096
     # workers' loads are refreshed when a request is routed or finishes, then at most every
     # load_poll_s while that goes on, and every load_idle_poll_s otherwise (fleet.py: LoadPoller)
     load_poll_s: float = 0.1
@@ -68,18 +82,35 @@ class ConductorConfig:
     # TLS and tokens (the cluster's `security` section): Generate and Status take an API token
     # (its tenant chooses the cache salt), ClearCache the cluster token
     security: SecurityConfig = field(default_factory=SecurityConfig)
+    # The runtime planner (conductor/role_switch.py): watches attainment and each role's load
+    # against the objectives and moves a worker from the lighter role to the bottleneck one,
+    # drained first, its weights kept. The workers start switchable (servekit.SwitchableConfig).
+    role_switching: bool = False
+    planner: PlannerConfig = field(default_factory=PlannerConfig)  # its rule's settings
 
     def __post_init__(self) -> None:
         self.security = security_config(self.security, "ConductorConfig.security")
+        if not isinstance(self.planner, PlannerConfig):
+            self.planner = config_from_dict(PlannerConfig, self.planner, "conductor.planner")
         if self.block_size <= 0 or self.max_tokens_limit <= 0:
             raise ValueError("ConductorConfig: block_size and max_tokens_limit must be positive")
         if self.dtype not in DTYPE_NAMES:
             known = ", ".join(DTYPE_NAMES)
             raise ValueError(f"ConductorConfig: dtype must be one of {known}, got {self.dtype!r}")
-        if not (self.ttft_slo_ms > 0 and self.tbt_slo_ms > 0):
+        if not self.ttft_slo_ms > 0:
             raise ValueError(
-                "ConductorConfig: ttft_slo_ms and tbt_slo_ms must be positive (ms), got "
-                f"{self.ttft_slo_ms} and {self.tbt_slo_ms}"
+                f"ConductorConfig.ttft_slo_ms: must be positive (ms), got {self.ttft_slo_ms}"
+            )
+        for name in ("tbt_slo_ms", "tpot_slo_ms"):
+            value = getattr(self, name)
+            if not value >= 0:  # nan too
+                raise ValueError(
+                    f"ConductorConfig.{name}: must be >= 0 (ms; 0 = not judged), got {value}"
+                )
+        if self.recent_requests < 0:
+            raise ValueError(
+                "ConductorConfig.recent_requests: 0 (none kept) or a number of requests, got "
+                f"{self.recent_requests}"
             )
         if self.local_prefill_tokens < 0:
             raise ValueError(

@@ -14,12 +14,16 @@ from servekit import blocks_needed, decode_features, predict
 
 
 class DecodeEstimate(NamedTuple):
-    """What a decode worker gives a new sequence: when it joins the batch and the TBT it then sees
-    (Mooncake's: the mean of the slowest 10% of its gaps). The conductor holds the prefill's first
-    token until the decode worker admits the sequence (its KV pulled, the batch joined), so every
-    wait before that is TTFT (`ttft_ms`) and the first gap is an ordinary step."""
+    """What a decode worker gives a new sequence: when it joins the batch, the TBT it then sees
+    (Mooncake's: the mean of the slowest 10% of its gaps) and its TPOT (the mean gap). The
+    conductor holds the prefill's first token until the decode worker admits the sequence (its KV
+    pulled, the batch joined), so every wait before that is TTFT (`ttft_ms`) and the first gap is
+    an ordinary step."""
 
     tbt_ms: float
+    # time per output token, as vLLM's benchmark counts it: the mean of its steps over the answer
+    # (the same step times as tbt_ms, so never above it)
+    tpot_ms: float
     step_ms: float  # the first step after it joins
     admission_wait_ms: float  # from now until the pool holds its answer (and the batch a slot)
     # A sequence is admitted at a step boundary: a first token arriving while a step runs waits
@@ -48,6 +52,21 @@ def tbt_of_times(times_ms: Sequence[float]) -> float:
     return tbt_of_gaps([b - a for a, b in zip(times_ms, times_ms[1:])])
 
 
+def tpot_of_times(times_ms: Sequence[float]) -> float:
+    """The TPOT of one answer from its token times: its mean gap, (last - first) / (tokens - 1),
+    vLLM's (end-to-end - TTFT) / (output tokens - 1) on the conductor's clock; 0.0 for one token."""
+    if len(times_ms) < 2:
+        return 0.0
+    return (times_ms[-1] - times_ms[0]) / (len(times_ms) - 1)
+
+
+def paced_slo_ms(tbt_slo_ms: float, tpot_slo_ms: float) -> float:
+    """The objective a decode worker paces a stream's gaps by (DecodeRequest.tbt_slo_ms): the
+    stricter of its TBT and TPOT objectives that are set (> 0); 0.0 when neither is. Where only
+    TPOT is judged, its gaps are paced by the TPOT objective."""
+    return min((x for x in (tbt_slo_ms, tpot_slo_ms) if x > 0), default=0.0)
+
+
 def tbt_of_gaps(gaps_ms: Sequence[float]) -> float:
     """The mean of the slowest 10% of `gaps_ms` (at least one); 0.0 for none."""
     gaps = sorted(gaps_ms, reverse=True)
@@ -72,7 +91,9 @@ def decode_estimate(
         context = d.context_tokens + request.num_tokens + sum(w[0] for w in d.waiting)
         step = predict(d.coef, decode_features(batch, context))
         wall = step * d.wait_scale
-        return DecodeEstimate(step, step, 0.0, wall / 2, max(wall, pull_ms + wall / 2), pull_ms)
+        return DecodeEstimate(
+            step, step, step, 0.0, wall / 2, max(wall, pull_ms + wall / 2), pull_ms
+        )
     # Admission in order, each when the pool holds its answer and the batch has a slot: blocks
     # free up as sequences end, the running ones first and then those admitted ahead of it.
     ending = [(r, held) for _, r, held in d.seqs]
@@ -121,9 +142,11 @@ def decode_estimate(
         if take <= 0:
             break
         total, taken = total + v * take, taken + take
+    # TPOT: the mean step, each point standing for the same share of the gaps
+    tpot = sum(steps) / len(steps)
     if bisect.bisect_right(ends, wait_steps) == len(joined):
         # No batch running when it may join: admitted as soon as its KV is in.
-        return DecodeEstimate(total / taken, steps[0], wait_ms, 0.0, pull_ms, pull_ms)
+        return DecodeEstimate(total / taken, tpot, steps[0], wait_ms, 0.0, pull_ms, pull_ms)
     # It is admitted at a step boundary, pulls its KV alongside the next step and joins at the
     # boundary after the pull; unless its prefill answers after the batch has run dry.
     inflight = step_at(wait_steps, 0) * d.wait_scale
@@ -131,6 +154,7 @@ def decode_estimate(
     drained = sum(step_at(t, 0) for t in span) * ends[-1] / len(span) * d.wait_scale
     return DecodeEstimate(
         total / taken,
+        tpot,
         steps[0],
         wait_ms,
         inflight / 2,

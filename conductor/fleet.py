@@ -72,6 +72,9 @@ class Worker(Generic[BookingT]):
             [
                 ("grpc.max_send_message_length", _MAX_MESSAGE),
                 ("grpc.max_receive_message_length", _MAX_MESSAGE),
+                # a worker back after a restart or a role switch is found within seconds
+                ("grpc.initial_reconnect_backoff_ms", 200),
+                ("grpc.max_reconnect_backoff_ms", 2000),
             ],
         )
         self.load: pb.WorkerLoad | None = None
@@ -82,6 +85,13 @@ class Worker(Generic[BookingT]):
         self.report_at = 0.0  # perf_counter when the last answered Load was asked for
         self.correction = Correction()
         self.warned_fingerprint = ""  # the foreign fingerprint already logged for this worker
+        # Routed nothing new: the runtime planner drains it before a role switch (role_switch.py),
+        # or it has switched and has not answered as its new role yet
+        self.draining = False
+
+    @property
+    def routable(self) -> bool:
+        return self.healthy and not self.draining
 
     @property
     def worker_id(self) -> str:
@@ -148,6 +158,7 @@ class Fleet:
         self.workers: list[AnyWorker] = [*self.prefill, *self.decode]
         self.lock = threading.Lock()  # the workers' loads, report times, bookings, corrections
         self.loads_wanted = threading.Event()  # a request is being routed or finished (LoadPoller)
+        self._retired: list[grpc.Channel] = []  # channels of workers that changed role
         self._metrics = metrics
 
     def refresh_loads(self) -> None:
@@ -161,7 +172,7 @@ class Fleet:
                 load = f.result()
             except grpc.RpcError as exc:
                 self._metrics.errors.labels("worker_load").inc()
-                if w.healthy:
+                if w.healthy and not w.draining:  # a switching worker's pause is expected
                     log.warning("%s worker %s stopped answering: %s", w.kind, w.worker_id, exc)
                 w.healthy = False
                 continue
@@ -243,9 +254,27 @@ class Fleet:
             for w in self.workers:
                 w.inflight.pop(rid, None)
 
+    def find(self, worker_id: str) -> AnyWorker | None:
+        with self.lock:
+            return next((w for w in self.workers if w.worker_id == worker_id), None)
+
+    def replace(self, old: AnyWorker, new: AnyWorker) -> None:
+        """`new` (the same worker in its other role: same address, another stub) takes `old`'s
+        place; the lists are replaced, not changed, so a reader holding one sees either."""
+        with self.lock:
+            self.prefill = [w for w in self.prefill if w is not old]
+            self.decode = [w for w in self.decode if w is not old]
+            if isinstance(new, PrefillWorker):
+                self.prefill = [*self.prefill, new]
+            else:
+                self.decode = [*self.decode, new]
+            self.workers = [*self.prefill, *self.decode]
+            # closed with the fleet: a Load round that took `old` before the swap still calls it
+            self._retired.append(old.channel)
+
     def close(self) -> None:
-        for w in self.workers:
-            w.channel.close()
+        for ch in [*(w.channel for w in self.workers), *self._retired]:
+            ch.close()
 
 
 class LoadPoller:

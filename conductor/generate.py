@@ -16,6 +16,7 @@ from conductor.fleet import Fleet
 from conductor.metrics import ConductorMetrics, Totals
 from conductor.policy_types import MissesObjectives, Rejected
 from conductor.prepare import Invalid, Preparer
+from conductor.recent import RecentRequests
 from conductor.relay import Cancelled, Relay, Retry, abort, downstream_failed, reject
 from conductor.routing import Routed, Router
 from conductor.stream import RequestStream
@@ -39,6 +40,7 @@ class RequestFlow:
         fleet: Fleet,
         metrics: ConductorMetrics,
         totals: Totals,
+        recent: RecentRequests,
     ):
         self.config = config
         self._fingerprint = fingerprint  # the model part of every block key
@@ -48,6 +50,7 @@ class RequestFlow:
         self._fleet = fleet
         self._metrics = metrics
         self._totals = totals
+        self._recent = recent  # every admitted or refused request, as a trace
 
     def run(
         self, request: pb.GenerateRequest, context: grpc.ServicerContext
@@ -70,6 +73,7 @@ class RequestFlow:
                     self._worker_lost(context, s, r)
         except Cancelled:
             self._metrics.requests.labels("cancelled").inc()
+            self._recent.add(s.arrived, len(s.ids), len(s.out), s.keys)
             return
         finally:
             self._fleet.forget(s.rid)
@@ -94,6 +98,7 @@ class RequestFlow:
             arrived=arrived,
             ttft_slo_ms=request.ttft_slo_ms or self.config.ttft_slo_ms,
             tbt_slo_ms=request.tbt_slo_ms or self.config.tbt_slo_ms,
+            tpot_slo_ms=request.tpot_slo_ms or self.config.tpot_slo_ms,
         )
 
     def _route(
@@ -113,10 +118,13 @@ class RequestFlow:
                 s.tokens_left(),
                 ttft_slo_ms=s.ttft_slo_ms,  # the request's own, else the defaults
                 tbt_slo_ms=s.tbt_slo_ms,
+                tpot_slo_ms=s.tpot_slo_ms,
                 rid=s.rid,
                 resumed=bool(s.out),
             )
         except Rejected as exc:
+            if s.routed is None:  # refused at admission: offered load all the same
+                self._recent.add(s.arrived, len(s.ids), s.tokens_left(), keys, refused=True)
             if s.out:
                 abort(
                     context,
@@ -124,11 +132,12 @@ class RequestFlow:
                     f"decode worker lost and no pair left to resume on: {exc}",
                 )
             retry_after_s = exc.retry_after_s if isinstance(exc, MissesObjectives) else 0
-            reject(
-                context, self._metrics, self._totals, "slo", str(exc), retry_after_s=retry_after_s
-            )
+            reject(context, self._metrics, self._totals, "slo", str(exc),
+                   retry_after_s=retry_after_s,
+                   logged=f" (request {s.rid}: {len(prompt)} prompt tokens)")  # fmt: skip
         if s.routed is None:  # admitted: counted once, however often it is routed again
             s.best_effort = routed.best_effort
+            s.keys = keys
             with self._totals.lock:
                 self._totals.requests += 1
         return routed
@@ -155,6 +164,7 @@ class RequestFlow:
         rest = s.text.finish()
         usage = s.usage()  # the first prefill's cache hits among it
         met = s.met_slos()
+        self._recent.add(s.arrived, len(s.ids), len(s.out), s.keys)
         with self._totals.lock:
             self._totals.prompt_tokens += len(s.ids)
             self._totals.cached_tokens += usage.cached_tokens

@@ -6,7 +6,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 
 class ConductorMetrics:
@@ -59,6 +59,26 @@ class ConductorMetrics:
             "Failures the conductor worked around (index_lookup, index_skipped, store_status, "
             "worker_load, worker_memory, prefill_lost, decode_lost)",
             ["what"],
+            registry=r,
+        )
+        # the runtime planner (role_switch.py)
+        self.role_switches = Counter(
+            "halfmoon_role_switches",
+            "Workers the runtime planner moved between roles, by outcome: done (drained, "
+            "switched, serving its new role), abandoned (not drained in drain_timeout_s: it kept "
+            "its role), failed (the worker refused or did not come back as the new role)",
+            ["from_role", "to_role", "outcome"],
+            registry=r,
+        )
+        self.role_workers = Gauge(
+            "halfmoon_role_workers", "Workers serving each role now", ["role"], registry=r
+        )
+        self.role_pressure = Gauge(
+            "halfmoon_role_pressure",
+            "Each role's load against its objective at the planner's last look (1 = at it): "
+            "prefill, a new prompt's queue wait over the TTFT objective; decode, the step time "
+            "over the TBT objective or the batch over its bound",
+            ["role"],
             registry=r,
         )
 

@@ -1,8 +1,8 @@
 """The runtime planner's rule: from the same ClusterState the routing policy judges, how far each
 role is past its objective, and when moving one worker from one role to the other is worth a
 switch. Pure (time and attainment are passed in, nothing is called), so that the simulator can run
-the same rule on its instances as the conductor on its workers. Only the rule is here so far: no
-thread drives it yet and no worker can change role (issue 44, item 4)."""
+the same rule on its instances as the conductor on its workers (conductor/role_switch.py drives it
+on the fleet)."""
 
 from __future__ import annotations
 
@@ -28,13 +28,16 @@ class PlannerConfig:
     sustain: int = 3  # consecutive looks that must want the same move
     min_interval_s: float = 30.0  # from the end of one switch to the start of the next
     drain_timeout_s: float = 120.0  # a worker not drained by then keeps its role (abandoned)
+    # a switched worker not answering as its new role by then counts as failed (it stays out of
+    # routing until it answers)
+    rejoin_timeout_s: float = 120.0
 
     def __post_init__(self) -> None:
-        if self.interval_s <= 0 or self.drain_timeout_s <= 0 or self.min_interval_s < 0:
+        times = (self.interval_s, self.drain_timeout_s, self.rejoin_timeout_s)
+        if min(times) <= 0 or self.min_interval_s < 0:
             raise ValueError(
-                "PlannerConfig: interval_s and drain_timeout_s must be positive and "
-                f"min_interval_s >= 0, got {self.interval_s}, {self.drain_timeout_s}, "
-                f"{self.min_interval_s}"
+                "PlannerConfig: interval_s, drain_timeout_s and rejoin_timeout_s must be "
+                f"positive and min_interval_s >= 0, got {times} and {self.min_interval_s}"
             )
         if self.sustain < 1 or self.high <= 0 or not 0 < self.gain < 1:
             raise ValueError(
@@ -64,12 +67,15 @@ class RoleSwitch(NamedTuple):
 
 def decode_pressure(d: DecodeCandidate, tbt_slo_ms: float) -> float:
     """A decode worker's load against its objective: its step's predicted time over the TBT
-    objective, its sequences over its batch bound, or more when sequences wait for room."""
+    objective, its sequences over its batch bound, or more when sequences wait for pool room."""
     step_ms = predict(d.coef, decode_features(d.running, d.context_tokens))
     p = step_ms / tbt_slo_ms if tbt_slo_ms > 0 else 0.0
     if d.max_batch > 0:
         p = max(p, d.running / d.max_batch)
-    if d.waiting:  # sequences queued for a slot or for pool room: past its capacity
+    # Sequences that wait for pool room: past its capacity. `waiting` also holds what is routed
+    # there and still prefilling (a prefill backlog, not decode's), and `running` counts every
+    # waiting sequence, so a wait for a batch slot is the term above.
+    if d.waiting and sum(w[2] for w in d.waiting) > d.free_blocks:
         p = max(p, 1.0 + len(d.waiting) / max(1, d.running - len(d.waiting)))
     return p
 

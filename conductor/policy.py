@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from conductor.corrections import Correction
-from conductor.estimates import DecodeEstimate, decode_estimate
+from conductor.estimates import DecodeEstimate, decode_estimate, paced_slo_ms
 from conductor.policy_types import (
     ClusterState,
     Decision,
@@ -51,25 +51,39 @@ def _decode_fits(request: RequestInfo, state: ClusterState) -> list[DecodeCandid
     return fits
 
 
+def _decode_misses(request: RequestInfo, est: DecodeEstimate) -> list[tuple[str, float, float]]:
+    """The decode objectives of `request` that `est` misses, as (what, predicted ms, objective
+    ms): TBT (the mean of the slowest 10% of gaps) and TPOT (the mean gap), each where set."""
+    misses = []
+    if request.tbt_slo_ms > 0 and est.tbt_ms > request.tbt_slo_ms:
+        misses.append(("time between tokens", est.tbt_ms, request.tbt_slo_ms))
+    if request.tpot_slo_ms > 0 and est.tpot_ms > request.tpot_slo_ms:
+        misses.append(("time per output token", est.tpot_ms, request.tpot_slo_ms))
+    return misses
+
+
 def _least_loaded_decode(
     request: RequestInfo, state: ClusterState, slo: bool, prefill_ttft_ms: float
 ) -> tuple[DecodeCandidate, DecodeEstimate]:
     """Lowest load first (sequences with room now before those that would wait); `slo` filters
-    by TBT and by the TTFT the sequence sees there (its prefill answers `prefill_ttft_ms` from
-    now, then it waits for admission)."""
+    by TBT and TPOT and by the TTFT the sequence sees there (its prefill answers
+    `prefill_ttft_ms` from now, then it waits for admission)."""
     need = blocks_needed(
         request.num_tokens, request.max_tokens, state.block_size, state.window_tokens
     )
-    best, best_key, slow_ttft, slow_tbt, idle = None, None, 0.0, 0.0, False
+    best, best_key, slow_ttft, idle = None, None, 0.0, False
+    slow: dict[str, tuple[float, float]] = {}  # objective missed -> (best prediction, objective)
     for d in _decode_fits(request, state):
         est = decode_estimate(d, request, state.block_size, state.window_tokens)
-        if slo and request.tbt_slo_ms > 0 and est.tbt_ms > request.tbt_slo_ms:
-            slow_tbt = est.tbt_ms if not slow_tbt else min(slow_tbt, est.tbt_ms)
+        misses = _decode_misses(request, est) if slo else []
+        if misses:
+            for what, predicted, objective in misses:
+                slow[what] = (min(predicted, slow.get(what, (predicted,))[0]), objective)
             idle = idle or (
                 d.running == 0
                 and not d.waiting
                 and not d.checked
-                and est.tbt_ms <= PROBE_WITHIN * request.tbt_slo_ms
+                and all(p <= PROBE_WITHIN * o for _, p, o in misses)
             )
             continue
         ttft = est.ttft_ms(prefill_ttft_ms)
@@ -84,14 +98,16 @@ def _least_loaded_decode(
         if slow_ttft:
             raise MissesObjectives(
                 f"predicted TTFT {slow_ttft:.0f} ms (the decode admission wait included) exceeds "
-                f"the {request.ttft_slo_ms:g} ms SLO on every decode worker within the TBT SLO",
+                f"the {request.ttft_slo_ms:g} ms SLO on every decode worker within the decode SLOs",
                 slow_ttft - request.ttft_slo_ms,
             )
         # the batches there stay this slow about as long as their streams last
+        said = " or ".join(
+            f"predicted {what} {p:.0f} ms exceeds the {o:g} ms SLO" for what, (p, o) in slow.items()
+        )
         raise MissesObjectives(
-            f"predicted time between tokens {slow_tbt:.0f} ms exceeds the "
-            f"{request.tbt_slo_ms:g} ms SLO on every decode worker",
-            slow_tbt - request.tbt_slo_ms,
+            f"{said} on every decode worker",
+            min(p - o for p, o in slow.values()),
             idle=idle,
         )
     return best, best_est
@@ -143,8 +159,9 @@ class MooncakePolicy(Policy):
     # there, between its steps, when that is predicted no slower than on a prefill worker; no
     # prefill queue, no KV transfer. 0 = every prompt on a prefill worker.
     local_prefill_tokens: int = 0
-    # The share of a TBT objective a decode worker keeps for its steps (DecodeConfig's
-    # tbt_pace_fraction): a prefill there gets the rest of the CPUs while its batch runs.
+    # The share of the objective a decode worker paces by (the stricter of TBT and TPOT, where
+    # set) it keeps for its steps (DecodeConfig's tbt_pace_fraction): a prefill there gets the
+    # rest of the CPUs while its batch runs.
     tbt_pace_fraction: float = 0.8
     name: str = "mooncake"
 
@@ -193,12 +210,13 @@ class MooncakePolicy(Policy):
             if todo > self.local_prefill_tokens:
                 continue
             est = decode_estimate(d, request, bs, state.window_tokens)
-            if request.tbt_slo_ms > 0 and est.tbt_ms > request.tbt_slo_ms and self.reject:
+            if self.reject and _decode_misses(request, est):
                 continue
             compute_ms = min(predict(c, prefill_features(todo, request.num_tokens)) for c in coefs)
             share = 1.0
-            if d.running and request.tbt_slo_ms > 0:
-                budget = self.tbt_pace_fraction * request.tbt_slo_ms
+            paced = paced_slo_ms(request.tbt_slo_ms, request.tpot_slo_ms)  # the worker paces by it
+            if d.running and paced > 0:
+                budget = self.tbt_pace_fraction * paced
                 share = max(0.1, (budget - est.step_ms) / budget)
             prefill_ms = d.local_queue_ms + compute_ms / share
             ttft = est.admission_wait_ms + prefill_ms + est.align_ms
@@ -370,7 +388,8 @@ def admit(
         if not exc.idle and admission != "best_effort":
             raise
         how = PROBE if exc.idle else BEST_EFFORT
-    return policy.choose(request._replace(ttft_slo_ms=0.0, tbt_slo_ms=0.0), state), how
+    unjudged = request._replace(ttft_slo_ms=0.0, tbt_slo_ms=0.0, tpot_slo_ms=0.0)
+    return policy.choose(unjudged, state), how
 
 
 POLICIES: dict[str, Callable[..., Policy]] = {

@@ -17,6 +17,8 @@ class RequestInfo(NamedTuple):
     # resumed after a lost decode worker (its first token sent already): prefilled on a prefill
     # worker, never on the decode worker (which would sample a first token again)
     resumed: bool = False
+    # time-per-output-token objective (the mean gap, as vLLM's benchmark judges); <= 0 = none
+    tpot_slo_ms: float = 0.0
 
 
 class Link(NamedTuple):

@@ -54,8 +54,10 @@ class Preparer:
         problem = sampling_problem(r.sampling, self.config.max_tokens_limit)
         if problem:
             raise Invalid(problem)
-        if r.ttft_slo_ms < 0 or r.tbt_slo_ms < 0:
-            raise Invalid("ttft_slo_ms/tbt_slo_ms: must be >= 0 (0 = the conductor's default)")
+        for name in ("ttft_slo_ms", "tbt_slo_ms", "tpot_slo_ms"):
+            value = getattr(r, name)
+            if not value >= 0:  # nan too
+                raise Invalid(f"{name}: must be >= 0 ms (0 = the conductor's default), got {value}")
         kind = r.WhichOneof("prompt")
         if kind is None:
             raise Invalid("prompt: one of text, token_ids or chat is required")

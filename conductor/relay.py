@@ -4,13 +4,14 @@ error) or send it elsewhere (a lost worker)."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from typing import NoReturn
 
 import grpc
 
 from conductor.config import ConductorConfig
-from conductor.estimates import tbt_of_gaps, tbt_of_times
+from conductor.estimates import paced_slo_ms, tbt_of_gaps, tbt_of_times
 from conductor.fleet import AnyWorker, Fleet
 from conductor.metrics import ConductorMetrics, Totals
 from conductor.routing import Routed
@@ -18,6 +19,7 @@ from conductor.stream import RequestStream
 from protos import halfmoon_pb2 as pb
 from servekit import RETRY_AFTER_KEY
 
+log = logging.getLogger(__name__)
 
 class Cancelled(Exception):
     """The client went away: the request ends with no final message."""
@@ -48,16 +50,19 @@ def reject(
     message: str,
     routed: bool = False,
     retry_after_s: int = 0,
+    logged: str = "",
 ) -> NoReturn:
     """Refuse the request before its first token: RESOURCE_EXHAUSTED with `message` (and a
     `retry-after` trailer in seconds, when given: the HTTP API's Retry-After), counted as a
-    rejection by `reason` (and, once `routed`, no longer as an admitted request)."""
+    rejection by `reason` (and, once `routed`, no longer as an admitted request). `logged` is
+    said in the log only (which request it was)."""
     with totals.lock:
         totals.rejected += 1
         if routed:
             totals.requests -= 1
     metrics.rejected.labels(reason).inc()
     metrics.slo.labels("rejected").inc()
+    log.info("request refused (%s): %s%s", reason, message, logged)
     if retry_after_s > 0:
         context.set_trailing_metadata(((RETRY_AFTER_KEY, str(retry_after_s)),))
     abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, message)
@@ -99,7 +104,8 @@ def decode_request(
         prompt_ids=prompt,
         sampling=s.decode_sampling(),
         cache_salt=s.salt,
-        tbt_slo_ms=s.tbt_slo_ms,
+        # paced by its TBT objective, or by its TPOT one where that is stricter or alone
+        tbt_slo_ms=paced_slo_ms(s.tbt_slo_ms, s.tpot_slo_ms),
     )
     if reply is None:
         dreq.prefill_here = True

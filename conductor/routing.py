@@ -118,6 +118,12 @@ class Router:
             registry=registry,
         )
 
+    def settle(self) -> None:
+        """Return once every routing decision begun before this call has booked its work: a
+        worker marked draining before it gets nothing routed after it returns."""
+        with self._lock:
+            pass
+
     def route(
         self,
         ids: list[int],
@@ -127,6 +133,7 @@ class Router:
         *,
         ttft_slo_ms: float = 0.0,
         tbt_slo_ms: float = 0.0,
+        tpot_slo_ms: float = 0.0,
         rid: str = "",
         resumed: bool = False,
     ) -> Routed:
@@ -143,6 +150,7 @@ class Router:
             ttft_slo_ms=0.0 if resumed else ttft_slo_ms or self.config.ttft_slo_ms,
             tbt_slo_ms=0.0 if resumed else tbt_slo_ms or self.config.tbt_slo_ms,
             resumed=resumed,
+            tpot_slo_ms=0.0 if resumed else tpot_slo_ms or self.config.tpot_slo_ms,
         )
         self._fleet.loads_wanted.set()  # routed or refused, the next request sees fresh loads
         # Choosing and booking the work on the pair is one step: a burst of requests each sees

@@ -16,7 +16,9 @@ from conductor.generate import RequestFlow
 from conductor.metrics import ConductorMetrics, Totals
 from conductor.prefixes import PrefixIndex
 from conductor.prepare import Preparer
+from conductor.recent import RecentRequests
 from conductor.relay import Relay
+from conductor.role_switch import RoleSwitcher
 from conductor.routing import Router, make_policies
 from model import ModelConfig, Tokenizer, kv_fingerprint, load_model_info
 from protos import halfmoon_pb2 as pb
@@ -42,9 +44,10 @@ class _Configured(Protocol):
 
 
 class Conductor(GrpcServer, pb_grpc.ConductorServicer):
-    """gRPC `Conductor`: Generate (server-streaming), Status and ClearCache."""
+    """gRPC `Conductor`: Generate (server-streaming), Status, ClearCache and RecentTrace."""
 
-    # what an API token may call; ClearCache wipes every tenant's cache: the cluster token only
+    # what an API token may call; ClearCache wipes every tenant's cache and RecentTrace shows
+    # every tenant's requests: the cluster token only
     client_methods = frozenset({"/halfmoon.Conductor/Generate", "/halfmoon.Conductor/Status"})
     data_methods = frozenset({"/halfmoon.Conductor/Generate"})  # a stream holds a thread
 
@@ -75,6 +78,7 @@ class Conductor(GrpcServer, pb_grpc.ConductorServicer):
         self.router = Router(config, policies, self.fleet, self.prefixes, self.registry)
         self.preparer = Preparer(config, lm.tokenizer, lm.config, lm.name, policies)
         self.relay = Relay(config, self.fleet, self.metrics, self.totals)
+        self.recent = RecentRequests(config.recent_requests)  # the offered load, as a trace
         self.requests = RequestFlow(
             config,
             self.fingerprint,
@@ -84,7 +88,11 @@ class Conductor(GrpcServer, pb_grpc.ConductorServicer):
             fleet=self.fleet,
             metrics=self.metrics,
             totals=self.totals,
+            recent=self.recent,
         )
+        # the runtime planner: moves workers between roles when configured (role_switching)
+        self.role_switcher = RoleSwitcher(config, self.fleet, self.router, self.totals,
+                                          self.metrics)  # fmt: skip
         identity = Identity(lm.name, lm.config.vocab_size, self.fingerprint)
         self.admin = Admin(config, identity, self.fleet, self.metrics, self.totals, self.call_limit)
         # Looked up at each refresh: a wrapper set on the conductor's refresh_loads (a test
@@ -98,6 +106,7 @@ class Conductor(GrpcServer, pb_grpc.ConductorServicer):
             self.relay,
             self.requests,
             self.admin,
+            self.role_switcher,
         ]
 
     @property
@@ -120,8 +129,10 @@ class Conductor(GrpcServer, pb_grpc.ConductorServicer):
     def _on_start(self) -> None:
         self.refresh_loads()
         self._poller.start()
+        self.role_switcher.start()
 
     def _on_stop(self) -> None:
+        self.role_switcher.stop()
         self._poller.stop()
         self.fleet.close()
         self.prefixes.close()
@@ -147,3 +158,15 @@ class Conductor(GrpcServer, pb_grpc.ConductorServicer):
         self, request: pb.ClearCacheRequest, context: grpc.ServicerContext
     ) -> pb.ClearCacheReply:
         return self.admin.clear_cache(context)
+
+    def RecentTrace(
+        self, request: pb.RecentTraceRequest, context: grpc.ServicerContext
+    ) -> pb.RecentTraceReply:
+        c = self.config
+        reply = self.recent.reply(request.limit, c.block_size)
+        reply.ttft_slo_ms = c.ttft_slo_ms
+        reply.tbt_slo_ms = c.tbt_slo_ms
+        reply.tpot_slo_ms = c.tpot_slo_ms
+        reply.prefill_workers = len(self.fleet.prefill)
+        reply.decode_workers = len(self.fleet.decode)
+        return reply

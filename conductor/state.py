@@ -6,7 +6,6 @@ from __future__ import annotations
 import time
 
 from conductor.config import ConductorConfig
-from conductor.corrections import Correction
 from conductor.fleet import Fleet, PrefillWorker
 from conductor.policy_types import ClusterState, DecodeCandidate, Link, PrefillCandidate
 from protos import halfmoon_pb2 as pb
@@ -40,11 +39,11 @@ def cluster_state(fleet: Fleet, matches: dict[str, int], config: ConductorConfig
                     nodes=nodes,
                     queue_ms=queue_ms * r,
                     coef=tuple(c * r for c in ld.prefill_coef),
-                    healthy=w.healthy,
+                    healthy=w.routable,
                     fetch_block_bytes=ld.fetch_block_bytes,
                     queued_tokens=queued_tokens,
                     links=tuple(Link(x.node, x.fixed_ms, x.bytes_per_ms) for x in ld.links),
-                    checked=w.correction.samples >= Correction.MIN_SAMPLES,
+                    checked=w.correction.checked(),
                 )
             )
         for d in fleet.decode:
@@ -63,14 +62,14 @@ def cluster_state(fleet: Fleet, matches: dict[str, int], config: ConductorConfig
                     total_blocks=ld.total_blocks,
                     context_tokens=ld.total_context_tokens,
                     coef=tuple(c * d.correction.ratio for c in ld.decode_coef),
-                    healthy=d.healthy,
+                    healthy=d.routable,
                     seqs=tuple(zip(ld.seq_positions, ld.seq_remaining, ld.seq_blocks)),
                     waiting=waiting + unseen,
                     max_batch=ld.max_batch,
                     pull_ms_per_block=d.pull_ms_per_block,
                     nodes=tuple(ld.nodes),
                     local_queue_ms=local_ms,
-                    checked=d.correction.samples >= Correction.MIN_SAMPLES,
+                    checked=d.correction.checked(),
                     wait_scale=d.wait_scale,
                 )
             )

@@ -6,7 +6,7 @@ import time
 from dataclasses import dataclass, field
 
 from conductor.detok import IncrementalText
-from conductor.estimates import tbt_of_times
+from conductor.estimates import tbt_of_times, tpot_of_times
 from conductor.routing import Routed
 from protos import halfmoon_pb2 as pb
 
@@ -23,6 +23,7 @@ class RequestStream:
     salt: str  # the cache salt (keeps tenants' blocks apart)
     text: IncrementalText  # the answer's text so far, stop strings cut out
     arrived: float = field(default_factory=time.perf_counter)  # perf_counter() at arrival
+    keys: list[bytes] = field(default_factory=list)  # its block keys, from its first routing
     out: list[int] = field(default_factory=list)  # tokens sent to the client
     times: list[float] = field(default_factory=list)  # per token sent: ms since arrival
     first: pb.PrefillReply | None = None  # the first prefill's reply (its hits are the usage)
@@ -36,19 +37,24 @@ class RequestStream:
     # its objectives: the request's own, else the conductor's defaults (0 = none)
     ttft_slo_ms: float = 0.0
     tbt_slo_ms: float = 0.0
+    tpot_slo_ms: float = 0.0
     # admitted although predicted to miss them (admission: best_effort): never counted as good
     best_effort: bool = False
     # per token from the decode workers: its step's own compute (ms), the pacing wait left out
     step_ms: list[float] = field(default_factory=list)
 
     def met_slos(self) -> bool:
-        """Whether the answer met both objectives: TTFT at the conductor, and TBT as Mooncake
-        defines it (the mean of the slowest 10% of its token gaps). A best-effort answer never
-        counts, however it came out: admitting it was a bet against the objectives."""
+        """Whether the answer met every objective it has (0 = not judged): TTFT at the
+        conductor, TBT as Mooncake defines it (the mean of the slowest 10% of its token gaps) and
+        TPOT as vLLM's benchmark does (the mean gap). A best-effort answer never counts, however
+        it came out: admitting it was a bet against the objectives."""
         if self.best_effort:
             return False
         ttft_ok = not self.ttft_slo_ms or self.ttft_ms <= self.ttft_slo_ms
-        return ttft_ok and (not self.tbt_slo_ms or tbt_of_times(self.times) <= self.tbt_slo_ms)
+        tbt_ok = not self.tbt_slo_ms or tbt_of_times(self.times) <= self.tbt_slo_ms
+        return ttft_ok and tbt_ok and (
+            not self.tpot_slo_ms or tpot_of_times(self.times) <= self.tpot_slo_ms
+        )
 
     def elapsed_ms(self) -> float:
         return (time.perf_counter() - self.arrived) * 1000.0

@@ -10,7 +10,14 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from servekit import freeze_startup_objects, open_channel, role_classes
+from servekit import (
+    SwitchableConfig,
+    configure_server_logging,
+    freeze_startup_objects,
+    open_channel,
+    role_classes,
+    server_class,
+)
 
 
 class ServerActor:
@@ -18,6 +25,7 @@ class ServerActor:
     known."""
 
     def __init__(self, role: str):
+        configure_server_logging(role)  # this actor's process is the server's
         self.role = role
         _, self._server_cls = role_classes(role)
         self.server = None
@@ -25,7 +33,9 @@ class ServerActor:
 
     def start(self, config: Any) -> str:
         """Build `Server(config)` and open its gRPC port; returns its address."""
-        self.server = self._server_cls(config)
+        switchable = isinstance(config, SwitchableConfig)  # a worker that can switch roles
+        server_cls = server_class(self.role, config) if switchable else self._server_cls
+        self.server = server_cls(config)
         self.address = self.server.start()
         freeze_startup_objects()  # the actor's process is the server's for its life
         return self.address

@@ -4,6 +4,7 @@ from YAML."""
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -85,14 +86,22 @@ class SloConfig:
     request may set its own) and counts every answer as met or missed."""
 
     ttft_ms: float = 30_000.0  # time to first token
-    tbt_ms: float = 2_000.0  # time between tokens (the mean of a request's slowest 10% of gaps)
+    # time between tokens (the mean of a request's slowest 10% of gaps); 0 = not judged
+    tbt_ms: float = 2_000.0
+    # time per output token (the mean gap: vLLM's benchmark's TPOT); 0 = not judged
+    tpot_ms: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("ttft_ms", "tbt_ms"):
+        if not self.ttft_ms > 0:
+            raise ConfigError(f"slo.ttft_ms must be a positive number of ms, got {self.ttft_ms}",
+                              ("slo", "ttft_ms"))  # fmt: skip
+        for name in ("tbt_ms", "tpot_ms"):
             value = getattr(self, name)
-            if not value > 0:
-                raise ConfigError(f"slo.{name} must be a positive number of ms, got {value}",
-                                  ("slo", name))  # fmt: skip
+            if not (value >= 0 and math.isfinite(value)):
+                raise ConfigError(
+                    f"slo.{name} must be a number of ms >= 0 (0 = not judged), got {value}",
+                    ("slo", name),
+                )
 
 
 @dataclass
@@ -129,7 +138,8 @@ class ClusterConfig:
     decode: Any = None
     conductor: Any = None
     http: HttpConfig = field(default_factory=_http_config)  # its template (port: http_port)
-    # the objectives, given to the conductor (its own ttft_slo_ms / tbt_slo_ms override them)
+    # the objectives, given to the conductor (its own ttft_slo_ms / tbt_slo_ms / tpot_slo_ms
+    # override them)
     slo: SloConfig = field(default_factory=SloConfig)
     # TLS, tokens and tenants, given to every server (a server's own `security` key overrides)
     security: SecurityConfig = field(default_factory=SecurityConfig)
@@ -164,6 +174,7 @@ def cluster_config_from_dict(data: dict) -> ClusterConfig:
     sections["conductor"] = {
         "ttft_slo_ms": cfg.slo.ttft_ms,
         "tbt_slo_ms": cfg.slo.tbt_ms,
+        "tpot_slo_ms": cfg.slo.tpot_ms,
         **sections["conductor"],
     }
     try:

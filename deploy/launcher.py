@@ -13,6 +13,7 @@ from deploy.config import ClusterConfig, dtype_said
 from deploy.placement import Placement, node_views, place_workers
 from deploy.sizing import memory_said
 from deploy.wiring import ServerInfo, Wiring, metrics_address
+from servekit import configure_server_logging
 
 
 class HttpActor(ServerActor):
@@ -21,6 +22,7 @@ class HttpActor(ServerActor):
     def __init__(self) -> None:
         from openai_api import HttpServer
 
+        configure_server_logging("http")
         self.role = "http"
         self._server_cls = HttpServer
         self.server = None

@@ -13,22 +13,24 @@ from typing import Any
 
 from deploy.config import ClusterConfig
 from deploy.wiring import ServerInfo, Wiring, metrics_address
-from servekit import freeze_startup_objects, role_classes
+from servekit import configure_server_logging, freeze_startup_objects, server_class
 
 
-def _server_class(role: str) -> type:
-    """The server class of a role: the registry's, or the HTTP server (no gRPC role of its own)."""
+def _server_class(role: str, cfg: Any) -> type:
+    """The server class of a role: the registry's, a worker that can switch roles (its config
+    says), or the HTTP server (no gRPC role of its own)."""
     if role == "http":
         from openai_api import HttpServer
 
         return HttpServer
-    return role_classes(role)[1]
+    return server_class(role, cfg)
 
 
 def _serve(role: str, cfg, conn) -> None:
     """Child process: build one server from its config, send its address, serve until told to
     stop."""
-    server = _server_class(role)(cfg)
+    configure_server_logging(role)
+    server = _server_class(role, cfg)(cfg)
     address = server.start()
     freeze_startup_objects()  # this process is the server's for its life
     conn.send(address)
@@ -162,7 +164,7 @@ class LocalCluster:
             server = ServerProcess(role, config, self.cfg.health_timeout_s)
             address, pid = server.address, server.proc.pid
         else:
-            server_cls = _server_class(role)
+            server_cls = _server_class(role, config)
             shares_model = role not in ("store", "http") and self.lm is not None
             server = server_cls(config, lm=self.lm) if shares_model else server_cls(config)
             self._stack.append(server)

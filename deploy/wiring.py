@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from deploy.config import ClusterConfig
-from servekit import field_names
+from servekit import SwitchableConfig, field_names
 
 
 class ServerInfo(NamedTuple):
@@ -96,17 +96,16 @@ class Wiring:
         )
 
     def worker(self, role: str, name: str, store: ServerInfo, host: str):
-        """A prefill or decode worker's config, beside its host's store node."""
-        return fill(
-            getattr(self.cfg, role),
-            {
-                "worker_id": name,
-                "store_address": store.address,
-                "store_node": store.name,
-                "host": host,
-            },
-            {"index_url": self.redis_url, **self.metrics()},
-        )
+        """A prefill or decode worker's config, beside its host's store node. With the
+        conductor's role switching on, a servekit.SwitchableConfig: both roles' configs
+        (same id, store and metrics port), starting as `role`."""
+        required = {"worker_id": name, "store_address": store.address, "store_node": store.name,
+                    "host": host}  # fmt: skip
+        optional = {"index_url": self.redis_url, **self.metrics()}
+        if not self.cfg.conductor.role_switching:
+            return fill(getattr(self.cfg, role), required, optional)
+        configs = {r: fill(getattr(self.cfg, r), required, optional) for r in ("prefill", "decode")}
+        return SwitchableConfig(role, **configs)
 
     def conductor(self, workers: list[ServerInfo], stores: list[ServerInfo], host: str):
         return fill(

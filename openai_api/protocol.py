@@ -76,6 +76,7 @@ class GenerationSpec(NamedTuple):
     # halfmoon's extension `slo`: this request's objectives in ms (0 = the cluster's defaults)
     ttft_slo_ms: float = 0.0
     tbt_slo_ms: float = 0.0
+    tpot_slo_ms: float = 0.0
 
 
 # Fields of OpenAI's (and vLLM's, which the benchmark tools send) requests for features halfmoon
@@ -121,7 +122,7 @@ _UNSUPPORTED = {
     ).split(),
 }
 _COMMON = "model max_tokens temperature top_p seed stop stream stream_options user".split()
-# vLLM's top_k and ignore_eos; metadata unused; halfmoon's slo: {"ttft_ms": .., "tbt_ms": ..}
+# vLLM's top_k and ignore_eos; metadata unused; halfmoon's slo: {"ttft_ms", "tbt_ms", "tpot_ms"}
 _EXTENSIONS = ["top_k", "ignore_eos", "metadata", "slo"]
 _KNOWN = {
     COMPLETIONS: {"prompt", *_COMMON, *_EXTENSIONS, *_UNSUPPORTED[COMPLETIONS]},
@@ -169,7 +170,7 @@ def parse_request(endpoint: str, body: Any, default_max_tokens: int) -> Generati
         if _boolean(options, "continuous_usage_stats", False, "stream_options."):
             raise bad("stream_options.continuous_usage_stats", "not supported by halfmoon")
     top_k = _integer(body, "top_k", 0, lo=-1)
-    ttft_slo_ms, tbt_slo_ms = _objectives(body.get("slo"))
+    ttft_slo_ms, tbt_slo_ms, tpot_slo_ms = _objectives(body.get("slo"))
     return GenerationSpec(
         endpoint=endpoint,
         model=model,
@@ -188,6 +189,7 @@ def parse_request(endpoint: str, body: Any, default_max_tokens: int) -> Generati
         include_usage=include_usage,
         ttft_slo_ms=ttft_slo_ms,
         tbt_slo_ms=tbt_slo_ms,
+        tpot_slo_ms=tpot_slo_ms,
     )
 
 
@@ -256,18 +258,22 @@ def _number(body: dict, name: str, default: float, lo: float, hi: float) -> floa
     return float(value)
 
 
-def _objectives(slo: Any) -> tuple[float, float]:
-    """The extension `slo: {"ttft_ms": .., "tbt_ms": ..}`: this request's TTFT and TBT objectives
-    (either may be left out: the cluster's default then holds); 400 naming a bad one."""
+_OBJECTIVES = ("ttft_ms", "tbt_ms", "tpot_ms")
+
+
+def _objectives(slo: Any) -> tuple[float, float, float]:
+    """The extension `slo: {"ttft_ms": .., "tbt_ms": .., "tpot_ms": ..}`: this request's TTFT,
+    TBT and TPOT objectives (any may be left out: the cluster's default then holds); 400 naming
+    a bad one."""
     if slo is None:
-        return 0.0, 0.0
+        return 0.0, 0.0, 0.0
     if not isinstance(slo, dict):
-        raise bad("slo", f"expected an object with ttft_ms and/or tbt_ms, got {slo!r}")
+        raise bad("slo", f"expected an object with any of {', '.join(_OBJECTIVES)}, got {slo!r}")
     for key in slo:
-        if key not in ("ttft_ms", "tbt_ms"):
-            raise bad(f"slo.{key}", "unknown objective (known: ttft_ms, tbt_ms)")
+        if key not in _OBJECTIVES:
+            raise bad(f"slo.{key}", f"unknown objective (known: {', '.join(_OBJECTIVES)})")
     out = []
-    for key in ("ttft_ms", "tbt_ms"):
+    for key in _OBJECTIVES:
         value = slo.get(key)
         if value is None:
             out.append(0.0)
@@ -276,7 +282,7 @@ def _objectives(slo: Any) -> tuple[float, float]:
         if not number or not math.isfinite(value) or value <= 0:
             raise bad(f"slo.{key}", f"must be a positive number of milliseconds, got {value!r}")
         out.append(float(value))
-    return out[0], out[1]
+    return out[0], out[1], out[2]
 
 
 def _top_p(body: dict) -> float:

@@ -431,6 +431,7 @@ def _grpc_request(spec: GenerationSpec, request_id: str, salt: str):
         cache_salt=salt,
         ttft_slo_ms=spec.ttft_slo_ms,
         tbt_slo_ms=spec.tbt_slo_ms,
+        tpot_slo_ms=spec.tpot_slo_ms,
     )
 
 

@@ -24,6 +24,46 @@ class SamplingParams(_message.Message):
     ignore_eos: bool
     def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
 
+class RecentTraceRequest(_message.Message):
+    __slots__ = ("limit",)
+    LIMIT_FIELD_NUMBER: _ClassVar[int]
+    limit: int
+    def __init__(self, limit: _Optional[int] = ...) -> None: ...
+
+class TraceRecord(_message.Message):
+    __slots__ = ("timestamp_ms", "input_length", "output_length", "hash_ids", "refused")
+    TIMESTAMP_MS_FIELD_NUMBER: _ClassVar[int]
+    INPUT_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    HASH_IDS_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
+    timestamp_ms: float
+    input_length: int
+    output_length: int
+    hash_ids: _containers.RepeatedScalarFieldContainer[int]
+    refused: bool
+    def __init__(self, timestamp_ms: _Optional[float] = ..., input_length: _Optional[int] = ..., output_length: _Optional[int] = ..., hash_ids: _Optional[_Iterable[int]] = ..., refused: _Optional[bool] = ...) -> None: ...
+
+class RecentTraceReply(_message.Message):
+    __slots__ = ("requests", "block_size", "window_s", "ttft_slo_ms", "tbt_slo_ms", "tpot_slo_ms", "prefill_workers", "decode_workers")
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_S_FIELD_NUMBER: _ClassVar[int]
+    TTFT_SLO_MS_FIELD_NUMBER: _ClassVar[int]
+    TBT_SLO_MS_FIELD_NUMBER: _ClassVar[int]
+    TPOT_SLO_MS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    requests: _containers.RepeatedCompositeFieldContainer[TraceRecord]
+    block_size: int
+    window_s: float
+    ttft_slo_ms: float
+    tbt_slo_ms: float
+    tpot_slo_ms: float
+    prefill_workers: int
+    decode_workers: int
+    def __init__(self, requests: _Optional[_Iterable[_Union[TraceRecord, _Mapping]]] = ..., block_size: _Optional[int] = ..., window_s: _Optional[float] = ..., ttft_slo_ms: _Optional[float] = ..., tbt_slo_ms: _Optional[float] = ..., tpot_slo_ms: _Optional[float] = ..., prefill_workers: _Optional[int] = ..., decode_workers: _Optional[int] = ...) -> None: ...
+
 class ClearCacheRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
@@ -57,7 +97,7 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "text", "token_ids", "chat", "sampling", "model", "cache_salt", "policy", "ttft_slo_ms", "tbt_slo_ms")
+    __slots__ = ("request_id", "text", "token_ids", "chat", "sampling", "model", "cache_salt", "policy", "ttft_slo_ms", "tbt_slo_ms", "tpot_slo_ms")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -68,6 +108,7 @@ class GenerateRequest(_message.Message):
     POLICY_FIELD_NUMBER: _ClassVar[int]
     TTFT_SLO_MS_FIELD_NUMBER: _ClassVar[int]
     TBT_SLO_MS_FIELD_NUMBER: _ClassVar[int]
+    TPOT_SLO_MS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: str
     token_ids: TokenIds
@@ -78,7 +119,8 @@ class GenerateRequest(_message.Message):
     policy: str
     ttft_slo_ms: float
     tbt_slo_ms: float
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., model: _Optional[str] = ..., cache_salt: _Optional[str] = ..., policy: _Optional[str] = ..., ttft_slo_ms: _Optional[float] = ..., tbt_slo_ms: _Optional[float] = ...) -> None: ...
+    tpot_slo_ms: float
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., model: _Optional[str] = ..., cache_salt: _Optional[str] = ..., policy: _Optional[str] = ..., ttft_slo_ms: _Optional[float] = ..., tbt_slo_ms: _Optional[float] = ..., tpot_slo_ms: _Optional[float] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens", "cached_device_tokens", "cached_dram_tokens", "cached_ssd_tokens", "cached_remote_tokens", "computed_prompt_tokens", "ttft_ms", "tbt_mean_ms", "tbt_p90_ms", "prefill_worker", "decode_worker", "queue_ms", "transfer_ms", "max_decode_batch", "predicted_ttft_ms", "policy", "predicted_tbt_ms", "prefill_ms", "worker_failures", "predicted_admission_ms", "prefill_answered_ms", "prefill_on_decode")
@@ -449,3 +491,19 @@ class DecodeResponse(_message.Message):
     prefilled: PrefillReply
     step_ms: _containers.RepeatedScalarFieldContainer[float]
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., token_times_ms: _Optional[_Iterable[float]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., transfer_ms: _Optional[float] = ..., batch_sizes: _Optional[_Iterable[int]] = ..., recomputed_tokens: _Optional[int] = ..., admitted: _Optional[bool] = ..., prefilled: _Optional[_Union[PrefillReply, _Mapping]] = ..., step_ms: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class SwitchRoleRequest(_message.Message):
+    __slots__ = ("role",)
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    def __init__(self, role: _Optional[str] = ...) -> None: ...
+
+class SwitchRoleReply(_message.Message):
+    __slots__ = ("role", "switching", "message")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    SWITCHING_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    switching: bool
+    message: str
+    def __init__(self, role: _Optional[str] = ..., switching: _Optional[bool] = ..., message: _Optional[str] = ...) -> None: ...

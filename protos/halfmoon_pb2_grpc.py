@@ -51,6 +51,11 @@ class ConductorStub:
                 request_serializer=protos_dot_halfmoon__pb2.ClearCacheRequest.SerializeToString,
                 response_deserializer=protos_dot_halfmoon__pb2.ClearCacheReply.FromString,
                 _registered_method=True)
+        self.RecentTrace = channel.unary_unary(
+                '/halfmoon.Conductor/RecentTrace',
+                request_serializer=protos_dot_halfmoon__pb2.RecentTraceRequest.SerializeToString,
+                response_deserializer=protos_dot_halfmoon__pb2.RecentTraceReply.FromString,
+                _registered_method=True)
 
 
 class ConductorServicer:
@@ -80,6 +85,14 @@ class ConductorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RecentTrace(self, request, context):
+        """The recent requests as a trace (arrivals, lengths, prompt blocks at the cluster's block
+        size), for `halfmoon plan --conductor`; every tenant's: the cluster token only.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ConductorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -97,6 +110,11 @@ def add_ConductorServicer_to_server(servicer, server):
                     servicer.ClearCache,
                     request_deserializer=protos_dot_halfmoon__pb2.ClearCacheRequest.FromString,
                     response_serializer=protos_dot_halfmoon__pb2.ClearCacheReply.SerializeToString,
+            ),
+            'RecentTrace': grpc.unary_unary_rpc_method_handler(
+                    servicer.RecentTrace,
+                    request_deserializer=protos_dot_halfmoon__pb2.RecentTraceRequest.FromString,
+                    response_serializer=protos_dot_halfmoon__pb2.RecentTraceReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -182,6 +200,33 @@ class Conductor:
             '/halfmoon.Conductor/ClearCache',
             protos_dot_halfmoon__pb2.ClearCacheRequest.SerializeToString,
             protos_dot_halfmoon__pb2.ClearCacheReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RecentTrace(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/halfmoon.Conductor/RecentTrace',
+            protos_dot_halfmoon__pb2.RecentTraceRequest.SerializeToString,
+            protos_dot_halfmoon__pb2.RecentTraceReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -456,6 +501,90 @@ class DecodeWorker:
             '/halfmoon.DecodeWorker/Load',
             protos_dot_halfmoon__pb2.LoadRequest.SerializeToString,
             protos_dot_halfmoon__pb2.WorkerLoad.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+
+class WorkerRoleStub:
+    """A worker started switchable (the conductor's runtime planner on: conductor.role_switching)
+    changes role when asked, keeping its loaded weights: it answers, stops serving its current
+    role once that server's calls are done, and serves the other role on the same port. The
+    conductor drains it first; a worker with work left refuses (FAILED_PRECONDITION).
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.SwitchRole = channel.unary_unary(
+                '/halfmoon.WorkerRole/SwitchRole',
+                request_serializer=protos_dot_halfmoon__pb2.SwitchRoleRequest.SerializeToString,
+                response_deserializer=protos_dot_halfmoon__pb2.SwitchRoleReply.FromString,
+                _registered_method=True)
+
+
+class WorkerRoleServicer:
+    """A worker started switchable (the conductor's runtime planner on: conductor.role_switching)
+    changes role when asked, keeping its loaded weights: it answers, stops serving its current
+    role once that server's calls are done, and serves the other role on the same port. The
+    conductor drains it first; a worker with work left refuses (FAILED_PRECONDITION).
+    """
+
+    def SwitchRole(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_WorkerRoleServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'SwitchRole': grpc.unary_unary_rpc_method_handler(
+                    servicer.SwitchRole,
+                    request_deserializer=protos_dot_halfmoon__pb2.SwitchRoleRequest.FromString,
+                    response_serializer=protos_dot_halfmoon__pb2.SwitchRoleReply.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'halfmoon.WorkerRole', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('halfmoon.WorkerRole', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class WorkerRole:
+    """A worker started switchable (the conductor's runtime planner on: conductor.role_switching)
+    changes role when asked, keeping its loaded weights: it answers, stops serving its current
+    role once that server's calls are done, and serves the other role on the same port. The
+    conductor drains it first; a worker with work left refuses (FAILED_PRECONDITION).
+    """
+
+    @staticmethod
+    def SwitchRole(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/halfmoon.WorkerRole/SwitchRole',
+            protos_dot_halfmoon__pb2.SwitchRoleRequest.SerializeToString,
+            protos_dot_halfmoon__pb2.SwitchRoleReply.FromString,
             options,
             channel_credentials,
             insecure,

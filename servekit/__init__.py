@@ -42,6 +42,7 @@ from servekit.kv_cache import (
     kv_cache_layout,
     kv_cache_layout_id,
 )
+from servekit.logs import LOG_LEVEL_ENV, configure_server_logging
 from servekit.machine import (
     DTYPE_AUTO,
     MachineMemory,
@@ -68,7 +69,15 @@ from servekit.memory_sizing import (
     split_kv_bytes,
 )
 from servekit.request_guard import DecodeGuard
-from servekit.roles import ROLES, Role, role_classes
+from servekit.roles import (
+    ROLES,
+    WORKER_ROLES,
+    Role,
+    SwitchableConfig,
+    role_classes,
+    server_class,
+    work_left,
+)
 from servekit.security import (
     AuthInterceptor,
     Caller,
@@ -150,6 +159,8 @@ __all__ = [
     "LinearTimeModel",
     "PrefillTimeModel",
     "Role",
+    "SwitchableConfig",
+    "WORKER_ROLES",
     "blocks_needed",
     "check_kv_cache",
     "ConfigError",
@@ -169,4 +180,8 @@ __all__ = [
     "prefill_features",
     "reusable_blocks",
     "role_classes",
+    "server_class",
+    "LOG_LEVEL_ENV",
+    "configure_server_logging",
+    "work_left",
 ]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import abc
 import threading
+from collections.abc import Callable
 from concurrent import futures
 from typing import TYPE_CHECKING, ClassVar
 
@@ -46,6 +47,9 @@ class GrpcServer(abc.ABC):
         self._stopped = threading.Event()
         self.address = ""
         self.metrics_address = ""
+        # Services a host adds beside the server's own (servekit.worker.SwitchableWorker's
+        # WorkerRole): each registers its servicer on the server and returns its service name
+        self.extra_services: list[Callable[[grpc.Server], str]] = []
 
     @abc.abstractmethod
     def _add_services(self, server: grpc.Server) -> list[str]:
@@ -74,7 +78,7 @@ class GrpcServer(abc.ABC):
             # access first: a refused caller takes no data-call slot
             interceptors=[*server_interceptors(security, self.client_methods), self.call_limit],
         )
-        names = self._add_services(server)
+        names = self._add_services(server) + [add(server) for add in self.extra_services]
         self._health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         address = f"{self._host}:{self._port}"

@@ -6,7 +6,8 @@ package; `role_classes` imports the one asked for."""
 from __future__ import annotations
 
 import importlib
-from typing import NamedTuple
+from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 
 class Role(NamedTuple):
@@ -36,3 +37,52 @@ def role_classes(role: str) -> tuple[type, type]:
     if missing:
         raise ImportError(f"{r.package} does not export {', '.join(missing)} (needed for {role})")
     return getattr(mod, r.config_class), getattr(mod, r.server_class)
+
+
+WORKER_ROLES = ("prefill", "decode")  # the roles a switchable worker moves between
+
+
+@dataclass
+class SwitchableConfig:
+    """A worker that can switch roles (servekit.worker.SwitchableWorker): a config for each role
+    (deploy.Wiring fills both with the same worker id, store and metrics port) and the role it
+    starts in."""
+
+    role: str  # prefill | decode
+    prefill: Any  # prefill_node.PrefillConfig
+    decode: Any  # decode_node.DecodeConfig
+
+    def __post_init__(self) -> None:
+        if self.role not in WORKER_ROLES:
+            raise ValueError(f"SwitchableConfig.role: prefill or decode, not {self.role!r}")
+
+    def of(self, role: str) -> Any:
+        return self.prefill if role == "prefill" else self.decode
+
+    # what a launcher reads of a server's config (deploy.wiring.metrics_address)
+    @property
+    def host(self) -> str:
+        return self.of(self.role).host
+
+    @property
+    def metrics_port(self) -> int:
+        return self.of(self.role).metrics_port
+
+    @property
+    def worker_id(self) -> str:
+        return self.of(self.role).worker_id
+
+
+def work_left(load: Any) -> int:
+    """Requests a worker still holds by its own load report (a halfmoon.WorkerLoad): queued,
+    prefilling or decoding."""
+    return load.queued_requests + load.running + (1 if load.running_tokens > 0 else 0)
+
+
+def server_class(role: str, config: Any = None) -> type:
+    """The class that serves `config` in `role`: the role's server, or a switchable worker."""
+    if isinstance(config, SwitchableConfig):
+        from servekit.worker import SwitchableWorker  # imports torch: only where workers run
+
+        return SwitchableWorker
+    return role_classes(role)[1]

@@ -93,6 +93,33 @@ def test_best_effort_admission_serves_it_and_never_counts_it_as_good(lm):
         assert _unpredicted(c, "best_effort") == 1.0 and _unpredicted(c, "probe") == 0.0
 
 
+def test_a_request_with_its_own_tpot_objective_is_admitted_and_judged_by_it(lm):
+    # judged as vLLM's benchmark counts: TTFT and TPOT (the mean gap), TBT not at all
+    with Cluster(lm, conductor={"tbt_slo_ms": 0.0, "tpot_slo_ms": 60_000.0}) as c:
+        _check_models(c)
+        ids, _, last = c.generate(token_ids=PROMPT, max_tokens=4, tpot_slo_ms=30_000.0)
+        assert len(ids) == 4 and last.usage.completion_tokens == 4
+        assert last.usage.predicted_tbt_ms > 0  # the decode worker's estimate it was routed by
+        s = _status(c)
+        assert (s.requests_slo_met, s.requests_slo_missed, s.requests_rejected) == (6, 0, 0)
+        met = c.conductor.registry.get_sample_value(
+            "halfmoon_slo_requests_total", {"outcome": "met"}
+        )
+        assert met == 6.0
+        # one no decode step can meet: refused at once, the objective named, when to retry said
+        with pytest.raises(grpc.RpcError) as err:
+            c.generate(token_ids=PROMPT, max_tokens=4, tpot_slo_ms=1e-3)
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "time per output token" in err.value.details()
+        assert int(dict(err.value.trailing_metadata())[RETRY_AFTER_KEY]) >= 1
+        # a negative one is no objective: INVALID_ARGUMENT naming the field
+        with pytest.raises(grpc.RpcError) as err:
+            c.generate(token_ids=PROMPT, max_tokens=4, tpot_slo_ms=-5.0)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "tpot_slo_ms" in err.value.details()
+        assert _status(c).requests_rejected == 1  # the refused one (an invalid one is no request)
+
+
 def test_the_admission_mode_is_checked():
     with pytest.raises(ValueError, match="ConductorConfig.admission"):
         ConductorConfig(admission="maybe")

@@ -16,7 +16,7 @@ from deploy import (
     place_workers,
 )
 from deploy.config import dtype_said
-from servekit import cpu_flags, native_dtype
+from servekit import ConfigError, cpu_flags, native_dtype
 
 CONFIGS = Path(__file__).resolve().parents[1] / "deploy" / "configs"
 
@@ -220,11 +220,32 @@ def test_the_objectives_are_a_section_the_conductor_admits_against():
     # without the section, the conductor's own defaults
     cfg = cluster_config_from_dict({})
     assert (cfg.conductor.ttft_slo_ms, cfg.conductor.tbt_slo_ms) == (30_000.0, 2_000.0)
+    assert cfg.conductor.tpot_slo_ms == 0.0  # TPOT not judged unless asked for
     for bad, field in (
         ("slo.ttft_ms=-1", "slo.ttft_ms"),
-        ("slo.tbt_ms=0", "slo.tbt_ms"),
-        ("slo.tpot_ms=50", "tpot_ms"),
+        ("slo.ttft_ms=0", "slo.ttft_ms"),
+        ("slo.tbt_ms=-1", "slo.tbt_ms"),
+        ("slo.tpot_ms=-5", "slo.tpot_ms"),
+        ("slo.tpot_ms=fast", "slo.tpot_ms"),
+        ("slo.tpot_ms=.nan", "slo.tpot_ms"),
+        ("slo.tpot_s=50", "tpot_s"),
         ("conductor.ttft_slo_ms=0", "ttft_slo_ms"),
+        ("conductor.tpot_slo_ms=-1", "tpot_slo_ms"),
     ):
         with pytest.raises(ValueError, match=field):
             load_cluster_config(None, [bad])
+
+
+def test_a_tpot_objective_is_given_to_the_conductor_and_tbt_may_be_off():
+    # judged as vLLM's benchmark judges: TTFT and TPOT, TBT not at all
+    cfg = load_cluster_config(None, ["slo.tpot_ms=80", "slo.tbt_ms=0"])
+    assert (cfg.slo.tpot_ms, cfg.slo.tbt_ms) == (80.0, 0.0)
+    assert (cfg.conductor.tpot_slo_ms, cfg.conductor.tbt_slo_ms) == (80.0, 0.0)
+    assert cfg.conductor.ttft_slo_ms == 2000.0
+    # the conductor's own key overrides the section's
+    cfg = load_cluster_config(None, ["slo.tpot_ms=80", "conductor.tpot_slo_ms=60"])
+    assert cfg.conductor.tpot_slo_ms == 60.0
+    for bad in (-1, "fast"):  # where a file's line is found: the key's
+        with pytest.raises(ConfigError, match="slo.tpot_ms") as info:
+            cluster_config_from_dict({"slo": {"tpot_ms": bad}})
+        assert info.value.keys == ("slo", "tpot_ms")

@@ -316,7 +316,9 @@ def test_disconnect_mid_stream_frees_the_decode_workers_blocks(api, cluster):
         ("completions", {"slo": {"ttft_ms": -5}}, "slo.ttft_ms"),
         ("completions", {"slo": {"ttft_ms": True}}, "slo.ttft_ms"),
         ("completions", {"slo": 2000}, "slo"),
-        ("chat", {"slo": {"tpot_ms": 50}}, "slo.tpot_ms"),
+        ("chat", {"slo": {"tpot_ms": -50}}, "slo.tpot_ms"),
+        ("chat", {"slo": {"tpot_ms": "fast"}}, "slo.tpot_ms"),
+        ("chat", {"slo": {"itl_ms": 50}}, "slo.itl_ms"),
         ("chat", {"n": 3}, "n"),
         ("chat", {"logprobs": True}, "logprobs"),
         ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
@@ -383,9 +385,12 @@ def test_other_errors_in_openais_shape(api, cluster):
     kw = dict(model=MODEL, prompt=list(range(3, 200)), max_tokens=2)
     for _ in range(5):  # and the workers' models checked by served requests (else it is a probe)
         # (EOS ignored: a cached prefix's logits may pick it first, which is not what this checks)
-        slo = {"ttft_ms": 60_000, "tbt_ms": 60_000}
+        slo = {"ttft_ms": 60_000, "tbt_ms": 60_000, "tpot_ms": 60_000}
         ok = api.completions.create(**kw, extra_body={"slo": slo, "ignore_eos": True})
         assert ok.usage.completion_tokens == 2
+    with pytest.raises(openai.RateLimitError) as err:
+        api.completions.create(**kw, extra_body={"slo": {"tpot_ms": 1e-6}})
+    assert "time per output token" in err.value.body["message"]
     with pytest.raises(openai.RateLimitError) as err:
         api.completions.create(**kw, extra_body={"slo": {"ttft_ms": 1e-6}})
     assert "TTFT" in err.value.body["message"]

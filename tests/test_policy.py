@@ -37,8 +37,8 @@ def state(prefills, decodes, matches, device_nodes=()):
     return ClusterState(prefills, decodes, matches, BS, BLOCK_BYTES, frozenset(device_nodes))
 
 
-def req(tokens=160, max_tokens=16, ttft=0.0, tbt=0.0):
-    return RequestInfo(tokens, max_tokens, ttft, tbt)
+def req(tokens=160, max_tokens=16, ttft=0.0, tbt=0.0, tpot=0.0):
+    return RequestInfo(tokens, max_tokens, ttft, tbt, tpot_slo_ms=tpot)
 
 
 def test_mooncake_prefers_the_worker_holding_the_prefix():
@@ -441,3 +441,86 @@ def test_a_miss_predicted_by_an_unchecked_model_on_an_idle_worker_is_a_probe():
     with pytest.raises(MissesObjectives):
         admit(pol, req(tbt=50.0), slow)  # 301 ms
     assert admit(pol, req(), checked)[1] == "admitted"
+
+
+# A batch that thins out under the answer: each step costs 10 + 10*batch ms, one sequence running
+# with 4 tokens to go. An 11-token answer (10 gaps) joins it at once: 4 gaps at a batch of two
+# (30 ms), then 6 alone (20 ms). Its TBT (the slowest 10%, one gap) is 30 ms, its TPOT (the mean
+# gap) (4 * 30 + 6 * 20) / 10 = 24 ms.
+THINNING = DecodeCandidate("d", 1, 100, 100, 100, (10.0, 10.0, 0.0), True, seqs=((100, 4, 2),))
+
+
+def test_tpot_estimate_is_the_mean_step_and_never_above_the_tbt():
+    from conductor.estimates import decode_estimate
+
+    est = decode_estimate(THINNING, req(tokens=32, max_tokens=11), BS)
+    assert est.tbt_ms == pytest.approx(30.0)
+    assert est.tpot_ms == pytest.approx(24.0)
+    # a long answer (its steps sampled at points over its life) and the totals-only estimate
+    long = decode_estimate(THINNING, req(tokens=32, max_tokens=300), BS)
+    assert 20.0 < long.tpot_ms < long.tbt_ms <= 30.0
+    totals = decode_estimate(decode("t", running=2, context=50), req(tokens=32), BS)
+    assert totals.tpot_ms == totals.tbt_ms == pytest.approx(10.0 + 3.0)  # a batch of three
+    # the context growing under the answer: the mean sits between its first step and its TBT
+    grow = DecodeCandidate("g", 1, 100, 100, 1000, (0.0, 0.0, 0.01), True, seqs=((1000, 400, 10),))
+    est = decode_estimate(grow, req(tokens=100, max_tokens=300), BS)
+    assert est.step_ms < est.tpot_ms < est.tbt_ms
+    assert est.tpot_ms == pytest.approx(0.01 * (1000 + 100 + 299), rel=0.02)  # the middle gap's
+
+
+def test_a_worker_within_the_tpot_objective_but_not_the_tbt_one():
+    s = state([prefill("p")], [THINNING], {})
+    pol = make_policy("mooncake")
+    # judged by TPOT alone (TBT 0: not judged): 24 ms predicted within 25, admitted
+    d = pol.choose(req(tokens=32, max_tokens=11, tpot=25.0), s)
+    assert d.decode == "d" and d.predicted_tbt_ms == pytest.approx(30.0)
+    assert admit(pol, req(tokens=32, max_tokens=11, tpot=25.0), s)[1] == "admitted"
+    # judged by TBT too: the slowest gaps (30 ms) miss 25
+    with pytest.raises(MissesObjectives, match="time between tokens 30 ms exceeds the 25 ms"):
+        pol.choose(req(tokens=32, max_tokens=11, tbt=25.0, tpot=25.0), s)
+    # a TPOT objective below the mean step is refused, named, with its excess to retry after
+    with pytest.raises(MissesObjectives, match="time per output token 24 ms exceeds the 20 ms"):
+        pol.choose(req(tokens=32, max_tokens=11, tpot=20.0), s)
+    # both missed: both named, the retry after the smaller excess
+    with pytest.raises(MissesObjectives) as both:
+        pol.choose(req(tokens=32, max_tokens=11, tbt=25.0, tpot=20.0), s)
+    assert "time between tokens" in str(both.value) and "time per output token" in str(both.value)
+    assert both.value.over_ms == pytest.approx(4.0)
+    # best-effort admission serves it judged by nothing
+    d, how = admit(pol, req(tokens=32, max_tokens=11, tpot=20.0), s, "best_effort")
+    assert how == "best_effort" and d.decode == "d"
+
+
+def test_the_tpot_objective_steers_to_the_worker_that_meets_it():
+    # the thinning batch beside one busier in sequences but steady (a batch of 3 at 1 ms a
+    # sequence: 13 ms each step) and lighter: load alone would pick "d" (fewer running)
+    steady = DecodeCandidate("e", 2, 100, 100, 100, (10.0, 1.0, 0.0), True,
+                             seqs=((50, 400, 2), (50, 400, 2)))  # fmt: skip
+    s = state([prefill("p")], [THINNING, steady], {})
+    pol = make_policy("mooncake")
+    assert pol.choose(req(tokens=32, max_tokens=11), s).decode == "d"
+    assert pol.choose(req(tokens=32, max_tokens=11, tpot=20.0), s).decode == "e"
+
+
+def test_a_prefill_on_the_decode_worker_is_paced_by_the_tpot_objective_when_tbt_is_off():
+    pol = make_policy("mooncake", local_prefill_tokens=64)
+    # as with a TBT objective of 100 ms (the test above): 80 of each 100 ms kept for the steps
+    by_tbt = pol.choose(req(tokens=48, tbt=100.0), _local_state(decode_running=20))
+    by_tpot = pol.choose(req(tokens=48, tpot=100.0), _local_state(decode_running=20))
+    assert by_tpot.prefill_on_decode
+    assert by_tpot.predicted_ttft_ms == pytest.approx(by_tbt.predicted_ttft_ms)
+    assert by_tpot.predicted_ttft_ms == pytest.approx(48.0 * 80 / 49 + 15.5)
+    # and a decode worker past the TPOT objective (31 ms steps) serves it neither way
+    with pytest.raises(MissesObjectives, match="time per output token 31 ms"):
+        pol.choose(req(tokens=48, tpot=20.0), _local_state(decode_running=20))
+
+
+def test_the_objective_a_stream_is_paced_by():
+    from conductor.estimates import paced_slo_ms, tpot_of_times
+
+    assert paced_slo_ms(200.0, 0.0) == 200.0  # TBT alone: as before TPOT
+    assert paced_slo_ms(0.0, 80.0) == 80.0  # TPOT alone
+    assert paced_slo_ms(200.0, 80.0) == 80.0 and paced_slo_ms(50.0, 80.0) == 50.0  # the stricter
+    assert paced_slo_ms(0.0, 0.0) == 0.0
+    assert tpot_of_times([100.0, 110.0, 130.0, 190.0]) == pytest.approx(30.0)
+    assert tpot_of_times([100.0]) == 0.0

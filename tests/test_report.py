@@ -150,3 +150,39 @@ def test_records_from_before_the_prediction_fields_still_read(tmp_path):
     (r,) = read_records(path)
     assert r.predicted_ttft_ms == 0.0
     assert compute_report([r], 1000.0, 100.0).ttft_prediction.requests == 0
+
+
+def test_request_tpot_is_the_mean_gap_as_the_benchmark_client_counts_it():
+    from client import request_tpot
+
+    # (end-to-end - TTFT) / (output tokens - 1): (1000 - 100) / 9
+    assert request_tpot(rec(0, ttft=100.0, gaps=[10.0] * 9)) == pytest.approx(100.0)
+    assert request_tpot(rec(0, ttft=100.0, gaps=[])) == 0.0  # one token: no gap
+
+
+def test_a_report_judged_by_tpot():
+    records = [
+        # 10 tokens in 400 ms after the first: TPOT 300 / 9 = 33.3, but its slowest gap (TBT) 100
+        rec(0, ttft=100.0, gaps=[25.0] * 8 + [100.0], e2e=400.0),
+        # steady, 11 gaps of 60: TPOT 60 (e2e 100 + 660)
+        rec(1, ttft=100.0, gaps=[60.0] * 11, e2e=760.0),
+        rec(2, status="rejected"),
+    ]
+    # TBT alone: neither meets 50 ms (100 and 60)
+    by_tbt = compute_report(records, 500.0, 50.0)
+    assert by_tbt.slo_attainment == 0.0 and by_tbt.tpot_slo_ms == 0.0
+    # TPOT alone (TBT 0: not judged): the first meets 50 ms, the steady one does not
+    by_tpot = compute_report(records, 500.0, 0.0, tpot_slo_ms=50.0)
+    assert by_tpot.slo_attainment == pytest.approx(1 / 3)
+    assert by_tpot.tpot_slo_ms == 50.0
+    assert by_tpot.tpot_ms.p50 == pytest.approx((300.0 / 9 + 60.0) / 2)
+    # both judged: a request meets every one set
+    assert compute_report(records, 500.0, 150.0, tpot_slo_ms=50.0).slo_attainment == pytest.approx(
+        1 / 3
+    )
+    assert compute_report(records, 500.0, 80.0, tpot_slo_ms=50.0).slo_attainment == 0.0
+    table = format_reports([by_tbt, by_tpot])
+    assert "TPOT p50/p90/p99 ms" in table
+    assert "(TTFT<=500, TBT<=50 ms)" in table and "(TTFT<=500, TPOT<=50 ms)" in table
+    # the positional fields before it are where they were: a report built by position still is
+    assert by_tpot._fields.index("tpot_ms") > by_tpot._fields.index("prefilled_on_decode")

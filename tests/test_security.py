@@ -111,6 +111,8 @@ def test_plaintext_client_cannot_reach_a_tls_conductor(cluster):
 def test_client_token_cannot_call_internal_methods(cluster, certs, security):
     with client(cluster, "tok-alice", certs) as c:
         assert code_of(c.clear_cache) == grpc.StatusCode.PERMISSION_DENIED
+        # every tenant's recent requests are not one tenant's to read
+        assert code_of(c.recent_trace) == grpc.StatusCode.PERMISSION_DENIED
     # The same token, even over a channel with a node's certificate, reaches no store method...
     with node_channel(
         cluster.store_address, security, cluster_token="tok-alice", api_tokens={}
@@ -132,6 +134,7 @@ def test_client_token_cannot_call_internal_methods(cluster, certs, security):
     # The cluster token may.
     with Client(cluster.address, access=Access(token=CLUSTER_TOKEN, tls_ca=certs.ca)) as admin:
         admin.clear_cache()
+        assert admin.recent_trace().block_size == BS
 
 
 def test_mutual_tls_refuses_a_node_client_without_a_certificate(cluster, security):

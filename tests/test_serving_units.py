@@ -161,6 +161,41 @@ def test_a_request_meets_its_objectives_only_within_both(tok):
     assert stream(100.0, [100.0]).met_slos()  # one token: no gap to miss
 
 
+def test_a_request_judged_by_tpot_meets_it_on_its_mean_gap(tok):
+    def stream(times, tbt_slo_ms=0.0, tpot_slo_ms=30.0):
+        text = IncrementalText(tok.decode)
+        s = RequestStream("r", [1], "mooncake", pb.SamplingParams(), "", text)
+        s.ttft_ms, s.times = times[0], times
+        s.ttft_slo_ms, s.tbt_slo_ms, s.tpot_slo_ms = 500.0, tbt_slo_ms, tpot_slo_ms
+        return s
+
+    # nine 10 ms gaps and one of 200: TPOT (mean gap) 29 ms, TBT (slowest 10%) 200 ms
+    bursty = [100.0 + 10 * i for i in range(10)] + [390.0]
+    assert stream(bursty).met_slos()  # TPOT alone: met
+    assert not stream(bursty, tbt_slo_ms=50.0).met_slos()  # TBT judged too: missed
+    assert not stream(bursty, tpot_slo_ms=25.0).met_slos()  # a stricter TPOT: missed
+    assert stream([100.0]).met_slos()  # one token: no gap to miss
+
+
+def test_the_decode_worker_is_paced_by_the_objective_that_applies(tok):
+    from conductor.fleet import DecodeWorker
+    from conductor.relay import decode_request
+    from conductor.routing import Routed
+
+    worker = DecodeWorker("127.0.0.1:1")  # its channel connects lazily: never here
+    try:
+        routed = Routed("mooncake", None, worker, "", 0, True, 0.0, 0.0)
+        s = RequestStream("r", [1, 2], "mooncake", pb.SamplingParams(max_tokens=4), "",
+                          IncrementalText(tok.decode))  # fmt: skip
+        reply = pb.PrefillReply(first_token=5)
+        for tbt, tpot, paced in ((100.0, 0.0, 100.0), (0.0, 80.0, 80.0), (100.0, 80.0, 80.0),
+                                 (50.0, 80.0, 50.0), (0.0, 0.0, 0.0)):  # fmt: skip
+            s.tbt_slo_ms, s.tpot_slo_ms = tbt, tpot
+            assert decode_request(s, routed, [1, 2], reply).tbt_slo_ms == paced
+    finally:
+        worker.channel.close()
+
+
 def test_request_stream_resumes_without_repeating_a_token(tok):
     sp = pb.SamplingParams(max_tokens=5)
     s = RequestStream("r", [10, 11, 12], "mooncake", sp, "", IncrementalText(tok.decode))
@@ -237,3 +272,24 @@ def test_a_correction_is_a_ratio_of_sums_so_short_requests_overheads_do_not_scal
     # one request far off counts at most 5x its prediction
     c.observe(measured_ms=1e6, predicted_ms=1000.0, applied=1.0, epoch=c.epoch)
     assert c.ratio <= _Correction.BOUNDS[1]
+
+
+def test_a_correction_learned_long_ago_is_not_applied_and_its_next_measure_starts_afresh():
+    from conductor.corrections import Correction as _Correction
+
+    c = _Correction()
+    t = 1000.0
+    assert not c.checked()  # no served request has checked the model: a predicted miss probes
+    for i in range(_Correction.MIN_SAMPLES):  # a neighbour's burst: everything 4x slow
+        c.observe(measured_ms=40.0, predicted_ms=10.0, applied=1.0, epoch=c.epoch, now=t + i)
+    assert c.ratio_at(t + 5) == pytest.approx(4.0) and c.checked()
+    # nothing measured since (every request refused on it): no longer applied, the model alone
+    # judges; the model stays checked, so a miss it predicts is a refusal, not a probe
+    later = t + _Correction.STALE_S + 10
+    assert c.ratio_at(later) == 1.0 and not c.current(later) and c.checked()
+    # the next measurement is the first of a fresh start, not 1 of 5 against the old 4x
+    c.observe(measured_ms=11.0, predicted_ms=10.0, applied=1.0, epoch=c.epoch, now=later)
+    assert c.restarts == 1 and c.samples == 1 and c.ratio_at(later) == 1.0
+    for i in range(1, _Correction.MIN_SAMPLES):
+        c.observe(measured_ms=11.0, predicted_ms=10.0, applied=1.0, epoch=c.epoch, now=later + i)
+    assert c.ratio_at(later + 5) == pytest.approx(1.1) and c.current(later + 5)

@@ -12,10 +12,12 @@ from servekit.worker.sampling import (
     torch_dtype,
 )
 from servekit.worker.server import WorkerServer
+from servekit.worker.switch import SwitchableWorker
 
 __all__ = [
     "WorkerConfig",
     "WorkerModel",
+    "SwitchableWorker",
     "WorkerServer",
     "check_device",
     "check_dtype_device",

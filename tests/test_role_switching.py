@@ -1,0 +1,180 @@
+"""The runtime planner on a live cluster of three workers of a tiny model: when the load moves to
+short prompts with long answers, it moves a worker from prefill to decode; the worker drains,
+keeps its weights, serves its new role on the same port, and no request is lost or cut short
+(every answer is the one-process greedy answer). Whether the switch pays is the simulator's
+comparison (tests/test_sim_role_switch.py); here it must happen and lose nothing."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+import grpc
+import pytest
+
+from deploy import cluster_config_from_dict
+from model import Engine, SamplingParams, load_model
+from protos import halfmoon_pb2 as pb
+from protos import halfmoon_pb2_grpc as pb_grpc
+from servekit import ConfigError
+from tests.serving_cluster import Cluster, request, wait_for
+
+ANSWER = 48  # new tokens of a long answer
+STREAMS = 10  # clients, each sending its next request when its last one is answered
+PLANNER = {
+    "interval_s": 0.2,
+    "sustain": 2,
+    "min_interval_s": 3600.0,  # one switch per test
+    "target_attainment": 1.0,  # best-effort requests count as missed: the pressures decide
+    "drain_timeout_s": 30.0,
+    "rejoin_timeout_s": 60.0,
+}
+
+
+@pytest.fixture(scope="module")
+def lm():
+    return load_model("tiny-random")
+
+
+def _cluster(lm, planner: dict) -> Cluster:
+    return Cluster(
+        lm,
+        num_prefill=2,
+        num_decode=1,
+        decode={"max_batch": 4},
+        conductor={
+            "role_switching": True,
+            "planner": planner,
+            # served even when predicted late, so the streams queue at the decode worker
+            "admission": "best_effort",
+            "ttft_slo_ms": 2000.0,
+            "tbt_slo_ms": 1000.0,
+        },
+    )
+
+
+def _switch_count(c: Cluster, outcome: str) -> float:
+    value = c.conductor.registry.get_sample_value(
+        "halfmoon_role_switches_total",
+        {"from_role": "prefill", "to_role": "decode", "outcome": outcome},
+    )
+    return value or 0.0
+
+
+def test_planner_moves_a_prefill_worker_to_decode_and_loses_nothing(lm):
+    engine = Engine(lm, block_size=16)
+    rng = random.Random(44)
+    long_prompts = [[rng.randrange(3, 259) for _ in range(200)] for _ in range(4)]
+    short_prompts = [[rng.randrange(3, 259) for _ in range(12)] for _ in range(6)]
+    greedy = {
+        tuple(p): engine.generate(p, SamplingParams(max_tokens=n, ignore_eos=True))
+        for p, n in [*((p, 2) for p in long_prompts), *((p, ANSWER) for p in short_prompts)]
+    }
+    with _cluster(lm, PLANNER) as c:
+        workers = c.local.objects["prefill"]  # the two switchable workers that start as prefill
+        # Phase 1: long prompts, short answers, one at a time: no role is the bottleneck.
+        for p in long_prompts:
+            ids, _, last = c.generate(token_ids=p, max_tokens=2)
+            assert ids == greedy[tuple(p)]
+        time.sleep(1.0)  # five looks
+        assert c.conductor.role_switcher.records == []
+
+        # Phase 2: short prompts, long answers, ten streams on a decode batch of four.
+        answers: list[tuple[list[int], list[int], str, float]] = []
+        failures: list[BaseException] = []
+        stop = threading.Event()
+
+        def client(k: int) -> None:
+            stub = pb_grpc.ConductorStub(c.channel)
+            i = k
+            while not stop.is_set():
+                p = short_prompts[i % len(short_prompts)]
+                i += STREAMS
+                ids, last = [], None
+                try:
+                    for msg in stub.Generate(request(token_ids=p, max_tokens=ANSWER), timeout=120):
+                        ids.extend(msg.token_ids)
+                        last = msg
+                except grpc.RpcError as exc:
+                    failures.append(exc)
+                    return
+                answers.append((p, ids, last.usage.decode_worker, time.monotonic()))
+
+        threads = [threading.Thread(target=client, args=(k,)) for k in range(STREAMS)]
+        for t in threads:
+            t.start()
+        try:
+            wait_for(lambda: c.conductor.role_switcher.records, 90, "a role switch")
+            switched_at = time.monotonic()
+            record = c.conductor.role_switcher.records[0]
+            # and then some answers from the worker in its new role
+            wait_for(
+                lambda: any(w == record.worker_id and t > switched_at for _, _, w, t in answers),
+                60,
+                "an answer decoded by the switched worker",
+            )
+        finally:
+            stop.set()
+            for t in threads:
+                t.join(timeout=120)
+
+    assert not failures, failures
+    assert (record.from_role, record.to_role, record.outcome) == ("prefill", "decode", "done")
+    assert record.pressure[1] >= 1.0 > record.pressure[0]  # decode was the bottleneck
+    moved = next(w for w in workers if w.config.worker_id == record.worker_id)
+    assert moved.role == "decode" and moved.switches == 1
+    assert moved.server.lm is lm  # the weights it had, not reloaded
+    assert [w.role for w in workers].count("prefill") == 1
+    fleet = c.conductor.fleet
+    assert (len(fleet.prefill), len(fleet.decode)) == (1, 2)
+    assert _switch_count(c, "done") == 1
+    # none lost, none cut short, every one the one-process greedy answer
+    assert len(answers) >= STREAMS
+    for p, ids, _, _ in answers:
+        assert ids == greedy[tuple(p)]
+    decoded_by = {w for _, _, w, _ in answers}
+    assert record.worker_id in decoded_by and len(decoded_by) == 2
+
+
+def test_switch_role_rpc_refuses_what_it_cannot_do(lm):
+    # a planner that never finds a bottleneck: the RPC is driven by hand
+    with _cluster(lm, {**PLANNER, "high": 1e9}) as c:
+        worker = c.local.objects["decode"][0]
+        stub = pb_grpc.WorkerRoleStub(grpc.insecure_channel(worker.address))
+        with pytest.raises(grpc.RpcError) as bad:
+            stub.SwitchRole(pb.SwitchRoleRequest(role="store"), timeout=10)
+        assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "prefill or decode" in bad.value.details()
+        same = stub.SwitchRole(pb.SwitchRoleRequest(role="decode"), timeout=10)
+        assert (same.role, same.switching) == ("decode", False)
+
+        # a stream running on it: refused, and the stream goes on to its end
+        prompt = list(range(3, 20))
+        out: list = []
+        t = threading.Thread(
+            target=lambda: out.append(c.generate(token_ids=prompt, max_tokens=400)[0])
+        )
+        t.start()
+        wait_for(lambda: worker.server.load().running > 0, 30, "the stream running")
+        with pytest.raises(grpc.RpcError) as busy:
+            stub.SwitchRole(pb.SwitchRoleRequest(role="prefill"), timeout=10)
+        assert busy.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "drain it" in busy.value.details()
+        t.join(timeout=120)
+        assert len(out[0]) == 400
+        assert worker.role == "decode"
+
+
+@pytest.mark.parametrize(
+    "planner, words",
+    [
+        ({"interval": 1}, "conductor.planner: unknown key(s) interval"),
+        ({"sustain": 0}, "sustain >= 1"),
+        ({"rejoin_timeout_s": 0}, "rejoin_timeout_s must be positive"),
+    ],
+)
+def test_bad_planner_settings_name_the_field(planner, words):
+    with pytest.raises(ConfigError, match=None) as exc:
+        cluster_config_from_dict({"conductor": {"role_switching": True, "planner": planner}})
+    assert words in str(exc.value)
