@@ -33,6 +33,7 @@ The last line is one JSON object.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import sys
@@ -57,6 +58,7 @@ from sim import (  # noqa: E402
     sweep,
 )
 from sim.capacity import format_vs, plot_vs, splits_vs_colocated  # noqa: E402
+from sim.sweep import trace_rate  # noqa: E402
 from sim.validate import compare_run, format_comparisons  # noqa: E402
 from sim.vllm_fit import bench_files, fitted_runs, read_bench_run  # noqa: E402
 from sim.vllm_validate import check_runs, format_checks  # noqa: E402
@@ -151,6 +153,27 @@ def paper_vs_vllm(reqs, rates: list[float], target: float, out: Path, budgets: l
     return result
 
 
+def _per_policy(rows) -> dict:
+    return {
+        c.policy: {
+            "ttft_p50_real_ms": _num(c.real.ttft_ms.p50),
+            "ttft_p50_sim_ms": _num(c.sim.ttft_ms.p50),
+            "ttft_p90_real_ms": _num(c.real.ttft_ms.p90),
+            "ttft_p90_sim_ms": _num(c.sim.ttft_ms.p90),
+            "attainment_real": _num(c.real.slo_attainment),
+            "attainment_sim": _num(c.sim.slo_attainment),
+            "goodput_real_rps": _num(c.real.goodput_rps),
+            "goodput_sim_rps": _num(c.sim.goodput_rps),
+            "tpot_p50_error": _num(c.tpot_p50_error),
+        }
+        for c in rows
+    }
+
+
+def _worst(rows, f) -> float:
+    return max((abs(f(c)) for c in rows if not math.isnan(f(c))), default=math.nan)
+
+
 def validation(run_dir: Path | None, trace) -> dict:
     keys = ("sim_vs_real_ttft_p50_error", "sim_vs_real_ttft_p90_error",
             "sim_vs_real_attainment_error_pts")  # fmt: skip
@@ -163,22 +186,50 @@ def validation(run_dir: Path | None, trace) -> dict:
     say(f"\n== sim vs real ({run_dir}; prefill fit from {fit.prefill_rows} rounds, decode from "
         f"{fit.decode_rows} gaps)")  # fmt: skip
     say(format_comparisons(rows))
-    worst = lambda f: max((abs(f(c)) for c in rows if not math.isnan(f(c))), default=math.nan)  # noqa: E731
     return {
-        "sim_vs_real_ttft_p50_error": _num(worst(lambda c: c.ttft_p50_error)),
-        "sim_vs_real_ttft_p90_error": _num(worst(lambda c: c.ttft_p90_error)),
-        "sim_vs_real_attainment_error_pts": _num(worst(lambda c: c.attainment_error_pts)),
-        "sim_vs_real_per_policy": {
-            c.policy: {
-                "ttft_p50_real_ms": _num(c.real.ttft_ms.p50),
-                "ttft_p50_sim_ms": _num(c.sim.ttft_ms.p50),
-                "ttft_p90_real_ms": _num(c.real.ttft_ms.p90),
-                "ttft_p90_sim_ms": _num(c.sim.ttft_ms.p90),
-                "attainment_real": _num(c.real.slo_attainment),
-                "attainment_sim": _num(c.sim.slo_attainment),
-            }
-            for c in rows
-        },
+        "sim_vs_real_ttft_p50_error": _num(_worst(rows, lambda c: c.ttft_p50_error)),
+        "sim_vs_real_ttft_p90_error": _num(_worst(rows, lambda c: c.ttft_p90_error)),
+        "sim_vs_real_attainment_error_pts": _num(_worst(rows, lambda c: c.attainment_error_pts)),
+        "sim_vs_real_per_policy": _per_policy(rows),
+    }
+
+
+HALFMOON_RUNS = "halfmoon-smollm2"  # the calibration and validation replays shipped in sim/data
+
+
+def fidelity(runs_dir: Path) -> dict:
+    """halfmoon's own fidelity, out of sample: a profile fitted from runs_dir/calibration (a
+    replay of one trace slice), then every runs_dir/rate-<x> replay (another slice, at several
+    rates) simulated with it; the largest errors over them (bench/sim_fidelity_runs.py makes
+    the runs)."""
+    keys = ("fidelity_ttft_p50_error", "fidelity_ttft_p90_error", "fidelity_tpot_p50_error",
+            "fidelity_goodput_error", "fidelity_runs")  # fmt: skip
+    cal = runs_dir / "calibration"
+    held = sorted(runs_dir.glob("rate-*"), key=lambda d: float(d.name.split("-", 1)[1]))
+    if not (cal / "report.json").is_file() or not held:
+        say(f"\nhalfmoon fidelity: skipped (no calibration/ and rate-*/ replays in {runs_dir})")
+        return {k: None for k in keys}
+    profile, fit = fit_profile(cal, load_profile("smollm2-cpu"), "calibrated")
+    say(f"\n== halfmoon's simulator out of sample: profile fitted on {cal} ({fit.prefill_rows} "
+        f"prefill rounds, {fit.decode_rows} decode gaps), each replay of "
+        f"{runs_dir / 'trace-validation.jsonl'} simulated")  # fmt: skip
+    trace = runs_dir / "trace-validation.jsonl"
+    settings = runs_dir / "conductor.json"
+    conductor = json.loads(settings.read_text(encoding="utf-8")) if settings.is_file() else {}
+    rows, per_run = [], {}
+    for d in held:
+        found = compare_run(d, profile, trace, conductor)
+        rate = trace_rate(load_trace(trace)) / float(d.name.split("-", 1)[1])
+        say(f"-- {d.name}: inter-arrival times x{d.name.split('-', 1)[1]}, {rate:.2f} req/s")
+        say(format_comparisons(found))
+        rows += found
+        per_run[d.name] = {"rate_rps": _num(rate), **_per_policy(found)}
+    return {
+        "fidelity_ttft_p50_error": _num(_worst(rows, lambda c: c.ttft_p50_error)),
+        "fidelity_ttft_p90_error": _num(_worst(rows, lambda c: c.ttft_p90_error)),
+        "fidelity_tpot_p50_error": _num(_worst(rows, lambda c: c.tpot_p50_error)),
+        "fidelity_goodput_error": _num(_worst(rows, lambda c: c.goodput_error)),
+        "fidelity_runs": per_run,
     }
 
 
@@ -228,6 +279,8 @@ VLLM_RUNS = "vllm-cpu-smollm2-135m"  # the measured runs the shipped vLLM profil
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--real-run", type=Path, default=None, help="a `halfmoon replay` output dir")
+    ap.add_argument("--real-runs", type=Path, default=ROOT / "sim" / "data" / HALFMOON_RUNS,
+                    help="calibration/ and rate-*/ replays (bench/sim_fidelity_runs.py)")
     ap.add_argument("--trace", default=str(SHIPPED_TRACE))
     ap.add_argument("--rates", default="0.05,0.1,0.2,0.3,0.45,0.6,0.8,1.0,1.3,1.6")
     ap.add_argument("--target", type=float, default=0.9)
@@ -258,6 +311,7 @@ def main(argv=None) -> int:
         result.update(paper_vs_vllm(reqs, rates, args.target, args.output, budgets,
                                     args.vllm_policies.split(",")))  # fmt: skip
     result.update(validation(args.real_run, args.trace))
+    result.update(fidelity(args.real_runs))
     result.update(vllm_baseline(args.vllm_runs, args.vllm_profile, args.vllm_ttft_ms,
                                 args.vllm_tpot_ms))  # fmt: skip
     return finish(result, load_start)

@@ -55,6 +55,8 @@ def add_simulate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-input", type=int, default=None)
     p.add_argument("--ttft-slo-ms", type=float, default=None)
     p.add_argument("--tbt-slo-ms", type=float, default=None)
+    p.add_argument("--tpot-slo-ms", type=float, default=None,
+                   help="time per output token objective (the mean gap); 0 = not judged")
     p.add_argument(
         "--sweep",
         default=None,
@@ -127,7 +129,8 @@ def _apply_overrides(cfg: SimConfig, args: argparse.Namespace) -> SimConfig:
             ) if c.colocated else c
             for c in clusters
         ]  # fmt: skip
-    slo = {k: getattr(args, k) for k in ("ttft_slo_ms", "tbt_slo_ms") if getattr(args, k)}
+    names = ("ttft_slo_ms", "tbt_slo_ms", "tpot_slo_ms")
+    slo = {k: getattr(args, k) for k in names if getattr(args, k, None) is not None}
     clusters = [dataclasses.replace(c, **slo) for c in clusters]
     rates = cfg.sweep
     if args.sweep:

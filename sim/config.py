@@ -43,11 +43,11 @@ def sim_config_from_dict(raw: dict, where: str = "config") -> SimConfig:
     if not isinstance(raw, dict):
         raise ValueError(f"{where}: expected a mapping")
     known = {"profile", "clusters", "trace", "scaling", "sweep", "target", "ttft_slo_ms",
-             "tbt_slo_ms"}  # fmt: skip
+             "tbt_slo_ms", "tpot_slo_ms"}  # fmt: skip
     unknown = sorted(set(raw) - known)
     if unknown:
         raise ValueError(f"{where}: unknown keys {unknown} (known: {sorted(known)})")
-    slo = {k: float(raw[k]) for k in ("ttft_slo_ms", "tbt_slo_ms") if k in raw}
+    slo = {k: float(raw[k]) for k in ("ttft_slo_ms", "tbt_slo_ms", "tpot_slo_ms") if k in raw}
     spec_fields = {f.name for f in dataclasses.fields(ClusterSpec)}
     clusters = []
     for i, c in enumerate(raw.get("clusters") or [{}]):

@@ -23,12 +23,16 @@ from conductor import (
     make_policy,
 )
 from conductor.config import ADMISSION_MODES
+from conductor.estimates import paced_slo_ms
+from conductor.planner import PlannerConfig
+from servekit import config_from_dict
 from sim.arrivals import SimRequest
 from sim.cache import BlockCache
 from sim.events import EventLoop
 from sim.index import GlobalIndex
 from sim.instances import ColocatedInstance, DecodeInstance, Job, PrefillInstance
 from sim.profile import Profile
+from sim.role_switch import RoleSwitcher, SwitchRecord
 from sim.timing import prefill_ms, transfer_ms
 from sim.vllm_baseline import VllmConfig, VllmInstance
 
@@ -50,14 +54,24 @@ class ClusterSpec:
     policy: str = "mooncake"  # any name conductor.make_policy knows
     policy_options: dict = field(default_factory=dict)
     ttft_slo_ms: float = 2000.0
-    tbt_slo_ms: float = 200.0
+    tbt_slo_ms: float = 200.0  # 0 = not judged
+    tpot_slo_ms: float = 0.0  # time per output token (the mean gap, as vLLM's client); 0 = none
     admission: str = "reject"  # or best_effort: as the conductor's (conductor.admit)
     tbt_pace_fraction: float = 0.8  # of the TBT objective a decode step keeps (DecodeConfig)
+    # The runtime planner (conductor.planner's rule, PlannerConfig's fields; {} = its defaults)
+    # moving instances between prefill and decode as the load shifts (sim.role_switch); None =
+    # the roles stay as started
+    planner: dict | None = None
 
     def __post_init__(self) -> None:
         default = 0 if self.colocated else 1
         self.prefill = default if self.prefill is None else self.prefill
         self.decode = default if self.decode is None else self.decode
+        if min(self.ttft_slo_ms, self.tbt_slo_ms, self.tpot_slo_ms) < 0:
+            raise ValueError(
+                "ttft_slo_ms, tbt_slo_ms and tpot_slo_ms must be >= 0 (0 = not judged), got "
+                f"{self.ttft_slo_ms}, {self.tbt_slo_ms}, {self.tpot_slo_ms}"
+            )
         if self.admission not in ADMISSION_MODES:
             known = ", ".join(ADMISSION_MODES)
             raise ValueError(f"admission: one of {known}, not {self.admission!r}")
@@ -73,6 +87,16 @@ class ClusterSpec:
         if self.colocated_options and self.colocated_kind == "stall":
             raise ValueError("colocated_options: the stall kind takes none")
         VllmConfig(**self.colocated_options)  # unknown names fail here, not mid-run
+        if self.planner is not None:
+            if self.colocated:
+                raise ValueError("planner: colocated instances have no roles to switch")
+            config_from_dict(PlannerConfig, self.planner, "planner")  # fails here, not mid-run
+
+    @property
+    def planner_config(self) -> PlannerConfig | None:
+        if self.planner is None:
+            return None
+        return config_from_dict(PlannerConfig, self.planner, "planner")
 
     @property
     def label(self) -> str:
@@ -80,6 +104,8 @@ class ClusterSpec:
         if self.colocated and self.colocated_kind != "stall":
             opts = ",".join(f"{k}={v}" for k, v in sorted(self.colocated_options.items()))
             shape += f" {self.colocated_kind}" + (f" {opts}" if opts else "")
+        if self.planner is not None:
+            shape += " planner"
         return f"{self.policy}[{shape}]"
 
 
@@ -105,6 +131,8 @@ class SimResult(NamedTuple):
     redirected: int  # colocated: decisions whose decode worker differed (served where prefilled)
     best_effort: int = 0  # admitted although predicted to miss (spec.admission: best_effort)
     local_prefills: int = 0  # prompts prefilled on their decode instance (prefill_on_decode)
+    # the planner's switches in order (spec.planner; empty without one)
+    role_switches: list[SwitchRecord] = []
 
 
 class _Sim:
@@ -134,35 +162,56 @@ class _Sim:
             self.nodes[inst.id] = (dev,)
             self.device_nodes.add(dev)
         for i in range(spec.prefill or 0):  # resolved to a count by ClusterSpec.__post_init__
-            node = f"node-p{i}"
-            store = None
-            if p.dram_blocks > 0:
-                store = self.caches[node] = BlockCache(
-                    node, self.index, p.dram_blocks, p.ssd_blocks
-                )
-            device = None
-            if p.device_cache_blocks > 0:
-                dev = f"p{i}-dev"
-                device = self.caches[dev] = BlockCache(dev, self.index, p.device_cache_blocks)
-                self.device_nodes.add(dev)
-            pre = PrefillInstance(self.loop, f"p{i}", p, store, device, self.caches, self._first)
-            self.prefill[pre.id] = pre
-            self.nodes[pre.id] = tuple(c.node for c in (store, device) if c is not None)
+            self.add_prefill(f"p{i}")
         for i in range(spec.decode or 0):
-            dec = DecodeInstance(self.loop, f"d{i}", p, self._done)
-            # a prefill there keeps to what its streams' TBT objective leaves (DecodeConfig)
-            dec.tbt_budget_ms = spec.tbt_pace_fraction * spec.tbt_slo_ms
-            self.decode[dec.id] = dec
+            self.add_decode(f"d{i}")
+        # instances the planner drains for a role switch: routed nothing new
+        self.draining: set[str] = set()
+        if p.shared_host:  # p<i> and d<i> on one host take turns at its CPUs
+            for i in range(min(spec.prefill or 0, spec.decode or 0)):
+                pre, dec = self.prefill[f"p{i}"], self.decode[f"d{i}"]
+                assert isinstance(pre, PrefillInstance) and isinstance(dec, DecodeInstance)
+                pre.host_decode, dec.host_prefill = dec, pre
+
+    def add_prefill(self, iid: str, host: str = "") -> PrefillInstance:
+        """A prefill instance on `host` (default: its id), with its node's store (kept when the
+        host changed role before) and a device pool of its own."""
+        p, host = self.p, host or iid
+        node = f"node-{host}"
+        store = self.caches.get(node)
+        if store is None and p.dram_blocks > 0:
+            store = self.caches[node] = BlockCache(node, self.index, p.dram_blocks, p.ssd_blocks)
+        device = None
+        if p.device_cache_blocks > 0:
+            dev = f"{host}-dev"
+            device = self.caches[dev] = BlockCache(dev, self.index, p.device_cache_blocks)
+            self.device_nodes.add(dev)
+        pre = PrefillInstance(self.loop, iid, p, store, device, self.caches, self._first)
+        self.prefill[pre.id] = pre
+        self.nodes[pre.id] = tuple(c.node for c in (store, device) if c is not None)
+        return pre
+
+    def add_decode(self, iid: str) -> DecodeInstance:
+        dec = DecodeInstance(self.loop, iid, self.p, self._done)
+        # a prefill there keeps to what its streams' TBT objective leaves (DecodeConfig)
+        dec.tbt_budget_ms = self.spec.tbt_pace_fraction * paced_slo_ms(
+            self.spec.tbt_slo_ms, self.spec.tpot_slo_ms
+        )
+        self.decode[dec.id] = dec
+        return dec
 
     # ---- routing: the live policy on the simulated cluster's state ----
 
-    def _state(self, req: SimRequest) -> ClusterState:
-        p = self.p
+    def state(self, keys: tuple[int, ...] = ()) -> ClusterState:
+        """What the policy (and the planner) judge: the instances not draining, and the index's
+        answer for a prompt's block keys (none: no matches)."""
+        p, out = self.p, self.draining
         prefill = [
             PrefillCandidate(
                 iid, self.nodes[iid], w.queue_ms(), p.prefill_coef, True, 0.0, w.queued_tokens
             )
             for iid, w in self.prefill.items()
+            if iid not in out
         ]
         decode = [
             DecodeCandidate(
@@ -179,17 +228,19 @@ class _Sim:
                 local_queue_ms=d.local_queue_ms(),
             )
             for iid, d in self.decode.items()
+            if iid not in out
         ]
-        matches = self.index.longest_prefix(req.keys)
+        matches = self.index.longest_prefix(keys)
         return ClusterState(
             prefill, decode, matches, p.block_size, p.block_bytes, frozenset(self.device_nodes)
         )
 
     def arrive(self, req: SimRequest) -> None:
         spec = self.spec
-        info = RequestInfo(req.input_tokens, req.output_tokens, spec.ttft_slo_ms, spec.tbt_slo_ms)
+        info = RequestInfo(req.input_tokens, req.output_tokens, spec.ttft_slo_ms, spec.tbt_slo_ms,
+                           tpot_slo_ms=spec.tpot_slo_ms)  # fmt: skip
         try:
-            d, how = admit(self.policy, info, self._state(req), spec.admission)
+            d, how = admit(self.policy, info, self.state(req.keys), spec.admission)
         except Rejected as exc:
             self.rejected.append((req, str(exc)))
             return
@@ -302,8 +353,16 @@ def simulate(
     t0 = time.perf_counter()
     for req in arrivals:
         sim.loop.at(req.arrival_ms, sim.arrive, req)
+    planner = spec.planner_config
+    switcher = None if planner is None else RoleSwitcher(sim, planner, len(arrivals))
+    if switcher is not None:
+        switcher.start()
     sim.loop.run()
     wall = time.perf_counter() - t0
+    end_ms = sim.loop.now
+    if switcher is not None:  # its last look came after the last answer
+        ends = [j.done_at for j in sim.jobs] + [r.arrival_ms for r in arrivals]
+        end_ms = max(ends, default=0.0)
     if sim.redirected:
         log.info(
             "%d decisions named another decode instance; colocated instances decode where they "
@@ -311,8 +370,10 @@ def simulate(
             sim.redirected,
         )
     records = sim.records()
-    report = compute_report(records, spec.ttft_slo_ms, spec.tbt_slo_ms, spec.label)
+    report = compute_report(
+        records, spec.ttft_slo_ms, spec.tbt_slo_ms, spec.label, tpot_slo_ms=spec.tpot_slo_ms
+    )
     return SimResult(
-        records, report, sim.loop.events, wall, sim.loop.now / 1000.0, sim.redirected,
-        sim.best_effort, sim.local_prefills,
+        records, report, sim.loop.events, wall, end_ms / 1000.0, sim.redirected,
+        sim.best_effort, sim.local_prefills, [] if switcher is None else switcher.switches,
     )  # fmt: skip

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+from collections.abc import Sequence
 from pathlib import Path
 from typing import NamedTuple
 
@@ -83,9 +84,22 @@ def fit_prefill(
     return tuple(model.coef), rounds
 
 
-def fit_decode(records: list[ReplayRecord], prior) -> tuple[tuple[float, ...], int]:
+def prefill_windows(records: list[ReplayRecord]) -> list[tuple[float, float]]:
+    """When the prefill workers computed (ms from the replay's start): each request's round on
+    a prefill worker, from its queue wait's end for its round's time."""
+    return sorted(
+        (r.sent_s * 1000.0 + r.queue_ms, r.sent_s * 1000.0 + r.queue_ms + r.prefill_ms)
+        for r in records
+        if r.status == "ok" and r.prefill_ms > 0 and r.prefill_worker != r.decode_worker
+    )
+
+
+def fit_decode(
+    records: list[ReplayRecord], prior, busy: Sequence[tuple[float, float]] = ()
+) -> tuple[tuple[float, ...], int]:
     """Each gap but a request's first (that one holds its admission and KV pull) against the
-    batch and KV tokens its worker held at that moment."""
+    batch and KV tokens its worker held at that moment; gaps within a `busy` window (the host's
+    prefill computing on the same CPUs: the simulator adds that wait itself) left out."""
     by_worker: dict[str, list[ReplayRecord]] = {}
     for r in records:
         if r.status == "ok" and len(r.gaps_ms) > 1 and not math.isnan(r.ttft_ms):
@@ -104,6 +118,8 @@ def fit_decode(records: list[ReplayRecord], prior) -> tuple[tuple[float, ...], i
             for g in r.gaps_ms[1:]:
                 mid = t + g / 2
                 t += g
+                if any(b0 <= mid <= b1 for b0, b1 in busy):
+                    continue
                 batch, context = 0, 0.0
                 for s0, s1, prompt, tokens in spans:
                     if s0 <= mid <= s1:
@@ -226,7 +242,10 @@ def fit_profile(run_dir: str | Path, base: Profile, name: str = "") -> tuple[Pro
         p_coef, p_rows = fit_prefill(records, p_prior, base.chunk_size)
     answer = answer_cost(records)
     join = decode_join(records)
-    d_coef, d_rows = fit_decode(records, d_prior)
+    # Workers at one address share its CPUs (a local cluster: they take turns at them)
+    hosts = {str(w.get("address", "")).rsplit(":", 1)[0] for w in cluster.get("workers", [])}
+    shared = len(hosts) == 1 and bool(pre) and bool(dec)
+    d_coef, d_rows = fit_decode(records, d_prior, prefill_windows(records) if shared else ())
     if worker_coef is None and p_rows < 4:
         log.warning("only %d prefill rounds: the prefill model leans on the base profile", p_rows)
     if d_rows < 4:
@@ -246,6 +265,8 @@ def fit_profile(run_dir: str | Path, base: Profile, name: str = "") -> tuple[Pro
             key = {"dram": "dram_blocks", "ssd": "ssd_blocks"}.get(tier.get("tier"))
             if key:
                 sizes[key] = int(int(tier.get("capacity_bytes", 0)) // bb)
+    if shared:
+        sizes["shared_host"] = True
     fitted = Fit(p_coef, d_coef, p_rows, d_rows)  # type: ignore[arg-type]
     profile = Profile(
         **{

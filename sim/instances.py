@@ -110,6 +110,7 @@ class PrefillInstance:
         self.busy = False
         self.gather_start = -1.0  # when an idle instance began gathering a round (< 0: not)
         self.gather_seq = 0  # the last arrival's mark: a gather check for an older one is stale
+        self.host_decode: DecodeInstance | None = None  # sharing the host's CPUs (shared_host)
 
     def queue_ms(self) -> float:
         left = max(0.0, self.round_end - self.loop.now) if self.busy else 0.0
@@ -166,6 +167,8 @@ class PrefillInstance:
         c0, c1, c2 = p.prefill_coef
         chunk = p.chunk_size or max(j.req.input_tokens for j in batch)
         first_forward = t
+        # the host's decode steps run inside the round, one per slack it gives (shared_host)
+        stretch = self.host_decode.stretch() if self.host_decode is not None else 1.0
         while spans:  # batched forwards: every unfinished job advances a chunk
             n_tok, work = 0, 0.0
             for sp in spans:
@@ -173,7 +176,7 @@ class PrefillInstance:
                 n_tok += e - sp[1]
                 work += (e - sp[1]) * e
                 sp[1] = e
-            t += max(0.0, c0 + c1 * n_tok + c2 * work)
+            t += max(0.0, c0 + c1 * n_tok + c2 * work) * stretch
             for sp in [sp for sp in spans if sp[1] >= sp[0].req.input_tokens]:
                 # each answer (blocks written out, the reply) in turn, on the worker's thread
                 t += p.request_overhead_ms
@@ -216,6 +219,7 @@ class DecodeInstance:
         self.tbt_budget_ms = 0.0
         self.slice_ms = 50.0
         self.layer_ms = 1.0  # what a prefill gets between steps that leave no slack
+        self.host_prefill: PrefillInstance | None = None  # sharing the host's CPUs (shared_host)
         self.joining: list[Job] = []  # admitted, KV on its way
         # routed here, still in prefill: the live conductor counts these as waiting too
         self.routed: list[Job] = []
@@ -280,19 +284,48 @@ class DecodeInstance:
             if j.held:  # admitted: its first token goes out now, its first gap is this step
                 j.held = False
                 j.first_at = j.last_at = self.loop.now
-        c0, c1, c2 = self.profile.decode_coef
-        step_ms = max(0.0, c0 + c1 * n + c2 * self.context) if n else 0.0
+        step_ms = self._step_ms()
         # a prefill here takes the CPUs between steps for the slack the streams leave (all of
         # it, a slice at a time, with no stream)
         grant = 0.0
         if self.local:
-            slack = self.tbt_budget_ms - step_ms if self.tbt_budget_ms else self.slice_ms
-            grant = min(self.local_left_ms, max(0.0, slack) if n else self.slice_ms)
+            slack = max(0.0, self._streams_slack(step_ms)) if n else self.slice_ms
+            grant = min(self.local_left_ms, slack)
             if n and grant <= 0.0:  # the step takes the whole budget: a layer between steps
                 grant = min(self.local_left_ms, self.layer_ms)
+        wait = self._host_wait(step_ms) if n else 0.0
         self.stepping = True
         self.steps += 1
-        self.loop.after(step_ms + grant, self._stepped, n, grant)
+        self.loop.after(step_ms + grant + wait, self._stepped, n, grant)
+
+    def _step_ms(self) -> float:
+        n = len(self.running)
+        c0, c1, c2 = self.profile.decode_coef
+        return max(0.0, c0 + c1 * n + c2 * self.context) if n else 0.0
+
+    def _streams_slack(self, step_ms: float) -> float:
+        """What the running streams leave a prefill on these CPUs before the next step: their
+        objective's budget less the step (the static slice with no objective); may be < 0."""
+        return self.tbt_budget_ms - step_ms if self.tbt_budget_ms else self.slice_ms
+
+    def _slack(self, step_ms: float) -> float:
+        """What the host's prefill may keep its CPUs for before the next step: the streams'
+        slack, a layer at least."""
+        return max(self.layer_ms, self._streams_slack(step_ms))
+
+    def _host_wait(self, step_ms: float) -> float:
+        """The wait for the CPUs a step has while the host's prefill computes: its slack, or the
+        rest of the prefill's round when that ends sooner."""
+        pre = self.host_prefill
+        if pre is None or not pre.busy:
+            return 0.0
+        return min(self._slack(step_ms), max(0.0, pre.round_end - self.loop.now))
+
+    def stretch(self) -> float:
+        """How much longer a prefill round on the host's CPUs takes while this instance decodes:
+        a step after every slack it gives."""
+        step_ms = self._step_ms()
+        return 1.0 + step_ms / self._slack(step_ms) if step_ms else 1.0
 
     def _stepped(self, n: int, grant: float = 0.0) -> None:
         now = self.loop.now

@@ -48,6 +48,12 @@ class Profile:
     # network_gbps accounts for: the decode call and pulling its blocks in (fitted from a real
     # run's first-token holds; 0 in a roofline profile, where the move is the bandwidth's).
     decode_join_ms: float = 0.0
+    # The prefill and decode instance of one host share its CPUs (the live local cluster's
+    # workers take turns at them, servekit.CpuTurns): while the host's prefill computes, a
+    # decode step waits out the slack its streams leave under their TBT objective (the
+    # decode's tbt_pace_fraction of it, less the step), the prefill keeping the CPUs that long,
+    # and a prefill round is lengthened by the steps run inside it. False: CPUs of their own.
+    shared_host: bool = False
     network_gbps: float = 25.0  # between nodes: remote prefix fetches, prefill -> decode KV
     dram_gbps: float = 25.0  # host DRAM -> device (a DRAM hit is loaded at this rate)
     ssd_gbps: float = 3.0  # SSD -> host (an SSD hit is read at this rate, then loaded)

@@ -8,11 +8,16 @@ import math
 from pathlib import Path
 from typing import NamedTuple
 
+import numpy as np
+
 from client.report import Report, compute_report, read_records
 from client.traces import load_trace
 from sim.arrivals import TraceScaling, make_arrivals
 from sim.driver import ClusterSpec, simulate
 from sim.profile import Profile
+
+# ConductorConfig fields the mooncake policy is built with (conductor.routing.make_policies)
+POLICY_OPTIONS = ("local_prefill_tokens", "kvcache_balancing_threshold")
 
 
 class Comparison(NamedTuple):
@@ -22,6 +27,8 @@ class Comparison(NamedTuple):
     ttft_p50_error: float  # (sim - real) / real
     ttft_p90_error: float
     attainment_error_pts: float  # sim - real, in percentage points
+    tpot_p50_error: float = math.nan  # TPOT: (end to end - TTFT) / (answer tokens - 1)
+    goodput_error: float = math.nan  # requests within both objectives per second
 
 
 def relative_error(sim: float, real: float) -> float:
@@ -32,9 +39,16 @@ def relative_error(sim: float, real: float) -> float:
 
 
 def compare_run(
-    run_dir: str | Path, profile: Profile, trace: str | Path | None = None
+    run_dir: str | Path,
+    profile: Profile,
+    trace: str | Path | None = None,
+    conductor: dict | None = None,
 ) -> list[Comparison]:
-    """One comparison per policy the run replayed."""
+    """One comparison per policy the run replayed. `conductor`: the live conductor's settings
+    the policy and admission ran with (its `local_prefill_tokens`, `kvcache_balancing_threshold`,
+    `admission`; absent ones at their defaults), so that the simulated policy decides alike."""
+    conductor = conductor or {}
+    options = {k: conductor[k] for k in POLICY_OPTIONS if k in conductor}
     d = Path(run_dir)
     summary = json.loads((d / "report.json").read_text(encoding="utf-8"))
     sc = summary["scaling"]
@@ -63,8 +77,11 @@ def compare_run(
             policy=policy,
             ttft_slo_ms=rep["ttft_slo_ms"],
             tbt_slo_ms=rep["tbt_slo_ms"],
+            admission=conductor.get("admission", "reject"),
+            policy_options=dict(options) if policy == "mooncake" else {},
         )
-        s = simulate(arrivals, profile, spec).report
+        sim_run = simulate(arrivals, profile, spec)
+        s = sim_run.report
         out.append(
             Comparison(
                 policy,
@@ -73,15 +90,25 @@ def compare_run(
                 relative_error(s.ttft_ms.p50, real_report.ttft_ms.p50),
                 relative_error(s.ttft_ms.p90, real_report.ttft_ms.p90),
                 100.0 * (s.slo_attainment - real_report.slo_attainment),
+                relative_error(tpot_p50(sim_run.records), tpot_p50(real)),
+                relative_error(s.goodput_rps, real_report.goodput_rps),
             )
         )
     return out
 
 
+def tpot_p50(records) -> float:
+    """The median TPOT over answered requests of two or more tokens (as vLLM's bench serve
+    counts it: the time after the first token over the tokens after it)."""
+    tpot = [(r.e2e_ms - r.ttft_ms) / (r.output_tokens - 1) for r in records
+            if r.status == "ok" and r.output_tokens > 1]  # fmt: skip
+    return float(np.median(tpot)) if tpot else math.nan
+
+
 def format_comparisons(rows: list[Comparison]) -> str:
     lines = [
         f"{'policy':14} {'TTFT p50 real/sim ms':>24} {'TTFT p90 real/sim ms':>24} "
-        f"{'attainment real/sim':>22}"
+        f"{'attainment real/sim':>22} {'TPOT p50 err':>12} {'goodput real/sim req/s':>26}"
     ]
     for c in rows:
         real, sim = c.real, c.sim
@@ -89,6 +116,8 @@ def format_comparisons(rows: list[Comparison]) -> str:
             f"{c.policy:14} {real.ttft_ms.p50:9.0f} /{sim.ttft_ms.p50:7.0f} "
             f"({100 * c.ttft_p50_error:+4.0f}%) {real.ttft_ms.p90:9.0f} /{sim.ttft_ms.p90:7.0f} "
             f"({100 * c.ttft_p90_error:+4.0f}%) {100 * real.slo_attainment:8.1f}% /"
-            f"{100 * sim.slo_attainment:5.1f}% ({c.attainment_error_pts:+.1f} pts)"
+            f"{100 * sim.slo_attainment:5.1f}% ({c.attainment_error_pts:+.1f} pts) "
+            f"{100 * c.tpot_p50_error:+11.0f}% {real.goodput_rps:11.3f} /{sim.goodput_rps:6.3f} "
+            f"({100 * c.goodput_error:+4.0f}%)"
         )
     return "\n".join(lines)
