@@ -48,6 +48,9 @@ class PrefillCandidate(NamedTuple):
     # its model's predictions have been checked against requests served (its correction holds):
     # False = its model alone, which may be far off (fitted on a loaded machine, say)
     checked: bool = True
+    # Decode workers that take turns with it at the same CPUs (one host, servekit.CpuTurns):
+    # while their batches run, its forwards get what their steps leave of each paced period
+    cpu_peers: tuple[str, ...] = ()
 
 
 class DecodeCandidate(NamedTuple):
@@ -78,6 +81,9 @@ class DecodeCandidate(NamedTuple):
     # a slot waits out whole steps, the token streaming, the scheduling and the CPU turns given
     # to a prefill included, which the compute model (and TBT's correction) leaves out.
     wait_scale: float = 1.0
+    # The ms a prefill on its CPUs may keep them before its next step (what it offers now: its
+    # streams' slack, more where they banked some ahead of their objective); -1 = none offered
+    offered_slack_ms: float = -1.0
 
 
 

@@ -44,6 +44,7 @@ def cluster_state(fleet: Fleet, matches: dict[str, int], config: ConductorConfig
                     queued_tokens=queued_tokens,
                     links=tuple(Link(x.node, x.fixed_ms, x.bytes_per_ms) for x in ld.links),
                     checked=w.correction.checked(),
+                    cpu_peers=_cpu_peers(ld, fleet),
                 )
             )
         for d in fleet.decode:
@@ -71,6 +72,7 @@ def cluster_state(fleet: Fleet, matches: dict[str, int], config: ConductorConfig
                     local_queue_ms=local_ms,
                     checked=d.correction.checked(),
                     wait_scale=d.wait_scale,
+                    offered_slack_ms=ld.offered_slack_ms,
                 )
             )
     return ClusterState(
@@ -81,6 +83,22 @@ def cluster_state(fleet: Fleet, matches: dict[str, int], config: ConductorConfig
         block_bytes=block_bytes,
         device_nodes=frozenset(device_nodes),
         window_tokens=config.kivi_residual if is_kivi(config.kv_cache_dtype) else 0,
+    )
+
+
+def _cpu_peers(ld: pb.WorkerLoad, fleet: Fleet) -> tuple[str, ...]:
+    """The decode workers that take turns with this prefill worker at its CPUs: the same turn
+    lock (it names the CPU set) on the same host (a store node in common; none on either: one
+    host). Under fleet.lock."""
+    if not ld.cpu_turns:
+        return ()
+    mine = set(ld.nodes)
+    return tuple(
+        d.load.worker_id
+        for d in fleet.decode
+        if d.load is not None
+        and d.load.cpu_turns == ld.cpu_turns
+        and (mine & set(d.load.nodes) or not (mine or d.load.nodes))
     )
 
 

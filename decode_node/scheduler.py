@@ -39,6 +39,8 @@ class DecodeScheduler:
         self.max_batch_seen = 0
         self.requests_done = 0
         self.calibration_failures = 0  # start-up calibrations that failed (the prior stood)
+        # what it last offered a prefill on its CPUs (ms it may keep them); -1 = it binds nobody
+        self.offered_slack_ms = -1.0
 
     # ---- intake and reports ----
 
@@ -157,6 +159,7 @@ class DecodeScheduler:
                 self._tidy()
                 if not self._running:
                     self.runner.turns.offer(None)  # no stream waits on a step: bind nobody
+                    self.offered_slack_ms = -1.0
                 while not self._running and not self._quit:
                     busy = self._pulling or self._waiting
                     self._wake.wait(timeout=0.05 if busy else IDLE_TRIM_S)
@@ -265,6 +268,7 @@ class DecodeScheduler:
             slack = max(0.0, min(banked) - step_ms) if banked else None
         else:
             slack = decode_slack_ms([s.tbt_slo_ms for s in running], step_ms, fraction)
+        self.offered_slack_ms = -1.0 if slack is None else slack
         self.runner.turns.offer(slack)
 
     # ---- endings ----

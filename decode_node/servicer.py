@@ -150,6 +150,8 @@ class DecodeWorker(WorkerServer, pb_grpc.DecodeWorkerServicer):
             device=str(self.runner.device),
             kv_cache_dtype=cfg.kv_cache_dtype,
             capacity_tokens=self.runner.capacity_tokens,
+            cpu_turns=self.runner.turns.path,
+            offered_slack_ms=self.scheduler.offered_slack_ms if self.runner.turns.path else -1.0,
             **self.scheduler.admission_figures(),
         )
 

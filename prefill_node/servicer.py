@@ -96,6 +96,7 @@ class PrefillWorker(WorkerServer, pb_grpc.PrefillWorkerServicer):
                 for n, s in self.runner.kv.links().items()
             ],
             running_tokens=self.scheduler.running_tokens(),
+            cpu_turns=self.runner.turns.path,
         )
 
     def _validate(self, request: pb.PrefillRequest) -> str:

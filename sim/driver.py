@@ -208,8 +208,9 @@ class _Sim:
         p, out = self.p, self.draining
         prefill = [
             PrefillCandidate(
-                iid, self.nodes[iid], w.queue_ms(), p.prefill_coef, True, 0.0, w.queued_tokens
-            )
+                iid, self.nodes[iid], w.queue_ms(), p.prefill_coef, True, 0.0, w.queued_tokens,
+                cpu_peers=self._cpu_peers(w),
+            )  # fmt: skip
             for iid, w in self.prefill.items()
             if iid not in out
         ]
@@ -234,6 +235,13 @@ class _Sim:
         return ClusterState(
             prefill, decode, matches, p.block_size, p.block_bytes, frozenset(self.device_nodes)
         )
+
+    @staticmethod
+    def _cpu_peers(w: object) -> tuple[str, ...]:
+        """The decode instance that takes turns with prefill instance `w` at its host's CPUs
+        (shared_host), as the live conductor finds it from the workers' turn locks."""
+        peer = w.host_decode if isinstance(w, PrefillInstance) else None
+        return (peer.id,) if peer is not None else ()
 
     def arrive(self, req: SimRequest) -> None:
         spec = self.spec

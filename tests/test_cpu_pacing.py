@@ -11,6 +11,7 @@ import threading
 
 import pytest
 
+from conductor.state import cluster_state
 from model import load_model
 from model.fetch import smollm2_path
 from tests.serving_cluster import Cluster, request, wait_for
@@ -56,6 +57,10 @@ def test_a_burst_of_long_prompts_takes_the_cpus_while_streams_keep_flowing(lm):
             t.start()
         wait_for(lambda: min(counts) >= 5, 120, "every stream decoding")
         assert decode.granted_ms() is not None and decode.granted_ms() > 0  # its slack offered
+        # the conductor knows they take turns (the same lock, one host): it predicts a prompt
+        # there at the share the streams' pacing leaves
+        st = cluster_state(c.conductor.fleet, {}, c.conductor.config)
+        assert [p.cpu_peers for p in st.prefill] == [(st.decode[0].worker_id,)]
         held0 = (prefill.held_s, decode.held_s)
         passes0, tokens0 = prefill.passes, list(counts)
 
