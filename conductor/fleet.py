@@ -254,6 +254,32 @@ class Fleet:
             for w in self.workers:
                 w.inflight.pop(rid, None)
 
+    def models(self) -> list[pb.WorkerModel]:
+        """Each answering worker's time model as routing judges by it now: its fitted model
+        scaled by the conductor's correction of it (where one is applied)."""
+        out = []
+        with self.lock:
+            for w in self.workers:
+                load = w.load
+                if not w.healthy or load is None:
+                    continue
+                coef = list(load.prefill_coef if w.kind == "prefill" else load.decode_coef)
+                if len(coef) != 3:  # no model fitted yet
+                    continue
+                ratio = w.correction.ratio
+                out.append(
+                    pb.WorkerModel(
+                        worker_id=w.worker_id,
+                        kind=w.kind,
+                        coef=[c * ratio for c in coef],
+                        correction=ratio,
+                        block_bytes=load.block_bytes,
+                        total_blocks=load.total_blocks,
+                        max_batch=load.max_batch if w.kind == "decode" else 0,
+                    )
+                )
+        return out
+
     def find(self, worker_id: str) -> AnyWorker | None:
         with self.lock:
             return next((w for w in self.workers if w.worker_id == worker_id), None)

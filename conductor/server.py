@@ -169,4 +169,6 @@ class Conductor(GrpcServer, pb_grpc.ConductorServicer):
         reply.tpot_slo_ms = c.tpot_slo_ms
         reply.prefill_workers = len(self.fleet.prefill)
         reply.decode_workers = len(self.fleet.decode)
+        reply.models.extend(self.fleet.models())
+        reply.refused_at_door = self.call_limit.refused
         return reply

@@ -45,7 +45,7 @@ class TraceRecord(_message.Message):
     def __init__(self, timestamp_ms: _Optional[float] = ..., input_length: _Optional[int] = ..., output_length: _Optional[int] = ..., hash_ids: _Optional[_Iterable[int]] = ..., refused: _Optional[bool] = ...) -> None: ...
 
 class RecentTraceReply(_message.Message):
-    __slots__ = ("requests", "block_size", "window_s", "ttft_slo_ms", "tbt_slo_ms", "tpot_slo_ms", "prefill_workers", "decode_workers")
+    __slots__ = ("requests", "block_size", "window_s", "ttft_slo_ms", "tbt_slo_ms", "tpot_slo_ms", "prefill_workers", "decode_workers", "models", "refused_at_door")
     REQUESTS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     WINDOW_S_FIELD_NUMBER: _ClassVar[int]
@@ -54,6 +54,8 @@ class RecentTraceReply(_message.Message):
     TPOT_SLO_MS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_WORKERS_FIELD_NUMBER: _ClassVar[int]
     DECODE_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    MODELS_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_AT_DOOR_FIELD_NUMBER: _ClassVar[int]
     requests: _containers.RepeatedCompositeFieldContainer[TraceRecord]
     block_size: int
     window_s: float
@@ -62,7 +64,27 @@ class RecentTraceReply(_message.Message):
     tpot_slo_ms: float
     prefill_workers: int
     decode_workers: int
-    def __init__(self, requests: _Optional[_Iterable[_Union[TraceRecord, _Mapping]]] = ..., block_size: _Optional[int] = ..., window_s: _Optional[float] = ..., ttft_slo_ms: _Optional[float] = ..., tbt_slo_ms: _Optional[float] = ..., tpot_slo_ms: _Optional[float] = ..., prefill_workers: _Optional[int] = ..., decode_workers: _Optional[int] = ...) -> None: ...
+    models: _containers.RepeatedCompositeFieldContainer[WorkerModel]
+    refused_at_door: int
+    def __init__(self, requests: _Optional[_Iterable[_Union[TraceRecord, _Mapping]]] = ..., block_size: _Optional[int] = ..., window_s: _Optional[float] = ..., ttft_slo_ms: _Optional[float] = ..., tbt_slo_ms: _Optional[float] = ..., tpot_slo_ms: _Optional[float] = ..., prefill_workers: _Optional[int] = ..., decode_workers: _Optional[int] = ..., models: _Optional[_Iterable[_Union[WorkerModel, _Mapping]]] = ..., refused_at_door: _Optional[int] = ...) -> None: ...
+
+class WorkerModel(_message.Message):
+    __slots__ = ("worker_id", "kind", "coef", "correction", "block_bytes", "total_blocks", "max_batch")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    COEF_FIELD_NUMBER: _ClassVar[int]
+    CORRECTION_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    MAX_BATCH_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    kind: str
+    coef: _containers.RepeatedScalarFieldContainer[float]
+    correction: float
+    block_bytes: int
+    total_blocks: int
+    max_batch: int
+    def __init__(self, worker_id: _Optional[str] = ..., kind: _Optional[str] = ..., coef: _Optional[_Iterable[float]] = ..., correction: _Optional[float] = ..., block_bytes: _Optional[int] = ..., total_blocks: _Optional[int] = ..., max_batch: _Optional[int] = ...) -> None: ...
 
 class ClearCacheRequest(_message.Message):
     __slots__ = ()
@@ -293,7 +315,7 @@ class StatusReply(_message.Message):
     def __init__(self, model: _Optional[str] = ..., block_size: _Optional[int] = ..., default_policy: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., stores: _Optional[_Iterable[_Union[StoreStatus, _Mapping]]] = ..., requests_total: _Optional[int] = ..., requests_rejected: _Optional[int] = ..., prompt_tokens_total: _Optional[int] = ..., cached_tokens_total: _Optional[int] = ..., vocab_size: _Optional[int] = ..., conductor_rss_bytes: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., kv_dtype: _Optional[str] = ..., conductor_memory: _Optional[_Union[MemoryReport, _Mapping]] = ..., requests_slo_met: _Optional[int] = ..., requests_slo_missed: _Optional[int] = ..., requests_best_effort: _Optional[int] = ...) -> None: ...
 
 class WorkerLoad(_message.Message):
-    __slots__ = ("worker_id", "queued_requests", "queued_tokens", "predicted_queue_ms", "running", "free_blocks", "total_blocks", "prefill_coef", "decode_coef", "total_context_tokens", "kind", "nodes", "block_bytes", "block_size", "model_fingerprint", "waiting", "max_batch_seen", "requests_done", "device", "device_node", "kv_cache_dtype", "capacity_tokens", "fetch_block_bytes", "running_tokens", "seq_positions", "seq_remaining", "seq_blocks", "waiting_positions", "waiting_remaining", "waiting_blocks", "max_batch", "memory", "links")
+    __slots__ = ("worker_id", "queued_requests", "queued_tokens", "predicted_queue_ms", "running", "free_blocks", "total_blocks", "prefill_coef", "decode_coef", "total_context_tokens", "kind", "nodes", "block_bytes", "block_size", "model_fingerprint", "waiting", "max_batch_seen", "requests_done", "device", "device_node", "kv_cache_dtype", "capacity_tokens", "fetch_block_bytes", "running_tokens", "seq_positions", "seq_remaining", "seq_blocks", "waiting_positions", "waiting_remaining", "waiting_blocks", "max_batch", "memory", "links", "cpu_turns", "offered_slack_ms")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     QUEUED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     QUEUED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -327,6 +349,8 @@ class WorkerLoad(_message.Message):
     MAX_BATCH_FIELD_NUMBER: _ClassVar[int]
     MEMORY_FIELD_NUMBER: _ClassVar[int]
     LINKS_FIELD_NUMBER: _ClassVar[int]
+    CPU_TURNS_FIELD_NUMBER: _ClassVar[int]
+    OFFERED_SLACK_MS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     queued_requests: int
     queued_tokens: int
@@ -360,7 +384,9 @@ class WorkerLoad(_message.Message):
     max_batch: int
     memory: MemoryReport
     links: _containers.RepeatedCompositeFieldContainer[LinkSpeed]
-    def __init__(self, worker_id: _Optional[str] = ..., queued_requests: _Optional[int] = ..., queued_tokens: _Optional[int] = ..., predicted_queue_ms: _Optional[float] = ..., running: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., prefill_coef: _Optional[_Iterable[float]] = ..., decode_coef: _Optional[_Iterable[float]] = ..., total_context_tokens: _Optional[int] = ..., kind: _Optional[str] = ..., nodes: _Optional[_Iterable[str]] = ..., block_bytes: _Optional[int] = ..., block_size: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., waiting: _Optional[int] = ..., max_batch_seen: _Optional[int] = ..., requests_done: _Optional[int] = ..., device: _Optional[str] = ..., device_node: _Optional[str] = ..., kv_cache_dtype: _Optional[str] = ..., capacity_tokens: _Optional[int] = ..., fetch_block_bytes: _Optional[float] = ..., running_tokens: _Optional[int] = ..., seq_positions: _Optional[_Iterable[int]] = ..., seq_remaining: _Optional[_Iterable[int]] = ..., seq_blocks: _Optional[_Iterable[int]] = ..., waiting_positions: _Optional[_Iterable[int]] = ..., waiting_remaining: _Optional[_Iterable[int]] = ..., waiting_blocks: _Optional[_Iterable[int]] = ..., max_batch: _Optional[int] = ..., memory: _Optional[_Union[MemoryReport, _Mapping]] = ..., links: _Optional[_Iterable[_Union[LinkSpeed, _Mapping]]] = ...) -> None: ...
+    cpu_turns: str
+    offered_slack_ms: float
+    def __init__(self, worker_id: _Optional[str] = ..., queued_requests: _Optional[int] = ..., queued_tokens: _Optional[int] = ..., predicted_queue_ms: _Optional[float] = ..., running: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., prefill_coef: _Optional[_Iterable[float]] = ..., decode_coef: _Optional[_Iterable[float]] = ..., total_context_tokens: _Optional[int] = ..., kind: _Optional[str] = ..., nodes: _Optional[_Iterable[str]] = ..., block_bytes: _Optional[int] = ..., block_size: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., waiting: _Optional[int] = ..., max_batch_seen: _Optional[int] = ..., requests_done: _Optional[int] = ..., device: _Optional[str] = ..., device_node: _Optional[str] = ..., kv_cache_dtype: _Optional[str] = ..., capacity_tokens: _Optional[int] = ..., fetch_block_bytes: _Optional[float] = ..., running_tokens: _Optional[int] = ..., seq_positions: _Optional[_Iterable[int]] = ..., seq_remaining: _Optional[_Iterable[int]] = ..., seq_blocks: _Optional[_Iterable[int]] = ..., waiting_positions: _Optional[_Iterable[int]] = ..., waiting_remaining: _Optional[_Iterable[int]] = ..., waiting_blocks: _Optional[_Iterable[int]] = ..., max_batch: _Optional[int] = ..., memory: _Optional[_Union[MemoryReport, _Mapping]] = ..., links: _Optional[_Iterable[_Union[LinkSpeed, _Mapping]]] = ..., cpu_turns: _Optional[str] = ..., offered_slack_ms: _Optional[float] = ...) -> None: ...
 
 class LinkSpeed(_message.Message):
     __slots__ = ("node", "fixed_ms", "bytes_per_ms", "fetches")

@@ -11,7 +11,13 @@ from sim.arrivals import SimRequest, TraceScaling, make_arrivals
 from sim.config import SimConfig, load_sim_config, sim_config_from_dict
 from sim.driver import COLOCATED_KINDS, ClusterSpec, SimResult, simulate
 from sim.fit import Fit, fit_profile
-from sim.profile import Profile, load_profile, profile_from_dict, profile_to_dict
+from sim.profile import (
+    Profile,
+    load_profile,
+    profile_from_dict,
+    profile_to_dict,
+    profile_yaml_text,
+)
 from sim.role_switch import RoleSwitcher, SwitchRecord
 from sim.sweep import SweepPoint, effective_capacity, format_sweep, plot_sweep, sweep, trace_rate
 from sim.vllm_baseline import VllmConfig, VllmInstance
@@ -39,6 +45,7 @@ __all__ = [
     "plot_sweep",
     "profile_from_dict",
     "profile_to_dict",
+    "profile_yaml_text",
     "simulate",
     "sim_config_from_dict",
     "sweep",

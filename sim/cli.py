@@ -8,8 +8,6 @@ import json
 import logging
 from pathlib import Path
 
-import yaml
-
 from client.plot import plot_cdfs
 from client.report import format_reports, report_dict, write_records
 from client.traces import SHIPPED_TRACE, load_trace
@@ -17,7 +15,7 @@ from sim.arrivals import make_arrivals
 from sim.config import SimConfig, load_sim_config
 from sim.driver import COLOCATED_KINDS, ClusterSpec, simulate
 from sim.fit import fit_profile
-from sim.profile import PROFILE_DIR, load_profile, profile_to_dict
+from sim.profile import PROFILE_DIR, load_profile, profile_yaml_text
 from sim.sweep import finite, format_sweep, plot_sweep, sweep
 from sim.vllm_baseline import DEFAULT_BUDGET
 from sim.vllm_fit import (
@@ -262,7 +260,7 @@ def fit_profile_cmd(args: argparse.Namespace) -> int:
         raise ValueError("fit-profile: a replay folder, or --vllm-bench results")
     base = load_profile(args.base)
     profile, fit = fit_profile(args.run_dir, base, args.name)
-    text = yaml.safe_dump(profile_to_dict(profile), sort_keys=False, width=100)
+    text = profile_yaml_text(profile)
     if args.output:
         Path(args.output).parent.mkdir(parents=True, exist_ok=True)
         Path(args.output).write_text(text, encoding="utf-8")

@@ -14,7 +14,7 @@ from protos import halfmoon_pb2 as pb
 from sim.arrivals import TraceScaling
 from sim.config import load_sim_config
 from sim.driver import ClusterSpec
-from sim.live_trace import fetch_recent, write_trace
+from sim.live_trace import fetch_recent, live_profile, write_profile, write_trace
 from sim.plan import (
     DEFAULT_VLLM_BUDGETS,
     Plan,
@@ -45,6 +45,11 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
                    "defaults")  # fmt: skip
     p.add_argument("--recent", type=int, default=0,
                    help="with --conductor: its newest this many requests (0 = all it keeps)")
+    p.add_argument("--models", default=None, choices=["live", "profile"],
+                   help="with --conductor: simulate with the cluster's own time models (live: "
+                   "each worker's fitted model times the conductor's correction, over the "
+                   "profile's other figures; written to <output>/live_profile.yaml) or the "
+                   "profile's as they are; default live)")  # fmt: skip
     p.add_argument("--block-tokens", type=int, default=None,
                    help="tokens a trace hash id covers (default: the config's scaling, 512 as in "
                    "Mooncake's traces; with --conductor the cluster's block size)")  # fmt: skip
@@ -143,6 +148,8 @@ def _source(
     if args.conductor is None:
         if args.recent:
             raise ValueError("--recent: with --conductor only")
+        if args.models is not None:
+            raise ValueError("--models: with --conductor only (a trace file's: --profile)")
         if args.instances is None:
             raise ValueError("--instances: required unless --conductor gives the cluster's")
         return args.trace, None
@@ -194,13 +201,17 @@ def plan_cmd(args: argparse.Namespace) -> int:
     scaling = cfg.scaling if live is None else TraceScaling(trace_block_tokens=live.block_size)
     if args.block_tokens is not None:
         scaling = scaling._replace(trace_block_tokens=args.block_tokens)
-    profile = load_profile(args.profile or cfg.profile)
+    named = load_profile(args.profile or cfg.profile)
+    profile = named
+    if live is not None and args.models != "profile":
+        profile = live_profile(live, named, args.conductor)
+        write_profile(profile, out / "live_profile.yaml")
     trace = source or cfg.trace or SHIPPED_TRACE
     reqs = load_trace(trace, "mooncake" if live is not None else args.format, args.limit)
     if not reqs:
         raise ValueError(f"{trace}: no requests")
     target = args.target if args.target is not None else cfg.target
-    baseline_profile, notes = _baseline(args, profile)
+    baseline_profile, notes = _baseline(args, named)  # the baseline is the named profile's
     baseline = (
         vllm_baseline_specs(instances, spec, _budgets(args.vllm_budgets, baseline_profile),
                             _names("--vllm-policies", args.vllm_policies, ["mooncake"]))
@@ -247,7 +258,14 @@ def plan_cmd(args: argparse.Namespace) -> int:
             "requests": len(live.requests),
             "refused": sum(r.refused for r in live.requests),
             "window_s": round(live.window_s, 3),
+            "refused_at_door": live.refused_at_door,
             "workers": {"prefill": live.prefill_workers, "decode": live.decode_workers},
+            # the time models simulated (the cluster's), None with --models profile
+            "models": None
+            if args.models == "profile"
+            else {"prefill_coef": list(profile.prefill_coef),
+                  "decode_coef": list(profile.decode_coef),
+                  "kv_blocks": profile.kv_blocks, "max_batch": profile.max_batch},
         },
     }
     (out / "plan.json").write_text(json.dumps(finite(result), indent=2) + "\n", encoding="utf-8")

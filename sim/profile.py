@@ -6,6 +6,8 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
+import yaml
+
 from servekit import read_yaml
 
 PROFILE_DIR = Path(__file__).resolve().parent / "profiles"
@@ -107,3 +109,8 @@ def profile_to_dict(p: Profile) -> dict:
     for key in ("prefill_coef", "decode_coef", "sources"):
         d[key] = list(d[key])
     return d
+
+
+def profile_yaml_text(p: Profile) -> str:
+    """The profile as the YAML `load_profile` reads."""
+    return yaml.safe_dump(profile_to_dict(p), sort_keys=False, width=100)
