@@ -32,7 +32,7 @@ from sim.events import EventLoop
 from sim.index import GlobalIndex
 from sim.instances import ColocatedInstance, DecodeInstance, Job, PrefillInstance
 from sim.profile import Profile
-from sim.role_switch import RoleSwitcher, SwitchRecord
+from sim.role_switch import RoleSwitcher, SwitchRecord, host_of
 from sim.timing import prefill_ms, transfer_ms
 from sim.vllm_baseline import VllmConfig, VllmInstance
 
@@ -167,11 +167,31 @@ class _Sim:
             self.add_decode(f"d{i}")
         # instances the planner drains for a role switch: routed nothing new
         self.draining: set[str] = set()
-        if p.shared_host:  # p<i> and d<i> on one host take turns at its CPUs
+        # shared_host: p<i> and d<i> on one host take turns at its CPUs. Kept by the hosts
+        # they started on, so that a role switch pairs again what then runs there.
+        self.cpu_mates: dict[str, str] = {}
+        if p.shared_host:
             for i in range(min(spec.prefill or 0, spec.decode or 0)):
-                pre, dec = self.prefill[f"p{i}"], self.decode[f"d{i}"]
-                assert isinstance(pre, PrefillInstance) and isinstance(dec, DecodeInstance)
-                pre.host_decode, dec.host_prefill = dec, pre
+                self.cpu_mates.update({f"p{i}": f"d{i}", f"d{i}": f"p{i}"})
+                self.pair_cpus(f"p{i}")
+
+    def pair_cpus(self, host: str) -> None:
+        """The instances on `host` and its CPU mate (shared_host) take turns at their CPUs when
+        they are one prefill and one decode instance (after a role switch made them two of one
+        role, neither slows the other: that sharing is not modelled)."""
+        mate = self.cpu_mates.get(host)
+        if mate is None:
+            return
+        on = [x for iid, x in [*self.prefill.items(), *self.decode.items()]
+              if host_of(iid) in (host, mate)]  # fmt: skip
+        pre = [x for x in on if isinstance(x, PrefillInstance)]
+        dec = [x for x in on if isinstance(x, DecodeInstance)]
+        for x in pre:
+            x.host_decode = None
+        for y in dec:
+            y.host_prefill = None
+        if len(pre) == 1 and len(dec) == 1:
+            pre[0].host_decode, dec[0].host_prefill = dec[0], pre[0]
 
     def add_prefill(self, iid: str, host: str = "") -> PrefillInstance:
         """A prefill instance on `host` (default: its id), with its node's store (kept when the
@@ -208,9 +228,13 @@ class _Sim:
         p, out = self.p, self.draining
         prefill = [
             PrefillCandidate(
-                iid, self.nodes[iid], w.queue_ms(), p.prefill_coef, True, 0.0, w.queued_tokens,
+                worker_id=iid,
+                nodes=self.nodes[iid],
+                queue_ms=w.queue_ms(),
+                coef=p.prefill_coef,
+                queued_tokens=w.queued_tokens,
                 cpu_peers=self._cpu_peers(w),
-            )  # fmt: skip
+            )
             for iid, w in self.prefill.items()
             if iid not in out
         ]

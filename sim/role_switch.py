@@ -166,6 +166,7 @@ class RoleSwitcher:
             assert isinstance(sim.decode[iid], DecodeInstance)
             del sim.decode[iid]
             sim.add_prefill(new, host_of(iid))
+        sim.pair_cpus(host_of(iid))  # shared_host: what now runs on the host takes turns
 
     def _end(self, now: float, outcome: str, new: str) -> None:
         switch = self._switch

@@ -166,6 +166,30 @@ def test_a_decode_instance_becomes_a_prefill_one(monkeypatch):
     assert not [x for x in r.records if x.decode_worker == "d0" and x.arrival_s > switch.at_s]
 
 
+def test_a_shared_host_pairs_its_cpus_again_after_a_switch(monkeypatch):
+    peers: list[tuple[float, dict]] = []  # what each look's state says of the CPU turns
+
+    class Recording(Scripted):
+        def look(self, now_s, state, *rest):
+            peers.append((now_s, {w.worker_id: w.cpu_peers for w in state.prefill}))
+            return super().look(now_s, state, *rest)
+
+    planner = Recording([(3.0, "p1", "prefill", "decode"), (10.0, "d1", "decode", "prefill")])
+    monkeypatch.setattr(role_switch, "RolePlanner", lambda config: planner)
+    arr = [_req(i, 200.0 * i, 600, 8) for i in range(100)]
+    spec = ClusterSpec(prefill=2, decode=2, policy="load_balance", planner={"interval_s": 1.0})
+    r = simulate(arr, Profile(**{**SHIFT.__dict__, "shared_host": True}), spec)
+    _accounted(r, len(arr))
+    down, up = r.role_switches
+    assert [(s.new_id, s.outcome) for s in (down, up)] == [("p1->d", "done"), ("d1->p", "done")]
+    assert peers[0][1] == {"p0": ("d0",), "p1": ("d1",)}
+    # host 1 ran two decode instances between the switches: no turns there; host 0 kept its own
+    between = [m for t, m in peers if down.ended_s < t < up.at_s]
+    assert between and all(m == {"p0": ("d0",)} for m in between)
+    # one of each role again: they take turns
+    assert peers[-1][1] == {"p0": ("d0",), "d1->p": ("p1->d",)}
+
+
 def test_an_instance_not_drained_in_time_keeps_its_role(monkeypatch):
     planner = _scripted(monkeypatch, [(2.0, "d0", "decode", "prefill")])
     # answers of 400 tokens at about 15 ms a step: 6 s to drain, against 2 s allowed
