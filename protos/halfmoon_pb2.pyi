@@ -31,18 +31,22 @@ class RecentTraceRequest(_message.Message):
     def __init__(self, limit: _Optional[int] = ...) -> None: ...
 
 class TraceRecord(_message.Message):
-    __slots__ = ("timestamp_ms", "input_length", "output_length", "hash_ids", "refused")
+    __slots__ = ("timestamp_ms", "input_length", "output_length", "hash_ids", "refused", "ttft_ms", "predicted_ttft_ms")
     TIMESTAMP_MS_FIELD_NUMBER: _ClassVar[int]
     INPUT_LENGTH_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_LENGTH_FIELD_NUMBER: _ClassVar[int]
     HASH_IDS_FIELD_NUMBER: _ClassVar[int]
     REFUSED_FIELD_NUMBER: _ClassVar[int]
+    TTFT_MS_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_TTFT_MS_FIELD_NUMBER: _ClassVar[int]
     timestamp_ms: float
     input_length: int
     output_length: int
     hash_ids: _containers.RepeatedScalarFieldContainer[int]
     refused: bool
-    def __init__(self, timestamp_ms: _Optional[float] = ..., input_length: _Optional[int] = ..., output_length: _Optional[int] = ..., hash_ids: _Optional[_Iterable[int]] = ..., refused: _Optional[bool] = ...) -> None: ...
+    ttft_ms: float
+    predicted_ttft_ms: float
+    def __init__(self, timestamp_ms: _Optional[float] = ..., input_length: _Optional[int] = ..., output_length: _Optional[int] = ..., hash_ids: _Optional[_Iterable[int]] = ..., refused: _Optional[bool] = ..., ttft_ms: _Optional[float] = ..., predicted_ttft_ms: _Optional[float] = ...) -> None: ...
 
 class RecentTraceReply(_message.Message):
     __slots__ = ("requests", "block_size", "window_s", "ttft_slo_ms", "tbt_slo_ms", "tpot_slo_ms", "prefill_workers", "decode_workers", "models", "refused_at_door")

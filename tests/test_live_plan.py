@@ -129,6 +129,10 @@ def test_recent_trace_holds_what_the_cluster_was_offered(served):
     assert [r.input_length for r in recs] == [len(p) for p in prompts] + [len(prompts[0])]
     assert [r.output_length for r in recs] == [4, 4, 4, 4, 7]
     assert [r.refused for r in recs] == [False] * 4 + [True]
+    # the answered ones with their TTFT as measured and as predicted when routed; none for the
+    # refused one
+    assert all(r.ttft_ms > 0 and r.predicted_ttft_ms > 0 for r in recs[:4])
+    assert (recs[4].ttft_ms, recs[4].predicted_ttft_ms) == (0.0, 0.0)
     assert [len(r.hash_ids) for r in recs] == [len(p) // BS for p in prompts] + [3]
     # an equal prefix, equal leading ids (the refused request asked for the first prompt again)
     assert len({tuple(r.hash_ids[:3]) for r in recs[:3]} | {tuple(recs[4].hash_ids)}) == 1
