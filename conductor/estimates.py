@@ -92,7 +92,7 @@ def decode_estimate(
         step = predict(d.coef, decode_features(batch, context))
         wall = step * d.wait_scale
         return DecodeEstimate(
-            step, step, step, 0.0, wall / 2, max(wall, pull_ms + wall / 2), pull_ms
+            step * d.tbt_scale, step, step, 0.0, wall / 2, max(wall, pull_ms + wall / 2), pull_ms
         )
     # Admission in order, each when the pool holds its answer and the batch has a slot: blocks
     # free up as sequences end, the running ones first and then those admitted ahead of it.
@@ -142,18 +142,20 @@ def decode_estimate(
         if take <= 0:
             break
         total, taken = total + v * take, taken + take
-    # TPOT: the mean step, each point standing for the same share of the gaps
+    # TPOT: the mean step, each point standing for the same share of the gaps; TBT's tail as
+    # the worker's streams measured it beyond the model's mean
     tpot = sum(steps) / len(steps)
+    tbt = total / taken * d.tbt_scale
     if bisect.bisect_right(ends, wait_steps) == len(joined):
         # No batch running when it may join: admitted as soon as its KV is in.
-        return DecodeEstimate(total / taken, tpot, steps[0], wait_ms, 0.0, pull_ms, pull_ms)
+        return DecodeEstimate(tbt, tpot, steps[0], wait_ms, 0.0, pull_ms, pull_ms)
     # It is admitted at a step boundary, pulls its KV alongside the next step and joins at the
     # boundary after the pull; unless its prefill answers after the batch has run dry.
     inflight = step_at(wait_steps, 0) * d.wait_scale
     span = _spread(ends[-1])
     drained = sum(step_at(t, 0) for t in span) * ends[-1] / len(span) * d.wait_scale
     return DecodeEstimate(
-        total / taken,
+        tbt,
         tpot,
         steps[0],
         wait_ms,

@@ -121,18 +121,32 @@ class DecodeWorker(Worker[DecodeBooking]):
         self.stub = pb_grpc.DecodeWorkerStub(self.channel)
         # what pulling one prompt block took lately (smoothed; 0 = none measured yet)
         self.pull_ms_per_block = 0.0
-        # Its streams' wall-clock TBT over the model's, where `correction` learns their steps'
-        # compute: admission waits last whole wall-clock steps. Observed with `correction` and
-        # told of the same refits, so the two share their epochs.
+        # `correction` learns its streams' mean step compute over the model's (what TPOT, the
+        # admission waits and a prefill's CPU share are made of). Beside it, over the same
+        # model and told of the same refits (so all three share their epochs):
+        # - `pace`: their mean wall-clock gap, the slack given to a prefill on the same CPUs
+        #   included: admission waits last whole wall-clock steps;
+        # - `tail`: the slowest 10% of their step compute, which Mooncake's TBT judges and a
+        #   model of the mean leaves out (scaling every step by it over-predicted TPOT 1.6x).
         self.pace = Correction()
+        self.tail = Correction()
+
+    def _over_mean(self, other: Correction) -> float:
+        """`other`'s ratio over the mean correction's (>= 1), once both hold."""
+        compute = self.correction
+        if other.samples < Correction.MIN_SAMPLES or compute.samples < Correction.MIN_SAMPLES:
+            return 1.0
+        return max(1.0, other.ratio / compute.ratio)
 
     @property
     def wait_scale(self) -> float:
         """A step's wall-clock time over its compute, as its recent streams measured them."""
-        compute, wall = self.correction, self.pace
-        if wall.samples < Correction.MIN_SAMPLES or compute.samples < Correction.MIN_SAMPLES:
-            return 1.0
-        return max(1.0, wall.ratio / compute.ratio)
+        return self._over_mean(self.pace)
+
+    @property
+    def tbt_scale(self) -> float:
+        """Its streams' slowest 10% of steps over the mean model's (DecodeCandidate)."""
+        return self._over_mean(self.tail)
 
     def observe_pull(self, ms: float, blocks: int) -> None:
         """A KV pull of `blocks` prompt blocks took `ms`: it delays admission, so the next TTFT
@@ -188,6 +202,7 @@ class Fleet:
                 w.correction.follow_model(reference)
                 if isinstance(w, DecodeWorker):
                     w.pace.follow_model(reference)
+                    w.tail.follow_model(reference)
                 # Work routed before the report was asked for is in it (queued at the worker).
                 w.report_at = asked
 

@@ -257,6 +257,7 @@ class MooncakePolicy(Policy):
                     reuse_blocks=own,
                     predicted_ttft_ms=ttft,
                     predicted_tbt_ms=est.tbt_ms,
+                    predicted_tpot_ms=est.tpot_ms,
                     predicted_prefill_ms=compute_ms,
                     prefill_on_decode=True,  # no prefill answer: no part after it
                 )
@@ -322,6 +323,7 @@ class MooncakePolicy(Policy):
             reuse_blocks=chosen.reuse_blocks,
             predicted_ttft_ms=total,
             predicted_tbt_ms=est.tbt_ms,
+            predicted_tpot_ms=est.tpot_ms,
             predicted_prefill_ms=chosen.compute_ms,
             assumed_link=chosen.assumed_link,
             predicted_admission_ms=total - ttft,
@@ -351,6 +353,7 @@ class LoadBalancePolicy(Policy):
             reuse_blocks=0,
             predicted_ttft_ms=total,
             predicted_tbt_ms=est.tbt_ms,
+            predicted_tpot_ms=est.tpot_ms,
             predicted_prefill_ms=compute_ms,
             predicted_admission_ms=total - prefill_ttft,
         )
@@ -390,6 +393,7 @@ class RandomPolicy(Policy):
             reuse_blocks=0,
             predicted_ttft_ms=total,
             predicted_tbt_ms=est.tbt_ms,
+            predicted_tpot_ms=est.tpot_ms,
             predicted_prefill_ms=compute_ms,
             predicted_admission_ms=total - w.queue_ms - compute_ms,
         )

@@ -84,6 +84,9 @@ class DecodeCandidate(NamedTuple):
     # The ms a prefill on its CPUs may keep them before its next step (what it offers now: its
     # streams' slack, more where they banked some ahead of their objective); -1 = none offered
     offered_slack_ms: float = -1.0
+    # Its streams' slowest 10% of step times over what its (mean-calibrated) model gives them
+    # (>= 1): the tail the model's mean leaves out, which Mooncake's TBT judges
+    tbt_scale: float = 1.0
 
 
 
@@ -128,6 +131,7 @@ class Decision(NamedTuple):
     # The prompt is prefilled on the decode worker itself, between its steps (its host's stored
     # prefix loaded, the rest computed there): `prefill` is "" and no prefill worker runs.
     prefill_on_decode: bool = False
+    predicted_tpot_ms: float = 0.0  # the chosen decode worker's predicted TPOT (its mean step)
 
 
 class Rejected(Exception):

@@ -11,7 +11,7 @@ from typing import NoReturn
 import grpc
 
 from conductor.config import ConductorConfig
-from conductor.estimates import paced_slo_ms, tbt_of_gaps, tbt_of_times
+from conductor.estimates import paced_slo_ms, tbt_of_gaps, tbt_of_times, tpot_of_times
 from conductor.fleet import AnyWorker, Fleet
 from conductor.metrics import ConductorMetrics, Totals
 from conductor.routing import Routed
@@ -255,19 +255,20 @@ class Relay:
             # its steps' own compute where the worker says it: the gaps also hold the slack its
             # streams gave a prefill on the same CPUs (by design, within their objective), and
             # learning that as the model's error refused streams the worker could serve
-            wall = tbt_of_times(s.times)
-            measured = tbt_of_gaps(s.step_ms) if s.step_ms else wall
+            wall = tpot_of_times(s.times)
+            steps = s.step_ms
+            mean = sum(steps) / len(steps) if steps else wall
+            tail = tbt_of_gaps(steps) if steps else tbt_of_times(s.times)
+            ratio, epoch = routed.decode_ratio, routed.decode_epoch
             with self._fleet.lock:
-                worker.correction.observe(
-                    measured,
-                    routed.predicted_tbt_ms,
-                    routed.decode_ratio,
-                    routed.decode_epoch,
+                # the model of a step against the mean step
+                worker.correction.observe(mean, routed.predicted_tpot_ms, ratio, epoch)
+                # the slowest 10% against the TBT estimate (made with the tail factor too)
+                worker.tail.observe(
+                    tail, routed.predicted_tbt_ms, ratio * routed.decode_tbt_scale, epoch
                 )
-                # and the wall clock's, for the admission waits behind its steps
-                worker.pace.observe(
-                    wall, routed.predicted_tbt_ms, routed.decode_ratio, routed.decode_epoch
-                )
+                # and the wall clock's mean gap, for the admission waits behind its steps
+                worker.pace.observe(wall, routed.predicted_tpot_ms, ratio, epoch)
 
     def _reject(self, context: grpc.ServicerContext, reason: str, message: str) -> NoReturn:
         """A worker refused the routed request before its first token (its queue is full)."""

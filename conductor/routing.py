@@ -45,6 +45,8 @@ class Routed:
     predicted_prefill_ms: float  # the compute this request adds to the prefill worker's queue
     ttft_slo_ms: float = 0.0  # the request's TTFT objective (0 = none): the prefill's budget
     predicted_tbt_ms: float = 0.0  # the policy's TBT estimate
+    predicted_tpot_ms: float = 0.0  # the policy's TPOT estimate (the mean step)
+    decode_tbt_scale: float = 1.0  # the decode worker's tail factor the TBT estimate was made with
     prefill_ratio: float = 1.0  # the prefill worker's correction the estimates were made with
     decode_ratio: float = 1.0  # the decode worker's
     # the part of predicted_ttft_ms after the prefill's answer (decode admission, KV pull)
@@ -199,6 +201,8 @@ class Router:
             predicted_prefill_ms=d.predicted_prefill_ms,
             ttft_slo_ms=info.ttft_slo_ms,
             predicted_tbt_ms=d.predicted_tbt_ms,
+            predicted_tpot_ms=d.predicted_tpot_ms,
+            decode_tbt_scale=decode.tbt_scale,
             prefill_ratio=prefill.correction.ratio if prefill is not None else 1.0,
             decode_ratio=decode.correction.ratio,
             predicted_admission_ms=d.predicted_admission_ms,

@@ -73,6 +73,7 @@ def cluster_state(fleet: Fleet, matches: dict[str, int], config: ConductorConfig
                     checked=d.correction.checked(),
                     wait_scale=d.wait_scale,
                     offered_slack_ms=ld.offered_slack_ms,
+                    tbt_scale=d.tbt_scale,
                 )
             )
     return ClusterState(

@@ -293,3 +293,23 @@ def test_a_correction_learned_long_ago_is_not_applied_and_its_next_measure_start
     for i in range(1, _Correction.MIN_SAMPLES):
         c.observe(measured_ms=11.0, predicted_ms=10.0, applied=1.0, epoch=c.epoch, now=later + i)
     assert c.ratio_at(later + 5) == pytest.approx(1.1) and c.current(later + 5)
+
+
+def test_a_decode_model_is_corrected_by_its_mean_step_and_its_tbt_tail_apart():
+    from conductor import DecodeCandidate, RequestInfo
+    from conductor.estimates import decode_estimate
+    from conductor.fleet import DecodeWorker
+
+    w = DecodeWorker("127.0.0.1:1")  # nothing is called: its channel connects lazily
+    try:
+        for _ in range(4):  # streams: mean step 20 ms as predicted, slowest 10% at 40 against 20
+            w.correction.observe(20.0, 20.0, 1.0, w.correction.epoch)
+            w.tail.observe(40.0, 20.0, 1.0, w.tail.epoch)
+            w.pace.observe(30.0, 20.0, 1.0, w.pace.epoch)  # wall-clock gaps of 30
+        assert w.correction.ratio == pytest.approx(1.0)  # every step is not taken as 2x
+        assert (w.tbt_scale, w.wait_scale) == pytest.approx((2.0, 1.5))
+        d = DecodeCandidate("d", 0, 100, 100, 0, (20.0, 0.0, 0.0), tbt_scale=w.tbt_scale)
+        est = decode_estimate(d, RequestInfo(16, 8, 0.0, 0.0), 16)
+        assert (est.tpot_ms, est.tbt_ms) == pytest.approx((20.0, 40.0))
+    finally:
+        w.channel.close()
