@@ -158,9 +158,10 @@ def start_halfmoon(args, ssd_root: Path, log: Path) -> Server:
     return server
 
 
-def ttft_prediction(server: Server, requests: int) -> dict:
+def ttft_prediction(server: Server, requests: int, out: Path) -> dict:
     """halfmoon's TTFT estimates against its measures, of the replay's answered requests (the
-    conductor's newest `requests`, RecentTrace): predicted over measured, p50 and p90."""
+    conductor's newest `requests`, RecentTrace): predicted over measured, p50 and p90; each
+    request's pair written to `out` (JSONL: prompt tokens, predicted, measured, refused)."""
     import grpc
 
     from client.api import Client
@@ -168,16 +169,24 @@ def ttft_prediction(server: Server, requests: int) -> dict:
 
     try:
         with Client(server.grpc) as c:
-            recs = c.recent_trace(requests).requests
+            reply = c.recent_trace(requests)
+        recs = reply.requests
     except grpc.RpcError as exc:
         return {"error": f"RecentTrace: {exc.code().name}: {exc.details()}"}
+    out.write_text("".join(json.dumps({"input_length": r.input_length, "refused": r.refused,
+                                       "predicted_ttft_ms": round(r.predicted_ttft_ms, 1),
+                                       "ttft_ms": round(r.ttft_ms, 1)}) + "\n"
+                           for r in recs), encoding="utf-8")  # fmt: skip
     e = prediction_error((r.predicted_ttft_ms, r.ttft_ms) for r in recs)
     ratios = [r.predicted_ttft_ms / r.ttft_ms for r in recs if r.predicted_ttft_ms and r.ttft_ms]
+    # what the conductor scaled each worker's model by at the end (measured over predicted)
+    corrections = {m.worker_id: round(m.correction, 3) for m in reply.models}
     if not ratios:
-        return {"requests": 0, "p50": None, "p90": None, "within_1.3x": None}
+        return {"requests": 0, "p50": None, "p90": None, "within_1.3x": None,
+                "corrections": corrections}  # fmt: skip
     within = sum(1 / PREDICTION_AIM <= x <= PREDICTION_AIM for x in ratios) / len(ratios)
     return {"requests": e.requests, "p50": round(e.ratio_p50, 3), "p90": round(e.ratio_p90, 3),
-            "within_1.3x": round(within, 3)}  # fmt: skip
+            "within_1.3x": round(within, 3), "corrections": corrections}  # fmt: skip
 
 
 def start_vllm(args, hf_dir: Path, model_name: str, dtype: str, log: Path) -> Server:
@@ -317,7 +326,9 @@ def run_one(args, system: str, rate: float, ctx: dict) -> dict:
         )  # fmt: skip
         row = summarize(raw, args.requests)
         if system == "halfmoon":  # predicted over measured TTFT (the aim: p90 within 1.3x)
-            row["ttft_predicted_over_measured"] = ttft_prediction(server, args.requests)
+            row["ttft_predicted_over_measured"] = ttft_prediction(
+                server, args.requests, args.out / f"{tag}.predictions.jsonl"
+            )
         row["goodput_of_offered"] = round(row["attainment"] * rate, 4)  # good/s of the trace's
         row.update(start_s=round(start_s, 1), warmup=warm, bench_s=round(time.monotonic() - t1, 1))
     except (RuntimeError, OSError, subprocess.SubprocessError, KeyError, ValueError) as exc:
