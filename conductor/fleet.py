@@ -130,6 +130,11 @@ class DecodeWorker(Worker[DecodeBooking]):
         #   model of the mean leaves out (scaling every step by it over-predicted TPOT 1.6x).
         self.pace = Correction()
         self.tail = Correction()
+        # Prompts it prefilled itself: their measured TTFT over the policy's estimate, which is
+        # made of a prefill worker's model and the share its batch leaves (the DecodeRequest,
+        # its chunks' turns and the first token's way back are not in it: the estimates of a
+        # demo replay's were half the measure). Its own epochs: the model is another worker's.
+        self.local = Correction()
 
     def _over_mean(self, other: Correction) -> float:
         """`other`'s ratio over the mean correction's (>= 1), once both hold."""

@@ -244,7 +244,7 @@ class MooncakePolicy(Policy):
             compute_ms = min(predict(c, prefill_features(todo, request.num_tokens)) for c in coefs)
             share = self.turn_share(request, d.running, est.step_ms)
             prefill_ms = d.local_queue_ms + compute_ms / share
-            ttft = est.admission_wait_ms + prefill_ms + est.align_ms
+            ttft = (est.admission_wait_ms + prefill_ms + est.align_ms) * d.local_scale
             if self.reject and request.ttft_slo_ms > 0 and ttft > request.ttft_slo_ms:
                 continue
             if best is None or (ttft, d.worker_id) < (best.predicted_ttft_ms, best.decode):

@@ -87,6 +87,9 @@ class DecodeCandidate(NamedTuple):
     # Its streams' slowest 10% of step times over what its (mean-calibrated) model gives them
     # (>= 1): the tail the model's mean leaves out, which Mooncake's TBT judges
     tbt_scale: float = 1.0
+    # A prompt it prefills itself: its measured TTFT over the policy's estimate (DecodeWorker's
+    # `local` correction; 1.0 until it holds)
+    local_scale: float = 1.0
 
 
 

@@ -209,6 +209,9 @@ class Relay:
                     reply = msg.prefilled  # prefilled there: the first token comes with it
                     s.answered_ms = s.elapsed_ms()
                     self._fleet.prefilled_on_decode(worker, s.rid)
+                    with self._fleet.lock:  # the estimate it was routed by, against the measure
+                        worker.local.observe(s.answered_ms, routed.predicted_ttft_ms,
+                                             routed.local_ratio, worker.local.epoch)  # fmt: skip
                 if s.first is None:  # admitted (or ended by its first token): it starts now
                     if reply is None:
                         raise Retry("decode", worker, None)  # a stream that broke the protocol

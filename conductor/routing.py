@@ -47,6 +47,7 @@ class Routed:
     predicted_tbt_ms: float = 0.0  # the policy's TBT estimate
     predicted_tpot_ms: float = 0.0  # the policy's TPOT estimate (the mean step)
     decode_tbt_scale: float = 1.0  # the decode worker's tail factor the TBT estimate was made with
+    local_ratio: float = 1.0  # prefilled on the decode worker: its `local` correction applied
     prefill_ratio: float = 1.0  # the prefill worker's correction the estimates were made with
     decode_ratio: float = 1.0  # the decode worker's
     # the part of predicted_ttft_ms after the prefill's answer (decode admission, KV pull)
@@ -203,6 +204,7 @@ class Router:
             predicted_tbt_ms=d.predicted_tbt_ms,
             predicted_tpot_ms=d.predicted_tpot_ms,
             decode_tbt_scale=decode.tbt_scale,
+            local_ratio=decode.local.ratio if d.prefill_on_decode else 1.0,
             prefill_ratio=prefill.correction.ratio if prefill is not None else 1.0,
             decode_ratio=decode.correction.ratio,
             predicted_admission_ms=d.predicted_admission_ms,

@@ -74,6 +74,7 @@ def cluster_state(fleet: Fleet, matches: dict[str, int], config: ConductorConfig
                     wait_scale=d.wait_scale,
                     offered_slack_ms=ld.offered_slack_ms,
                     tbt_scale=d.tbt_scale,
+                    local_scale=d.local.ratio,
                 )
             )
     return ClusterState(

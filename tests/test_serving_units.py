@@ -313,3 +313,28 @@ def test_a_decode_model_is_corrected_by_its_mean_step_and_its_tbt_tail_apart():
         assert (est.tpot_ms, est.tbt_ms) == pytest.approx((20.0, 40.0))
     finally:
         w.channel.close()
+
+
+def test_a_prompt_the_decode_worker_prefills_is_estimated_as_its_own_measured():
+    from conductor import ClusterState, DecodeCandidate, PrefillCandidate, RequestInfo, make_policy
+    from conductor.fleet import DecodeWorker
+
+    w = DecodeWorker("127.0.0.1:1")  # nothing is called: its channel connects lazily
+    try:
+        for _ in range(4):  # its own prefills took twice what they were routed by
+            w.local.observe(100.0, 50.0, 1.0, w.local.epoch)
+        assert w.local.ratio == pytest.approx(2.0)
+    finally:
+        w.channel.close()
+    pol = make_policy("mooncake", local_prefill_tokens=64)
+
+    def choose(local_scale: float):
+        d = DecodeCandidate("d", 0, 100, 100, 0, (10.0, 1.0, 0.0), nodes=("d-node",),
+                            local_scale=local_scale)  # fmt: skip
+        p = PrefillCandidate("a", ("a-node",), 30.0, (0.0, 1.0, 0.0))  # 30 ms of queue there
+        return pol.choose(RequestInfo(48, 8, 0.0, 0.0), ClusterState([p], [d], {}, 16, 1000))
+
+    # 48 ms there against 78 on the prefill worker: the decode worker takes it ...
+    assert choose(1.0).prefill_on_decode and choose(1.0).predicted_ttft_ms == pytest.approx(48.0)
+    # ... until its own prefills are measured at twice that: 96 ms, the prefill worker's 78 win
+    assert not choose(w.local.ratio).prefill_on_decode
