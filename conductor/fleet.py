@@ -97,6 +97,15 @@ class Worker(Generic[BookingT]):
     def worker_id(self) -> str:
         return self.load.worker_id if self.load is not None else self.address
 
+    def routed_coef(self) -> tuple[float, ...]:
+        """Its role's fitted model from its last load report, scaled by the conductor's
+        correction of it: what routing judges by (() before any report)."""
+        if self.load is None:
+            return ()
+        coef = self.load.prefill_coef if self.kind == "prefill" else self.load.decode_coef
+        r = self.correction.ratio
+        return tuple(c * r for c in coef)
+
     def unseen(self) -> list[BookingT]:
         """The work booked here that its last load report cannot hold (routed after it was
         asked for)."""
@@ -280,19 +289,15 @@ class Fleet:
         out = []
         with self.lock:
             for w in self.workers:
-                load = w.load
-                if not w.healthy or load is None:
+                load, coef = w.load, w.routed_coef()
+                if not w.healthy or load is None or len(coef) != 3:  # none fitted yet
                     continue
-                coef = list(load.prefill_coef if w.kind == "prefill" else load.decode_coef)
-                if len(coef) != 3:  # no model fitted yet
-                    continue
-                ratio = w.correction.ratio
                 out.append(
                     pb.WorkerModel(
                         worker_id=w.worker_id,
                         kind=w.kind,
-                        coef=[c * ratio for c in coef],
-                        correction=ratio,
+                        coef=coef,
+                        correction=w.correction.ratio,
                         block_bytes=load.block_bytes,
                         total_blocks=load.total_blocks,
                         max_batch=load.max_batch if w.kind == "decode" else 0,

@@ -32,13 +32,12 @@ def cluster_state(fleet: Fleet, matches: dict[str, int], config: ConductorConfig
                 if ld.device_node not in nodes:
                     nodes += (ld.device_node,)
             queue_ms, queued_tokens = _prefill_queue(w, ld, now)
-            r = w.correction.ratio
             prefill.append(
                 PrefillCandidate(
                     worker_id=ld.worker_id,
                     nodes=nodes,
-                    queue_ms=queue_ms * r,
-                    coef=tuple(c * r for c in ld.prefill_coef),
+                    queue_ms=queue_ms * w.correction.ratio,
+                    coef=w.routed_coef(),
                     healthy=w.routable,
                     fetch_block_bytes=ld.fetch_block_bytes,
                     queued_tokens=queued_tokens,
@@ -62,7 +61,7 @@ def cluster_state(fleet: Fleet, matches: dict[str, int], config: ConductorConfig
                     free_blocks=ld.free_blocks,
                     total_blocks=ld.total_blocks,
                     context_tokens=ld.total_context_tokens,
-                    coef=tuple(c * d.correction.ratio for c in ld.decode_coef),
+                    coef=d.routed_coef(),
                     healthy=d.routable,
                     seqs=tuple(zip(ld.seq_positions, ld.seq_remaining, ld.seq_blocks)),
                     waiting=waiting + unseen,

@@ -322,33 +322,33 @@ class _Sim:
 
     # ---- records ----
 
+    def record_of(self, job: Job) -> ReplayRecord:
+        """A job as the replay records it (unfinished: an error)."""
+        r, d = job.req, job.decision
+        done = job.done_at >= 0
+        return ReplayRecord(
+            index=r.index,
+            policy=self.policy.name,
+            arrival_s=r.arrival_ms / 1000.0,
+            sent_s=r.arrival_ms / 1000.0,
+            status="ok" if done else "error",
+            error="" if done else "unfinished when the simulation ended",
+            prompt_tokens=r.input_tokens,
+            output_tokens=1 + len(job.gaps) if job.first_at >= 0 else 0,
+            ttft_ms=job.first_at - job.arrived if job.first_at >= 0 else math.nan,
+            gaps_ms=job.gaps,
+            e2e_ms=(job.done_at - job.arrived) if done else math.nan,
+            cached_tokens=dict(job.cached),
+            computed_tokens=job.computed,
+            prefill_worker=job.prefill_id,
+            decode_worker=job.decode_id,
+            predicted_ttft_ms=d.predicted_ttft_ms,
+            predicted_tbt_ms=d.predicted_tbt_ms,
+        )
+
     def records(self) -> list[ReplayRecord]:
         name = self.policy.name
-        out = []
-        for job in self.jobs:
-            r, d = job.req, job.decision
-            done = job.done_at >= 0
-            out.append(
-                ReplayRecord(
-                    index=r.index,
-                    policy=name,
-                    arrival_s=r.arrival_ms / 1000.0,
-                    sent_s=r.arrival_ms / 1000.0,
-                    status="ok" if done else "error",
-                    error="" if done else "unfinished when the simulation ended",
-                    prompt_tokens=r.input_tokens,
-                    output_tokens=1 + len(job.gaps) if job.first_at >= 0 else 0,
-                    ttft_ms=job.first_at - job.arrived if job.first_at >= 0 else math.nan,
-                    gaps_ms=job.gaps,
-                    e2e_ms=(job.done_at - job.arrived) if done else math.nan,
-                    cached_tokens=dict(job.cached),
-                    computed_tokens=job.computed,
-                    prefill_worker=job.prefill_id,
-                    decode_worker=job.decode_id,
-                    predicted_ttft_ms=d.predicted_ttft_ms,
-                    predicted_tbt_ms=d.predicted_tbt_ms,
-                )
-            )
+        out = [self.record_of(job) for job in self.jobs]
         for r, why in self.rejected:
             out.append(
                 ReplayRecord(

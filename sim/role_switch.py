@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, NamedTuple
 
-from client.report import request_tbt
+from client.report import meets_slo
 from conductor.estimates import paced_slo_ms
 from conductor.planner import PlannerConfig, RolePlanner, RoleSwitch
 from sim.instances import DecodeInstance, Job, PrefillInstance
@@ -90,20 +90,10 @@ class RoleSwitcher:
         ttft, tbt, tpot = sim.spec.ttft_slo_ms, sim.spec.tbt_slo_ms, sim.spec.tpot_slo_ms
         judged = len(sim.rejected) - self._seen_rejected
         self._seen_rejected = len(sim.rejected)
-        met = 0
-        left = []
-        for job in self._pending:
-            if job.done_at < 0:
-                left.append(job)
-                continue
-            judged += 1
-            gaps = job.gaps
-            met += (
-                job.first_at - job.arrived <= ttft
-                and (tbt <= 0 or request_tbt(gaps) <= tbt)
-                and (tpot <= 0 or not gaps or sum(gaps) / len(gaps) <= tpot)
-            )
-        self._pending = left
+        done = [j for j in self._pending if j.done_at >= 0]
+        self._pending = [j for j in self._pending if j.done_at < 0]
+        judged += len(done)
+        met = sum(meets_slo(sim.record_of(j), ttft, tbt, tpot) for j in done)
         return met / judged if judged else None
 
     def _idle(self) -> bool:
