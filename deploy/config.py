@@ -129,6 +129,14 @@ class ClusterConfig:
     # the OpenAI-compatible HTTP server in front of the conductor (the Ray launcher starts it
     # beside the conductor); 0 = none
     http_port: int = 0
+    # GOMP_SPINCOUNT of the servers' processes: how many times an OpenMP thread with no work
+    # spins before it sleeps. libgomp's default (300,000 pauses, ms on this CPU) kept a worker's
+    # threads spinning after each forward on the cores its neighbour then computed on: a third
+    # of a 2-core host's CPU at 2 requests/s went to spinning, and a prefill token took 2.0 ms
+    # of its turn at the CPUs instead of 0.8 (bench/goodput.py at 2/s). 0 = libgomp's default;
+    # a GOMP_SPINCOUNT already in the environment wins. Set before the servers' processes start
+    # (on a Ray cluster this launcher joins, put it in `ray start`'s environment).
+    omp_spin_count: int = 1000
     ray: RayConfig = field(default_factory=RayConfig)
     placement: PlacementConfig = field(default_factory=PlacementConfig)
     # templates of the servers' own configs; per-instance fields (ids, ports, addresses) are filled
@@ -184,6 +192,12 @@ def cluster_config_from_dict(data: dict) -> ClusterConfig:
     if not 0 <= cfg.http_port <= 65535:
         raise ConfigError(
             f"cluster config: http_port must be in [0, 65535], got {cfg.http_port}", ("http_port",)
+        )
+    if cfg.omp_spin_count < 0:
+        raise ConfigError(
+            f"cluster config: omp_spin_count must be >= 0 (0 = libgomp's default), got "
+            f"{cfg.omp_spin_count}",
+            ("omp_spin_count",),
         )
     http = dict(sections["http"])
     if "port" in http:

@@ -13,7 +13,7 @@ from deploy.config import ClusterConfig, dtype_said
 from deploy.placement import Placement, node_views, place_workers
 from deploy.sizing import memory_said
 from deploy.wiring import ServerInfo, Wiring, metrics_address
-from servekit import configure_server_logging
+from servekit import configure_server_logging, set_omp_spin_count
 
 
 class HttpActor(ServerActor):
@@ -162,6 +162,8 @@ class Cluster:
             ray.init(address=rc.address, namespace=rc.namespace, log_to_driver=False)
             self.log(f"ray: joined {rc.address}")
         else:
+            # the local instance's processes inherit this environment (a joined one has its own)
+            spin = set_omp_spin_count(self.cfg.omp_spin_count)
             ray.init(
                 num_cpus=rc.num_cpus or os.cpu_count(),
                 object_store_memory=rc.object_store_mb << 20,
@@ -170,7 +172,7 @@ class Cluster:
                 log_to_driver=False,
             )
             self._own_ray = True
-            self.log("ray: started a local instance")
+            self.log(f"ray: started a local instance (GOMP_SPINCOUNT {spin or 'libgomp default'})")
 
     def _host(self, node_ip: str) -> str:
         return node_ip if self.cfg.host == "auto" else self.cfg.host

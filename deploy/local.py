@@ -13,7 +13,12 @@ from typing import Any
 
 from deploy.config import ClusterConfig
 from deploy.wiring import ServerInfo, Wiring, metrics_address
-from servekit import configure_server_logging, freeze_startup_objects, server_class
+from servekit import (
+    configure_server_logging,
+    freeze_startup_objects,
+    server_class,
+    set_omp_spin_count,
+)
 
 
 def _server_class(role: str, cfg: Any) -> type:
@@ -129,6 +134,7 @@ class LocalCluster:
 
     def _start(self) -> str:
         cfg = self.cfg
+        set_omp_spin_count(cfg.omp_spin_count)  # before the first server process (forkserver)
         self.redis_url = cfg.redis_url or os.environ.get("REDIS_URL", "")
         if not self.redis_url:
             from kvstore import EmbeddedRedis

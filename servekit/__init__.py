@@ -29,6 +29,7 @@ from servekit.cpus import (
     decode_slack_ms,
     parse_cpu_list,
     pin_process,
+    set_omp_spin_count,
 )
 from servekit.grpc_server import GrpcServer
 from servekit.kv_cache import (
@@ -144,6 +145,7 @@ __all__ = [
     "decode_slack_ms",
     "parse_cpu_list",
     "pin_process",
+    "set_omp_spin_count",
     "memory_usage",
     "resident_without_shared_memory",
     "release_freed_heap",

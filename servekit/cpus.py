@@ -58,6 +58,15 @@ def _cores(cpus: int) -> int:
     return max(1, cpus * physical // logical)
 
 
+def set_omp_spin_count(count: int) -> str:
+    """Set GOMP_SPINCOUNT in this process's environment for the server processes it starts
+    (their OpenMP runtime reads it as it loads: this process's own is not changed), unless it is
+    set already or `count` is 0. The value they get ("" = libgomp's default)."""
+    if count > 0:
+        os.environ.setdefault("GOMP_SPINCOUNT", str(count))
+    return os.environ.get("GOMP_SPINCOUNT", "")
+
+
 CPU_TURN_MODES = ("auto", "on", "off")
 # An offered slack stands this long unless renewed: a worker that died or went idle without
 # withdrawing it binds nobody for longer.

@@ -69,6 +69,7 @@ def test_local_config_loads_with_overrides():
         ("prefill=7", "mapping"),
         ("decode.dtype=int3", "dtype"),
         ("decode.stream_interval=0", "stream_interval must be positive"),
+        ("omp_spin_count=-1", "omp_spin_count must be >= 0"),
     ],
 )
 def test_bad_overrides_name_the_key(override, words):
@@ -249,3 +250,15 @@ def test_a_tpot_objective_is_given_to_the_conductor_and_tbt_may_be_off():
         with pytest.raises(ConfigError, match="slo.tpot_ms") as info:
             cluster_config_from_dict({"slo": {"tpot_ms": bad}})
         assert info.value.keys == ("slo", "tpot_ms")
+
+
+def test_omp_spin_count_goes_to_the_environment_unless_one_is_set(monkeypatch):
+    from servekit import set_omp_spin_count
+
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    assert set_omp_spin_count(0) == ""  # libgomp's default: nothing set
+    assert "GOMP_SPINCOUNT" not in os.environ
+    assert set_omp_spin_count(1000) == "1000"
+    assert os.environ["GOMP_SPINCOUNT"] == "1000"
+    assert set_omp_spin_count(50) == "1000"  # one already in the environment wins
+    assert load_cluster_config(None, []).omp_spin_count == 1000

@@ -14,6 +14,7 @@ import threading
 import time
 
 import grpc
+import psutil
 import pytest
 from serving_cluster import Cluster, request, wait_for
 
@@ -110,6 +111,10 @@ def test_killed_workers_are_routed_around(lm, engine):
         # freeze (its load poll waits load_timeout_s).
         prompt = rand_ids(rng, 2 * BS + 5)
         victim = server(c, "prefill-0").pid
+        # its OpenMP threads spin as the cluster config says, not libgomp's ms (set for it here)
+        assert psutil.Process(victim).environ().get("GOMP_SPINCOUNT") == str(
+            c.local.cfg.omp_spin_count
+        )
         result = {}
 
         def generate() -> None:
