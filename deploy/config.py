@@ -129,13 +129,10 @@ class ClusterConfig:
     # the OpenAI-compatible HTTP server in front of the conductor (the Ray launcher starts it
     # beside the conductor); 0 = none
     http_port: int = 0
-    # GOMP_SPINCOUNT of the servers' processes: how many times an OpenMP thread with no work
-    # spins before it sleeps. libgomp's default (300,000 pauses, ms on this CPU) kept a worker's
-    # threads spinning after each forward on the cores its neighbour then computed on: a third
-    # of a 2-core host's CPU at 2 requests/s went to spinning, and a prefill token took 2.0 ms
-    # of its turn at the CPUs instead of 0.8 (bench/goodput.py at 2/s). 0 = libgomp's default;
-    # a GOMP_SPINCOUNT already in the environment wins. Set before the servers' processes start
-    # (on a Ray cluster this launcher joins, put it in `ray start`'s environment).
+    # GOMP_SPINCOUNT of the servers' processes: the pauses an idle OpenMP thread spins before it
+    # sleeps (libgomp's 300,000 spun on the cores a neighbour computed on: docs/operations.md).
+    # 0 = libgomp's default; one already in the environment wins; on a Ray cluster this
+    # launcher joins, it belongs in `ray start`'s environment.
     omp_spin_count: int = 1000
     ray: RayConfig = field(default_factory=RayConfig)
     placement: PlacementConfig = field(default_factory=PlacementConfig)

@@ -134,7 +134,8 @@ class LocalCluster:
 
     def _start(self) -> str:
         cfg = self.cfg
-        set_omp_spin_count(cfg.omp_spin_count)  # before the first server process (forkserver)
+        if self.processes:  # their forkserver inherits this environment; in-process ones cannot
+            set_omp_spin_count(cfg.omp_spin_count)
         self.redis_url = cfg.redis_url or os.environ.get("REDIS_URL", "")
         if not self.redis_url:
             from kvstore import EmbeddedRedis
