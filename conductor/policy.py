@@ -304,9 +304,12 @@ class MooncakePolicy(Policy):
         assert chosen is not None  # _prefill_workers raised Rejected when none is healthy
         ttft = chosen.ttft_ms
         if self.reject and request.ttft_slo_ms > 0 and ttft > request.ttft_slo_ms:
+            work = chosen.worker.queue_ms + chosen.compute_ms
             raise MissesObjectives(
                 f"predicted TTFT {ttft:.0f} ms exceeds the {request.ttft_slo_ms:g} ms SLO "
-                "on every prefill worker",
+                f"on every prefill worker (on {chosen.worker.worker_id}: "
+                f"{chosen.worker.queue_ms:.0f} ms queued + {chosen.compute_ms:.0f} ms its own, "
+                f"{ttft - work:.0f} ms yielding the CPUs to decode steps or fetching)",
                 ttft - request.ttft_slo_ms,
                 idle=chosen.worker.queue_ms <= 0.0
                 and not chosen.worker.checked

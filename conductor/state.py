@@ -36,7 +36,7 @@ def cluster_state(fleet: Fleet, matches: dict[str, int], config: ConductorConfig
                 PrefillCandidate(
                     worker_id=ld.worker_id,
                     nodes=nodes,
-                    queue_ms=queue_ms * w.correction.ratio,
+                    queue_ms=queue_ms,
                     coef=w.routed_coef(),
                     healthy=w.routable,
                     fetch_block_bytes=ld.fetch_block_bytes,
@@ -105,9 +105,11 @@ def _cpu_peers(ld: pb.WorkerLoad, fleet: Fleet) -> tuple[str, ...]:
 
 def _prefill_queue(w: PrefillWorker, ld: pb.WorkerLoad, now: float) -> tuple[float, int]:
     """(predicted wait, prompt tokens ahead) of a new request on prefill worker `w`: what its
-    last report held (queued and computing), less the time it has worked off since, plus what
-    was routed to it after that report was asked for."""
+    last report held (queued and computing, by its own model: scaled by the correction), less
+    the time it has worked off since, plus what was routed to it after that report was asked
+    for (booked as the corrected model predicted it: scaling it again squared the correction,
+    and a burst behind a 2x correction read as 4x its work)."""
     unseen = w.unseen()
-    left = max(0.0, ld.predicted_queue_ms - (now - w.report_at) * 1000.0)
+    left = max(0.0, ld.predicted_queue_ms * w.correction.ratio - (now - w.report_at) * 1000.0)
     tokens = ld.queued_tokens + ld.running_tokens + sum(b.tokens for b in unseen)
     return left + sum(b.compute_ms for b in unseen), tokens

@@ -5,6 +5,8 @@ the conductor's discovery of peers from the workers' turn locks on hand-built lo
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from prometheus_client import CollectorRegistry
 
@@ -17,7 +19,8 @@ from conductor import (
     RequestInfo,
     make_policy,
 )
-from conductor.fleet import Fleet
+from conductor.corrections import Correction
+from conductor.fleet import Fleet, PrefillBooking
 from conductor.metrics import ConductorMetrics
 from conductor.state import cluster_state
 from protos import halfmoon_pb2 as pb
@@ -110,5 +113,26 @@ def test_the_conductor_finds_peers_by_turn_lock_and_host(decode_nodes, decode_tu
         p.healthy = d.healthy = True
         s = cluster_state(fleet, {}, config)
         assert s.prefill[0].cpu_peers == peers
+    finally:
+        fleet.close()
+
+
+def test_a_prefill_queue_is_scaled_by_its_correction_once():
+    # The worker's report (its own model) is scaled by its correction; a request routed after
+    # the report was booked as the corrected model predicted it, and counts as booked.
+    config = ConductorConfig(prefill_workers=["127.0.0.1:1"], decode_workers=[])
+    fleet = Fleet(config, "", ConductorMetrics(CollectorRegistry()))
+    try:
+        p = fleet.prefill[0]
+        for _ in range(Correction.MIN_SAMPLES):  # measured twice what the model said
+            p.correction.observe(200.0, 100.0, 1.0, p.correction.epoch)
+        assert p.correction.ratio == pytest.approx(2.0)
+        p.load = _load("prefill", "p", ["host-a"], "")
+        p.load.predicted_queue_ms = 400.0
+        p.healthy = True
+        p.report_at = time.perf_counter()
+        p.inflight["later"] = PrefillBooking(sent_at=p.report_at, compute_ms=300.0, tokens=64)
+        queue_ms = cluster_state(fleet, {}, config).prefill[0].queue_ms
+        assert queue_ms == pytest.approx(2.0 * 400.0 + 300.0, abs=5.0)
     finally:
         fleet.close()
