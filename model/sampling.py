@@ -50,22 +50,37 @@ def sample(
     out = kernels.argmax_rows(logits)  # torch's argmax, one pass per row (csrc/argmax.c)
     if out is None:
         out = logits.argmax(dim=-1)
-    if all(p.greedy for p in params):
+    rows = [i for i, p in enumerate(params) if not p.greedy]
+    if not rows:
         return out
-    for i, p in enumerate(params):
-        if p.greedy:
-            continue
-        row = logits[i].float() / p.temperature
-        if p.top_k and p.top_k < row.numel():
-            kth = torch.topk(row, p.top_k).values[-1]
-            row = row.masked_fill(row < kth, float("-inf"))
-        if p.top_p < 1.0:
-            sorted_logits, order = row.sort(descending=True)
-            probs = sorted_logits.softmax(-1)
-            # Drop a token when the mass before it already reaches top_p (the top token always
-            # stays).
-            drop = probs.cumsum(-1) - probs >= p.top_p
-            row = row.scatter(0, order, sorted_logits.masked_fill(drop, float("-inf")))
-        gen = generators[i] if generators else None
-        out[i] = torch.multinomial(row.softmax(-1), 1, generator=gen)[0]
+    temperature = torch.tensor([params[i].temperature for i in rows], dtype=torch.float32)
+    scaled = logits[rows].float().div_(temperature[:, None])  # a copy (float or indexed)
+    for j, i in enumerate(rows):
+        if params[i].top_k or params[i].top_p < 1.0:
+            scaled[j] = _truncated(scaled[j], params[i])
+    # Inverse-CDF draws, one uniform per row from its own generator: torch.multinomial drew
+    # ~1 ms per row of SmolLM2's 49,152 tokens, 17 ms a step of 16 sampled streams, on the CPUs
+    # outside the step's turn. A token of zero mass never holds a draw (right=True).
+    # Unnormalized weights (the draw is scaled by each row's total), in place: each fresh
+    # [B, V] buffer costs its page faults.
+    cdf = scaled.sub_(scaled.amax(-1, keepdim=True)).exp_().cumsum_(-1)
+    gens = generators or [None] * len(params)
+    draws = torch.stack([torch.rand((), generator=gens[i]) for i in rows])
+    picked = torch.searchsorted(cdf, (draws * cdf[:, -1])[:, None], right=True)[:, 0]
+    out[rows] = picked.clamp_(max=logits.shape[-1] - 1).to(out.dtype)
     return out
+
+
+def _truncated(row: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """One row of temperature-scaled logits with what top_k and top_p leave out at -inf."""
+    if p.top_k and p.top_k < row.numel():
+        kth = torch.topk(row, p.top_k).values[-1]
+        row = row.masked_fill(row < kth, float("-inf"))
+    if p.top_p < 1.0:
+        sorted_logits, order = row.sort(descending=True)
+        probs = sorted_logits.softmax(-1)
+        # Drop a token when the mass before it already reaches top_p (the top token always
+        # stays).
+        drop = probs.cumsum(-1) - probs >= p.top_p
+        row = row.scatter(0, order, sorted_logits.masked_fill(drop, float("-inf")))
+    return row

@@ -328,6 +328,20 @@ def test_sampling():
             SamplingParams(**bad)
 
 
+def test_sampled_tokens_follow_the_tempered_distribution():
+    # One row per seed in one batch (each row its own generator): the tokens' frequencies
+    # match softmax(logits / T), a token of no mass (-inf) never comes, and a greedy row in the
+    # same batch keeps its argmax.
+    logits = torch.tensor([0.0, 1.0, 2.0, float("-inf"), 0.5]).repeat(4001, 1)
+    params = [SamplingParams(temperature=0.5, seed=s) for s in range(4000)] + [SamplingParams()]
+    out = sample(logits, params, [p.generator() for p in params])
+    assert int(out[-1]) == 2
+    counts = torch.bincount(out[:-1], minlength=5).double() / 4000
+    want = (logits[0] / 0.5).softmax(-1).double()
+    assert counts[3] == 0
+    assert torch.allclose(counts, want, atol=0.025), (counts, want)
+
+
 def test_engine_stops(lm):
     engine = Engine(lm)
     ids = _prompt(10, 8, lm.config.vocab_size)
