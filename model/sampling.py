@@ -58,11 +58,10 @@ def sample(
     for j, i in enumerate(rows):
         if params[i].top_k or params[i].top_p < 1.0:
             scaled[j] = _truncated(scaled[j], params[i])
-    # Inverse-CDF draws, one uniform per row from its own generator: torch.multinomial drew
-    # ~1 ms per row of SmolLM2's 49,152 tokens, 17 ms a step of 16 sampled streams, on the CPUs
-    # outside the step's turn. A token of zero mass never holds a draw (right=True).
-    # Unnormalized weights (the draw is scaled by each row's total), in place: each fresh
-    # [B, V] buffer costs its page faults.
+    # Inverse-CDF draws over unnormalized weights (each uniform scaled by its row's total), one
+    # uniform per row from its own generator; torch.multinomial took ~1 ms a row of SmolLM2's
+    # 49,152 tokens (17 ms a step of 16 sampled streams). In place: each fresh [B, V] buffer
+    # costs its page faults. right=True: a token of zero mass never holds a draw.
     cdf = scaled.sub_(scaled.amax(-1, keepdim=True)).exp_().cumsum_(-1)
     gens = generators or [None] * len(params)
     draws = torch.stack([torch.rand((), generator=gens[i]) for i in rows])
