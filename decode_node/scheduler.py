@@ -41,6 +41,9 @@ class DecodeScheduler:
         self.calibration_failures = 0  # start-up calibrations that failed (the prior stood)
         # what it last offered a prefill on its CPUs (ms it may keep them); -1 = it binds nobody
         self.offered_slack_ms = -1.0
+        # how often the idle loop looks again while a pull or an admission is pending: a
+        # safety net, as a done pull pokes the loop itself
+        self.busy_poll_s = 0.05
 
     # ---- intake and reports ----
 
@@ -163,7 +166,7 @@ class DecodeScheduler:
                     self.offered_slack_ms = -1.0
                 while not self._running and not self._quit:
                     busy = self._pulling or self._waiting
-                    self._wake.wait(timeout=0.05 if busy else IDLE_TRIM_S)
+                    self._wake.wait(timeout=self.busy_poll_s if busy else IDLE_TRIM_S)
                     self._tidy()
                     if not busy and not self._running and self._heap_dirty:
                         release_freed_heap()  # idle: the steps' freed heap goes back
@@ -195,13 +198,10 @@ class DecodeScheduler:
                 return  # first come, first served: later ones wait too
             self._waiting.popleft()
             self._pulling.append(seq)
-            seq.pull = self._io.submit(self._fill, seq)
-
-    def _fill(self, seq: Seq) -> None:
-        try:
-            self.runner.fill(seq)
-        finally:
-            self.poke()
+            seq.pull = self._io.submit(self.runner.fill, seq)
+            # Woken once the future is done, not from inside the job: a poke before the job
+            # returned found the pull not yet done, and the idle loop slept its 50 ms out.
+            seq.pull.add_done_callback(lambda _: self.poke())
 
     def _collect_pulled(self) -> None:
         for seq in [s for s in self._pulling if s.pull.done()]:

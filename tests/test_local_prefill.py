@@ -140,3 +140,24 @@ def test_the_conductor_counts_where_it_placed_each_prefill(cluster):
     }
     assert after["decode"] - before["decode"] == 1
     assert after["prefill"] - before["prefill"] == 1
+
+
+def test_an_idle_decode_worker_takes_a_filled_sequence_in_when_its_fill_ends(lm, cluster):
+    """Its step loop is woken by the finished fill (a pull or a prefill there), not by its
+    poll: with the poll set past the call's deadline, every answer still comes. (A wake-up sent
+    from inside the fill found it not yet done, and the loop slept its poll out: ~50 ms on most
+    requests' TTFT.)"""
+    c = cluster
+    sched = c.decodes[0].scheduler
+    poll, sched.busy_poll_s = sched.busy_poll_s, 600.0
+    try:
+        placed = []
+        for n in (20, 180, 24, 190, 16):  # short ones mostly on the decode worker, long ones not
+            c.wait_idle()
+            prompt = [3 + (i * 11 + n) % 250 for i in range(n)]
+            ids, _, last = c.generate(timeout=20.0, token_ids=prompt, max_tokens=2)
+            assert ids == _want(lm, prompt)[:2]
+            placed.append(last.usage.prefill_on_decode)
+    finally:
+        sched.busy_poll_s = poll
+    assert True in placed and False in placed, placed  # both kinds of fill were waited on
