@@ -164,6 +164,7 @@ class Cluster:
         else:
             # the local instance's processes inherit this environment (a joined one has its own)
             spin = set_omp_spin_count(self.cfg.omp_spin_count)
+            os.environ.setdefault("RAY_worker_niceness", str(rc.worker_niceness))
             ray.init(
                 num_cpus=rc.num_cpus or os.cpu_count(),
                 object_store_memory=rc.object_store_mb << 20,
@@ -172,7 +173,10 @@ class Cluster:
                 log_to_driver=False,
             )
             self._own_ray = True
-            self.log(f"ray: started a local instance (GOMP_SPINCOUNT {spin or 'libgomp default'})")
+            self.log(
+                f"ray: started a local instance (GOMP_SPINCOUNT {spin or 'libgomp default'}, "
+                f"servers at nice {os.environ['RAY_worker_niceness']})"
+            )
 
     def _host(self, node_ip: str) -> str:
         return node_ip if self.cfg.host == "auto" else self.cfg.host

@@ -70,6 +70,8 @@ def test_local_config_loads_with_overrides():
         ("decode.dtype=int3", "dtype"),
         ("decode.stream_interval=0", "stream_interval must be positive"),
         ("omp_spin_count=-1", "omp_spin_count must be >= 0"),
+        ("ray.worker_niceness=20", r"ray.worker_niceness must be in \[0, 19\]"),
+        ("ray.worker_niceness=-1", r"ray.worker_niceness must be in \[0, 19\]"),
     ],
 )
 def test_bad_overrides_name_the_key(override, words):

@@ -101,6 +101,9 @@ def test_servers_are_up_where_expected(cluster):
     assert roles == ["conductor", "decode", "prefill", "store"]
     assert c.address.startswith("127.0.0.1:")
     assert {s.pid for s in c.servers} <= started  # every server is a process this launch started
+    # at the configured nice value, not Ray's 15 (below the host's every other process)
+    assert c._own_ray
+    assert {psutil.Process(s.pid).nice() for s in c.servers} == {c.cfg.ray.worker_niceness}
 
 
 def test_generate_through_the_cluster_matches_the_reference(cluster):
