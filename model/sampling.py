@@ -47,10 +47,13 @@ def sample(
     generators: list[torch.Generator | None] | None = None,
 ) -> torch.Tensor:
     """Next token per row of logits [B, V] (greedy rows by argmax); LongTensor [B]."""
-    out = kernels.argmax_rows(logits)  # torch's argmax, one pass per row (csrc/argmax.c)
-    if out is None:
-        out = logits.argmax(dim=-1)
     rows = [i for i, p in enumerate(params) if not p.greedy]
+    if len(rows) < len(params):  # a pass over every row: the sampled ones are drawn over it
+        out = kernels.argmax_rows(logits)  # torch's argmax, one pass per row (csrc/argmax.c)
+        if out is None:
+            out = logits.argmax(dim=-1)
+    else:  # every row samples (an OpenAI client's default temperature): no argmax to take
+        out = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
     if not rows:
         return out
     temperature = torch.tensor([params[i].temperature for i in rows], dtype=torch.float32)
