@@ -165,6 +165,8 @@ def _per_policy(rows) -> dict:
             "goodput_real_rps": _num(c.real.goodput_rps),
             "goodput_sim_rps": _num(c.sim.goodput_rps),
             "tpot_p50_error": _num(c.tpot_p50_error),
+            "ttft_p50_rank_pts": _num(c.ttft_p50_rank_pts),
+            "real_ttft_p50_ci_ms": [_num(x) for x in c.real_ttft_p50_ci],
         }
         for c in rows
     }
@@ -203,7 +205,7 @@ def fidelity(runs_dir: Path) -> dict:
     rates) simulated with it; the largest errors over them (bench/sim_fidelity_runs.py makes
     the runs)."""
     keys = ("fidelity_ttft_p50_error", "fidelity_ttft_p90_error", "fidelity_tpot_p50_error",
-            "fidelity_goodput_error", "fidelity_runs")  # fmt: skip
+            "fidelity_goodput_error", "fidelity_ttft_p50_rank_pts", "fidelity_runs")  # fmt: skip
     cal = runs_dir / "calibration"
     held = sorted(runs_dir.glob("rate-*"), key=lambda d: float(d.name.split("-", 1)[1]))
     if not (cal / "report.json").is_file() or not held:
@@ -229,6 +231,8 @@ def fidelity(runs_dir: Path) -> dict:
         "fidelity_ttft_p90_error": _num(_worst(rows, lambda c: c.ttft_p90_error)),
         "fidelity_tpot_p50_error": _num(_worst(rows, lambda c: c.tpot_p50_error)),
         "fidelity_goodput_error": _num(_worst(rows, lambda c: c.goodput_error)),
+        # the sim's TTFT p50 as a percentile of the real TTFTs, less 50 (the largest off)
+        "fidelity_ttft_p50_rank_pts": _num(_worst(rows, lambda c: c.ttft_p50_rank_pts)),
         "fidelity_runs": per_run,
     }
 

@@ -1,6 +1,7 @@
 """Front door: tokenize, KV-cache-aware routing, SLO prediction, admission, failover."""
 
 from conductor.config import ConductorConfig
+from conductor.corrections import Correction
 from conductor.detok import IncrementalText
 from conductor.policy import POLICIES, Policy, admit, make_policy
 from conductor.policy_types import (
@@ -20,6 +21,7 @@ __all__ = [
     "ClusterState",
     "Conductor",
     "ConductorConfig",
+    "Correction",
     "Decision",
     "DecodeCandidate",
     "IncrementalText",

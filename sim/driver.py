@@ -14,6 +14,7 @@ from typing import NamedTuple
 from client.report import ReplayRecord, Report, compute_report
 from conductor import (
     ClusterState,
+    Correction,
     DecodeCandidate,
     Policy,
     PrefillCandidate,
@@ -58,6 +59,10 @@ class ClusterSpec:
     tpot_slo_ms: float = 0.0  # time per output token (the mean gap, as vLLM's client); 0 = none
     admission: str = "reject"  # or best_effort: as the conductor's (conductor.admit)
     tbt_pace_fraction: float = 0.8  # of the TBT objective a decode step keeps (DecodeConfig)
+    # The conductor's `local` correction of each decode instance's own prefills (measured TTFT
+    # over predicted, as the live one learns since 40fe995); False: the model alone judges them
+    # (runs taken with a conductor from before)
+    local_correction: bool = True
     # The runtime planner (conductor.planner's rule, PlannerConfig's fields; {} = its defaults)
     # moving instances between prefill and decode as the load shifts (sim.role_switch); None =
     # the roles stay as started
@@ -150,6 +155,10 @@ class _Sim:
         self.redirected = 0
         self.best_effort = 0  # admitted although predicted to miss (admission: best_effort)
         self.local_prefills = 0  # prompts prefilled on their decode instance
+        # Per decode instance, the live conductor's `local` correction: prompts prefilled there,
+        # measured against their predicted TTFT, scale the next ones' predictions (a decode
+        # instance whose prefills run slow behind its host's prefill is routed fewer of them).
+        self.local_corrections: dict[str, Correction] = {}
         p = profile
         for i in range(spec.colocated):
             dev = f"m{i}-dev"
@@ -213,6 +222,8 @@ class _Sim:
 
     def add_decode(self, iid: str) -> DecodeInstance:
         dec = DecodeInstance(self.loop, iid, self.p, self._done)
+        self.local_corrections[iid] = Correction()
+        dec.on_local_first = self._local_first
         # a prefill there keeps to what its streams' TBT objective leaves (DecodeConfig)
         dec.tbt_budget_ms = self.spec.tbt_pace_fraction * paced_slo_ms(
             self.spec.tbt_slo_ms, self.spec.tpot_slo_ms
@@ -251,6 +262,7 @@ class _Sim:
                 d.waiting_seqs(),
                 p.max_batch,
                 local_queue_ms=d.local_queue_ms(),
+                local_scale=self._local_scale(iid),
             )
             for iid, d in self.decode.items()
             if iid not in out
@@ -259,6 +271,17 @@ class _Sim:
         return ClusterState(
             prefill, decode, matches, p.block_size, p.block_bytes, frozenset(self.device_nodes)
         )
+
+    def _local_scale(self, iid: str) -> float:
+        corr = self.local_corrections.get(iid) if self.spec.local_correction else None
+        return corr.ratio_at(self.loop.now / 1000.0) if corr is not None else 1.0
+
+    def _local_first(self, job: Job) -> None:
+        """A prompt prefilled on its decode instance gave its first token: measured against the
+        TTFT it was routed by, as the live conductor does when the `prefilled` message comes."""
+        corr = self.local_corrections[job.decode_id]
+        corr.observe(job.first_at - job.arrived, job.decision.predicted_ttft_ms, job.local_ratio,
+                     corr.epoch, now=self.loop.now / 1000.0)  # fmt: skip
 
     @staticmethod
     def _cpu_peers(w: object) -> tuple[str, ...]:
@@ -286,6 +309,7 @@ class _Sim:
             p = self.p
             job.computed = req.input_tokens
             job.compute_ms = prefill_ms(p.prefill_coef, 0, req.input_tokens, p.chunk_size)
+            job.local_ratio = self._local_scale(d.decode)
             self.local_prefills += 1
             dec = self.decode[d.decode]
             assert isinstance(dec, DecodeInstance)  # colocated ones took the branch above

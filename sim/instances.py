@@ -20,7 +20,7 @@ class Job:
     __slots__ = (
         "req", "decision", "arrived", "first_at", "last_at", "gaps", "pos", "remaining",
         "need", "cached", "computed", "prefill_id", "decode_id", "predicted_ms", "done_at",
-        "prompt_blocks", "compute_ms", "held",
+        "prompt_blocks", "compute_ms", "held", "local_ratio",
     )  # fmt: skip
 
     def __init__(self, req, decision, arrived: float, block_size: int):
@@ -38,6 +38,8 @@ class Job:
         self.compute_ms = 0.0  # its prefill round's first forward to its answer
         # its first token waits for the decode side to admit it (as the live conductor holds it)
         self.held = False
+        # prefilled on its decode instance: the `local` correction its prediction was made with
+        self.local_ratio = 1.0
 
 
 def load_prefix(
@@ -207,6 +209,8 @@ class DecodeInstance:
 
     def __init__(self, loop: EventLoop, iid: str, profile: Profile, on_done: Callable[[Job], None]):
         self.loop, self.id, self.profile, self.on_done = loop, iid, profile, on_done
+        # a prompt prefilled here gave its first token (the driver's `local` correction)
+        self.on_local_first: Callable[[Job], None] | None = None
         self.free = profile.kv_blocks
         # (job, its KV move's ms; None: prefilled here, its compute in job.compute_ms)
         self.waiting: deque[tuple[Job, float | None]] = deque()
@@ -284,6 +288,7 @@ class DecodeInstance:
             if j.held:  # admitted: its first token goes out now, its first gap is this step
                 j.held = False
                 j.first_at = j.last_at = self.loop.now
+                self._local_first(j)
         step_ms = self._step_ms()
         # a prefill here takes the CPUs between steps for the slack the streams leave (all of
         # it, a slice at a time, with no stream)
@@ -297,6 +302,10 @@ class DecodeInstance:
         self.stepping = True
         self.steps += 1
         self.loop.after(step_ms + grant + wait, self._stepped, n, grant)
+
+    def _local_first(self, job: Job) -> None:
+        if job.prefill_id == self.id and self.on_local_first is not None:
+            self.on_local_first(job)
 
     def _step_ms(self) -> float:
         n = len(self.running)
@@ -340,6 +349,7 @@ class DecodeInstance:
                 else:  # its first token was its whole answer
                     job.held, job.first_at = False, now
                     job.last_at = job.done_at = now
+                    self._local_first(job)
                     self.free += job.need
                     self.on_done(job)
         ended = False

@@ -29,6 +29,13 @@ class Comparison(NamedTuple):
     attainment_error_pts: float  # sim - real, in percentage points
     tpot_p50_error: float = math.nan  # TPOT: (end to end - TTFT) / (answer tokens - 1)
     goodput_error: float = math.nan  # requests within both objectives per second
+    # Where the simulated TTFT p50 falls among the real requests' TTFTs, less 50 (percentile
+    # points): a distribution with two modes (one-token prompts at ~40 ms, longer ones from
+    # ~150 ms) has its p50 in the gap between them, where one request crossing it moves the p50
+    # by 2x but this by 1/n. 0 = the sim's median is the real one.
+    ttft_p50_rank_pts: float = math.nan
+    # the real TTFT p50's 95% bootstrap interval (ms): how well one run fixes it at all
+    real_ttft_p50_ci: tuple[float, float] = (math.nan, math.nan)
 
 
 def relative_error(sim: float, real: float) -> float:
@@ -46,7 +53,8 @@ def compare_run(
 ) -> list[Comparison]:
     """One comparison per policy the run replayed. `conductor`: the live conductor's settings
     the policy and admission ran with (its `local_prefill_tokens`, `kvcache_balancing_threshold`,
-    `admission`; absent ones at their defaults), so that the simulated policy decides alike."""
+    `admission`; absent ones at their defaults), so that the simulated policy decides alike; and
+    `local_correction: false` where the conductor predates that correction."""
     conductor = conductor or {}
     options = {k: conductor[k] for k in POLICY_OPTIONS if k in conductor}
     d = Path(run_dir)
@@ -78,6 +86,7 @@ def compare_run(
             ttft_slo_ms=rep["ttft_slo_ms"],
             tbt_slo_ms=rep["tbt_slo_ms"],
             admission=conductor.get("admission", "reject"),
+            local_correction=conductor.get("local_correction", True),
             policy_options=dict(options) if policy == "mooncake" else {},
         )
         sim_run = simulate(arrivals, profile, spec)
@@ -92,9 +101,34 @@ def compare_run(
                 100.0 * (s.slo_attainment - real_report.slo_attainment),
                 relative_error(tpot_p50(sim_run.records), tpot_p50(real)),
                 relative_error(s.goodput_rps, real_report.goodput_rps),
+                rank_pts(answered_ttfts(real), s.ttft_ms.p50),
+                bootstrap_ci(answered_ttfts(real), 50.0),
             )
         )
     return out
+
+
+def answered_ttfts(records) -> np.ndarray:
+    return np.array([r.ttft_ms for r in records if r.status == "ok" and not math.isnan(r.ttft_ms)])
+
+
+def rank_pts(values: np.ndarray, x: float) -> float:
+    """The percentile of `values` at which `x` lies (ties counted half), less 50."""
+    if not len(values) or math.isnan(x):
+        return math.nan
+    below, equal = float(np.sum(values < x)), float(np.sum(values == x))
+    return 100.0 * (below + equal / 2) / len(values) - 50.0
+
+
+def bootstrap_ci(values: np.ndarray, q: float, rounds: int = 1000) -> tuple[float, float]:
+    """The 95% bootstrap interval of percentile `q` of `values` (a fixed seed: the same
+    interval from the same run)."""
+    if len(values) < 2:
+        return (math.nan, math.nan)
+    rng = np.random.default_rng(0)
+    picks = rng.choice(values, size=(rounds, len(values)), replace=True)
+    qs = np.percentile(picks, q, axis=1)
+    return (float(np.percentile(qs, 2.5)), float(np.percentile(qs, 97.5)))
 
 
 def tpot_p50(records) -> float:
@@ -108,7 +142,8 @@ def tpot_p50(records) -> float:
 def format_comparisons(rows: list[Comparison]) -> str:
     lines = [
         f"{'policy':14} {'TTFT p50 real/sim ms':>24} {'TTFT p90 real/sim ms':>24} "
-        f"{'attainment real/sim':>22} {'TPOT p50 err':>12} {'goodput real/sim req/s':>26}"
+        f"{'attainment real/sim':>22} {'TPOT p50 err':>12} {'goodput real/sim req/s':>26} "
+        f"{'sim p50 at real pct':>19} {'real p50 95% CI ms':>19}"
     ]
     for c in rows:
         real, sim = c.real, c.sim
@@ -118,6 +153,7 @@ def format_comparisons(rows: list[Comparison]) -> str:
             f"({100 * c.ttft_p90_error:+4.0f}%) {100 * real.slo_attainment:8.1f}% /"
             f"{100 * sim.slo_attainment:5.1f}% ({c.attainment_error_pts:+.1f} pts) "
             f"{100 * c.tpot_p50_error:+11.0f}% {real.goodput_rps:11.3f} /{sim.goodput_rps:6.3f} "
-            f"({100 * c.goodput_error:+4.0f}%)"
+            f"({100 * c.goodput_error:+4.0f}%) {50 + c.ttft_p50_rank_pts:16.0f}th "
+            f"{c.real_ttft_p50_ci[0]:9.0f}-{c.real_ttft_p50_ci[1]:<6.0f}"
         )
     return "\n".join(lines)

@@ -95,3 +95,21 @@ def test_the_simulated_conductor_admits_and_judges_by_tpot():
     assert loose.report.tpot_ms.p50 == pytest.approx(22.0, rel=0.05)
     with pytest.raises(ValueError, match="tpot_slo_ms"):
         ClusterSpec(tpot_slo_ms=-1.0)
+
+
+def test_prompts_prefilled_on_the_decode_instance_correct_the_next_ones_predictions():
+    # Two streams on the decode instance, then a 6,000-token prompt that holds the host's
+    # prefill for 3 s: short prompts prefilled on the decode instance meanwhile get its CPUs only
+    # between paced steps and answer 10x later than predicted. As the live conductor does, the
+    # simulated one measures them against their predictions (its `local` correction) and, once
+    # four agree, predicts the next ones that much slower.
+    shared = dataclasses.replace(HOST, shared_host=True)
+    arr = [_req(0, 0.0, 32, 400), _req(1, 0.0, 32, 400), _req(2, 100.0, 6000, 2)]
+    arr += [_req(3 + i, 200.0 + 150.0 * i, 16, 4) for i in range(14)]
+    spec = ClusterSpec(ttft_slo_ms=60_000.0, tbt_slo_ms=200.0,
+                       policy_options={"local_prefill_tokens": 64})  # fmt: skip
+    local = [r for r in simulate(arr, shared, spec).records[3:] if r.prefill_worker == "d0"]
+    assert len(local) == 14
+    off = [r.ttft_ms / r.predicted_ttft_ms for r in local]
+    assert min(off[:4]) > 5.0  # before the correction holds
+    assert max(off[5:]) < 2.5  # after: what the first ones measured is in the prediction
