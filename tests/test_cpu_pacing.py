@@ -111,3 +111,44 @@ def test_mean_pacing_lends_a_prefill_what_a_stream_banked_ahead_of_its_objective
     assert banked_gap_ms(s, now, 0.8) == pytest.approx(80.0)
     with pytest.raises(ValueError, match="tbt_pacing"):
         DecodeConfig(tbt_pacing="average")
+
+
+def test_a_stream_that_joins_is_in_the_slack_offered_before_its_first_step(lm, monkeypatch):
+    # Mean pacing: streams that ran ahead of their objective bank the difference and offer it
+    # to a prefill on their CPUs (up to MAX_BANKED_GAPS objectives). A stream that joins has
+    # banked nothing: the offer its first step runs under must be its own (80% of 100 ms), not
+    # what the others had banked, or a prefill keeps the CPUs through its first gap.
+    rng = random.Random(1)
+    vocab = lm.config.vocab_size
+    objectives = {"tbt_slo_ms": TBT_SLO_MS, "ttft_slo_ms": 120_000.0}
+    decode = {"cpu_turns": "on", "tbt_pacing": "mean"}
+    with Cluster(lm, prefill={"cpu_turns": "on"}, decode=decode) as c:
+        sched = c.decodes[0].scheduler
+        steps: list[tuple[int, int, float]] = []  # (fresh streams, older ones, offer) per step
+        real_step = sched.runner.step
+
+        def step(batch):
+            fresh = sum(len(s.out) == 1 for s in batch)
+            steps.append((fresh, len(batch) - fresh, sched.offered_slack_ms))
+            return real_step(batch)
+
+        monkeypatch.setattr(sched.runner, "step", step)
+        counts = [0, 0]
+
+        def stream(i: int, tokens: int) -> None:
+            prompt = [rng.randrange(3, vocab) for _ in range(40)]
+            for msg in c.stub.Generate(
+                request(token_ids=prompt, max_tokens=tokens, **objectives), timeout=300
+            ):
+                counts[i] += len(msg.token_ids)
+
+        older = threading.Thread(target=stream, args=(0, 120))
+        older.start()
+        wait_for(lambda: counts[0] >= 40, 120, "the first stream banking ahead")
+        stream(1, 8)  # joins while the first one has banked
+        older.join()
+    joins = [offer for fresh, old, offer in steps if fresh and old]
+    banked = [offer for fresh, old, offer in steps if not fresh and old]
+    assert joins, steps
+    assert max(banked) > 0.8 * TBT_SLO_MS  # the older stream had banked more than a gap's worth
+    assert max(joins) <= 0.8 * TBT_SLO_MS, joins
