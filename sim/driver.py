@@ -222,8 +222,9 @@ class _Sim:
 
     def add_decode(self, iid: str) -> DecodeInstance:
         dec = DecodeInstance(self.loop, iid, self.p, self._done)
-        self.local_corrections[iid] = Correction()
-        dec.on_local_first = self._local_first
+        if self.spec.local_correction:
+            self.local_corrections[iid] = Correction()
+            dec.on_local_first = self._local_first
         # a prefill there keeps to what its streams' TBT objective leaves (DecodeConfig)
         dec.tbt_budget_ms = self.spec.tbt_pace_fraction * paced_slo_ms(
             self.spec.tbt_slo_ms, self.spec.tpot_slo_ms
@@ -273,7 +274,7 @@ class _Sim:
         )
 
     def _local_scale(self, iid: str) -> float:
-        corr = self.local_corrections.get(iid) if self.spec.local_correction else None
+        corr = self.local_corrections.get(iid)  # none kept without spec.local_correction
         return corr.ratio_at(self.loop.now / 1000.0) if corr is not None else 1.0
 
     def _local_first(self, job: Job) -> None:
